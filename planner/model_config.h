@@ -1,0 +1,58 @@
+// File: planner/model_config.h
+// -----------------------------------------------------------------------------
+// The model side of a plan request: variant names (enum and HuggingFace class names), HF
+// BertConfig defaults, and reading a HuggingFace checkpoint directory's config.json.
+//
+// Example:
+//   auto v = ParseVariant("BertForMaskedLM");        // v1::BERT_FOR_MASKED_LM
+//   auto c = ParseHfConfigJson(R"({"hidden_size": 128, "architectures": ["BertModel"]})");
+//   // c->config.hidden_size() == 128, c->variant == v1::BERT_MODEL
+//
+// Thread safety: thread-safe (no shared state).
+#ifndef BERTSHARD_PLANNER_MODEL_CONFIG_H_
+#define BERTSHARD_PLANNER_MODEL_CONFIG_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "bertshard/v1/plan.pb.h"
+
+namespace bertshard::planner {
+
+// The HuggingFace class name of a variant ("BertForMaskedLM"); "" for UNSPECIFIED/unknown.
+absl::string_view HfClassName(v1::ModelVariant variant);
+
+// Accepts the enum name ("BERT_FOR_MASKED_LM") or the HF class name ("BertForMaskedLM").
+// INVALID_ARGUMENT lists the valid names.
+absl::StatusOr<v1::ModelVariant> ParseVariant(absl::string_view name);
+
+// Comma-separated HF class names of all nine variants, for error messages.
+std::string ValidVariantNames();
+
+// HF's defaults for every field `config` leaves unset; set fields are kept as they are.
+v1::BertConfig WithHfDefaults(const v1::BertConfig& config);
+
+struct HfConfig {
+  v1::BertConfig config;
+  // From architectures[0]; UNSPECIFIED when absent.
+  v1::ModelVariant variant = v1::MODEL_VARIANT_UNSPECIFIED;
+};
+
+// Parses the text of a HuggingFace config.json. Fields bertshard does not use are ignored;
+// num_labels also comes from the size of id2label. INVALID_ARGUMENT names a field of the wrong
+// type, a non-integer size, or an architecture that is not one of the nine BERT classes.
+absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json);
+
+// Reads `<directory>/config.json`. NOT_FOUND when it does not exist; INVALID_ARGUMENT when it is
+// not a valid config.
+absl::StatusOr<HfConfig> ReadCheckpointConfig(const std::string& directory);
+
+// Fills the request's unset config fields and unset variant from its checkpoint's config.json
+// (explicit request fields win). No-op without a checkpoint.
+absl::Status ResolveCheckpoint(v1::PlanRequest* request);
+
+}  // namespace bertshard::planner
+
+#endif  // BERTSHARD_PLANNER_MODEL_CONFIG_H_
