@@ -1,0 +1,67 @@
+// File: server/coordinator_server.h
+// -----------------------------------------------------------------------------
+// The coordinator's gRPC server: the Coordinator service (a thin layer over the planner), the
+// standard grpc.health.v1 health service and server reflection, so that grpcurl-style clients
+// can list and describe everything.
+//
+// Example:
+//   auto server = CoordinatorServer::Start({.listen_address = "127.0.0.1:0"});
+//   if (!server.ok()) return server.status();
+//   int port = (*server)->port();          // the bound port (useful with port 0)
+//   ...
+//   (*server)->Shutdown(absl::Seconds(10));  // NOT_SERVING, then drain in-flight calls
+//
+// Thread safety: thread-safe. Shutdown may be called from any thread, more than once.
+#ifndef BERTSHARD_SERVER_COORDINATOR_SERVER_H_
+#define BERTSHARD_SERVER_COORDINATOR_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/server.h"
+
+namespace bertshard::server {
+
+struct CoordinatorOptions {
+  // host:port; port 0 picks a free port.
+  std::string listen_address = "0.0.0.0:50051";
+  // Largest request or response message accepted; plans of big models are a few MiB.
+  int max_message_bytes = 64 << 20;
+};
+
+class CoordinatorServer {
+ public:
+  // Builds and starts the server. UNAVAILABLE if the address cannot be bound;
+  // INVALID_ARGUMENT if it is malformed.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorOptions& options);
+
+  ~CoordinatorServer();
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  int port() const { return port_; }
+
+  // Marks the health service NOT_SERVING (load balancers stop sending), then stops accepting
+  // calls and waits up to `drain` for in-flight calls before cancelling them.
+  void Shutdown(absl::Duration drain);
+
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  class Service;
+  CoordinatorServer(std::unique_ptr<Service> service, std::unique_ptr<grpc::Server> server, int port);
+
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  const int port_;
+  absl::Mutex mu_;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_COORDINATOR_SERVER_H_

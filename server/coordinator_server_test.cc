@@ -1,0 +1,128 @@
+#include "server/coordinator_server.h"
+
+#include <set>
+#include <string>
+
+#include "bertshard/v1/coordinator.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace bertshard::server {
+namespace {
+
+class CoordinatorServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto server = CoordinatorServer::Start({.listen_address = "127.0.0.1:0"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    ASSERT_GT(server_->port(), 0);
+    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                   grpc::InsecureChannelCredentials());
+  }
+
+  static void SetDeadline(grpc::ClientContext* context) {
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  }
+
+  std::unique_ptr<CoordinatorServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+TEST_F(CoordinatorServerTest, PlanReturnsThePlan) {
+  auto stub = v1::Coordinator::NewStub(channel_);
+  v1::PlanRequest request;
+  request.set_variant(v1::BERT_FOR_MASKED_LM);
+  request.mutable_parallel()->set_tp_size(2);
+  request.mutable_parallel()->set_pp_size(2);
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ShardPlan plan;
+  grpc::Status status = stub->Plan(&context, request, &plan);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(plan.ranks_size(), 4);
+  EXPECT_EQ(plan.layers_per_stage_size(), 2);
+  EXPECT_EQ(plan.stages(1).held_modules(plan.stages(1).held_modules_size() - 1), "cls");
+}
+
+TEST_F(CoordinatorServerTest, InvalidRequestIsInvalidArgumentWithValidSizes) {
+  auto stub = v1::Coordinator::NewStub(channel_);
+  v1::PlanRequest request;
+  request.set_variant(v1::BERT_MODEL);
+  request.mutable_parallel()->set_tp_size(5);
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  v1::ShardPlan plan;
+  grpc::Status status = stub->Plan(&context, request, &plan);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "tp_size 5 does not divide num_attention_heads 12; valid tp_size values: 1, 2, 3, 4, 6, 12");
+}
+
+TEST_F(CoordinatorServerTest, HealthServesThenStopsServingOnShutdown) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::health::v1::HealthCheckRequest request;
+  grpc::health::v1::HealthCheckResponse response;
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    ASSERT_TRUE(health->Check(&context, request, &response).ok());
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  }
+  server_->Shutdown(absl::Seconds(1));
+  server_->Wait();
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  EXPECT_FALSE(health->Check(&context, request, &response).ok());
+}
+
+// Asks the reflection service one question on a fresh stream.
+grpc::reflection::v1alpha::ServerReflectionResponse Reflect(
+    grpc::Channel* channel, const grpc::reflection::v1alpha::ServerReflectionRequest& request) {
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(
+      std::shared_ptr<grpc::Channel>(channel, [](grpc::Channel*) {}));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto stream = stub->ServerReflectionInfo(&context);
+  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  EXPECT_TRUE(stream->Write(request));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Read(&response));
+  EXPECT_TRUE(stream->Finish().ok());
+  return response;
+}
+
+TEST_F(CoordinatorServerTest, ReflectionListsAndDescribesServices) {
+  grpc::reflection::v1alpha::ServerReflectionRequest list;
+  list.set_list_services("");
+  auto listed = Reflect(channel_.get(), list);
+  std::set<std::string> names;
+  for (const auto& s : listed.list_services_response().service()) names.insert(s.name());
+  EXPECT_TRUE(names.count("bertshard.v1.Coordinator"));
+  EXPECT_TRUE(names.count("grpc.health.v1.Health"));
+  EXPECT_TRUE(names.count("grpc.reflection.v1alpha.ServerReflection"));
+
+  for (const char* symbol : {"bertshard.v1.Coordinator", "grpc.health.v1.Health"}) {
+    SCOPED_TRACE(symbol);
+    grpc::reflection::v1alpha::ServerReflectionRequest describe;
+    describe.set_file_containing_symbol(symbol);
+    auto described = Reflect(channel_.get(), describe);
+    EXPECT_FALSE(described.has_error_response()) << described.error_response().error_message();
+    EXPECT_GT(described.file_descriptor_response().file_descriptor_proto_size(), 0);
+  }
+}
+
+TEST(CoordinatorServerStart, RejectsMalformedAndBusyAddresses) {
+  EXPECT_EQ(CoordinatorServer::Start({.listen_address = "no-port"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto first = CoordinatorServer::Start({.listen_address = "127.0.0.1:0"});
+  ASSERT_TRUE(first.ok());
+  auto second = CoordinatorServer::Start(
+      {.listen_address = "127.0.0.1:" + std::to_string((*first)->port())});
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace bertshard::server
