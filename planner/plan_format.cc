@@ -178,7 +178,9 @@ std::string FormatPlanDot(const v1::ShardPlan& plan) {
     absl::StrAppend(&out, "  subgraph cluster_stage", s.stage(), " {\n    label=\"stage ", s.stage(),
                     " layers ", Ranges(s), s.is_first() ? " (first)" : "", s.is_last() ? " (last)" : "",
                     "\";\n");
-    const std::string modules = DotEscape(absl::StrJoin(CompressModules(s), "\\n"));
+    std::vector<std::string> lines = CompressModules(s);
+    for (std::string& line : lines) line = DotEscape(line);
+    const std::string modules = absl::StrJoin(lines, "\\n");
     for (const v1::RankShard& r : plan.ranks()) {
       if (r.stage() != s.stage()) continue;
       absl::StrAppend(&out, "    rank", r.rank(), " [label=\"rank ", r.rank(), " (tp ", r.tp_rank(),

@@ -1,0 +1,339 @@
+#include "client/plan_command.h"
+
+#include <unistd.h>
+
+#include <cctype>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <functional>
+#include <memory>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "bertshard/v1/coordinator.grpc.pb.h"
+#include "common/grpc_status.h"
+#include "common/proto_json.h"
+#include "common/status_macros.h"
+#include "google/protobuf/struct.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "planner/model_config.h"
+#include "planner/plan_format.h"
+#include "planner/planner.h"
+
+namespace bertshard::client {
+namespace {
+
+using PlanFn = std::function<absl::StatusOr<v1::ShardPlan>(const v1::PlanRequest&)>;
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, " file ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<v1::PipelineStyle> ParsePipelineStyle(absl::string_view text) {
+  const std::string s = absl::AsciiStrToLower(text);
+  if (s == "1f1b" || s == "one_f_one_b") return v1::ONE_F_ONE_B;
+  if (s == "interleaved") return v1::INTERLEAVED;
+  if (s == "zbv") return v1::ZBV;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown pipeline style '", text, "'; valid: 1f1b, interleaved, zbv"));
+}
+
+absl::StatusOr<v1::SequenceParallelMode> ParseSpMode(absl::string_view text) {
+  const std::string s = absl::AsciiStrToLower(text);
+  if (s == "none" || s == "sp_none" || s.empty()) return v1::SP_NONE;
+  if (s == "split_gather") return v1::SPLIT_GATHER;
+  if (s == "ring") return v1::RING;
+  if (s == "all_to_all") return v1::ALL_TO_ALL;
+  if (s == "ring_attn") return v1::RING_ATTN;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown sequence parallel mode '", text, "'; valid: none, split_gather, ring (all_to_all "
+      "and ring_attn are refused for BERT)"));
+}
+
+absl::StatusOr<int64_t> ParseInt(const std::string& flag, const std::string& text) {
+  int64_t value = 0;
+  if (!absl::SimpleAtoi(text, &value)) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " needs an integer, got '", text, "'"));
+  }
+  return value;
+}
+
+// Rewrites the friendly spellings of enum fields to their enum names, in a parsed JSON object.
+absl::Status NormaliseEnumAliases(google::protobuf::Struct* root) {
+  auto& fields = *root->mutable_fields();
+  if (auto it = fields.find("variant"); it != fields.end() && it->second.has_string_value()) {
+    ASSIGN_OR_RETURN(v1::ModelVariant v, planner::ParseVariant(it->second.string_value()));
+    it->second.set_string_value(v1::ModelVariant_Name(v));
+  }
+  if (auto it = fields.find("parallel"); it != fields.end() && it->second.has_struct_value()) {
+    auto& parallel = *it->second.mutable_struct_value()->mutable_fields();
+    if (auto s = parallel.find("pp_style"); s != parallel.end() && s->second.has_string_value()) {
+      v1::PipelineStyle style;
+      if (!v1::PipelineStyle_Parse(s->second.string_value(), &style)) {
+        ASSIGN_OR_RETURN(style, ParsePipelineStyle(s->second.string_value()));
+      }
+      s->second.set_string_value(v1::PipelineStyle_Name(style));
+    }
+    if (auto s = parallel.find("sp_mode"); s != parallel.end() && s->second.has_string_value()) {
+      v1::SequenceParallelMode mode;
+      if (!v1::SequenceParallelMode_Parse(s->second.string_value(), &mode)) {
+        ASSIGN_OR_RETURN(mode, ParseSpMode(s->second.string_value()));
+      }
+      s->second.set_string_value(v1::SequenceParallelMode_Name(mode));
+    }
+  }
+  return absl::OkStatus();
+}
+
+PlanFn LocalPlanner() { return [](const v1::PlanRequest& r) { return planner::Plan(r); }; }
+
+PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeout) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<v1::Coordinator::Stub> stub = v1::Coordinator::NewStub(channel);
+  return [stub, address, timeout](const v1::PlanRequest& r) -> absl::StatusOr<v1::ShardPlan> {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + timeout);
+    v1::ShardPlan plan;
+    grpc::Status status = stub->Plan(&context, r, &plan);
+    if (!status.ok()) {
+      absl::Status s = common::FromGrpcStatus(status);
+      if (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded) {
+        return absl::Status(s.code(), absl::StrCat("coordinator at ", address, ": ", s.message()));
+      }
+      return s;
+    }
+    return plan;
+  };
+}
+
+int ExitCodeFor(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
+}
+
+void PrintError(std::FILE* err, const absl::Status& status) {
+  std::fprintf(err, "shardctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
+               std::string(status.message()).c_str());
+}
+
+// One request per line; one output line per request, in order. Errors are data here, so the
+// command succeeds as long as it could read the file.
+int RunBatch(const std::string& path, const PlanFn& plan_fn, std::FILE* out, std::FILE* err) {
+  std::ifstream file;
+  std::istream* in = &std::cin;
+  if (path != "-") {
+    file.open(path, std::ios::binary);
+    if (!file) {
+      PrintError(err, absl::InvalidArgumentError(absl::StrCat("cannot read batch file ", path)));
+      return kExitInvalidInput;
+    }
+    in = &file;
+  }
+  std::string line, buffer;
+  int64_t line_number = 0;
+  while (std::getline(*in, line)) {
+    ++line_number;
+    if (absl::StripAsciiWhitespace(line).empty()) continue;
+    absl::StatusOr<v1::PlanRequest> request = ParsePlanRequestJson(line);
+    absl::StatusOr<v1::ShardPlan> plan =
+        request.ok() ? plan_fn(*request) : absl::StatusOr<v1::ShardPlan>(request.status());
+    if (plan.ok()) {
+      common::AppendProtoJson(*plan, {.indent = 0}, &buffer);
+    } else {
+      buffer.append(planner::FormatErrorJson(plan.status()));
+    }
+    buffer.push_back('\n');
+    if (buffer.size() > (1 << 20)) {
+      std::fwrite(buffer.data(), 1, buffer.size(), out);
+      buffer.clear();
+    }
+  }
+  std::fwrite(buffer.data(), 1, buffer.size(), out);
+  std::fflush(out);
+  return kExitOk;
+}
+
+}  // namespace
+
+const std::set<std::string>& PlanValueFlags() {
+  static const auto* flags = new std::set<std::string>{
+      "request", "variant", "config", "checkpoint", "tp", "pp", "pp-style", "chunks",
+      "layers-per-stage", "sp-mode", "vocab-multiple", "server", "output", "batch", "timeout"};
+  return *flags;
+}
+
+const std::set<std::string>& PlanSwitchFlags() {
+  static const auto* flags = new std::set<std::string>{"local", "fused-norm", "jit-fused",
+                                                        "all-optimization", "fp8", "help"};
+  return *flags;
+}
+
+absl::StatusOr<v1::PlanRequest> ParsePlanRequestJson(absl::string_view json) {
+  v1::PlanRequest request;
+  // Fast path: the contract's own spelling.
+  if (common::JsonToProto(json, &request).ok()) return request;
+  google::protobuf::Struct root;
+  if (absl::Status s = common::JsonToProto(json, &root); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("request is not a JSON object: ", s.message()));
+  }
+  RETURN_IF_ERROR(NormaliseEnumAliases(&root));
+  RETURN_IF_ERROR(common::JsonToProto(common::ProtoToJson(root, {.indent = 0}), &request));
+  return request;
+}
+
+absl::Status ApplyPlanFlags(const CommandLine& cl, v1::PlanRequest* request) {
+  const auto& v = cl.values;
+  v1::ParallelConfig* p = request->mutable_parallel();
+  if (auto it = v.find("checkpoint"); it != v.end()) {
+    std::string dir = it->second;
+    if (!dir.empty() && dir[0] != '/') {
+      // The coordinator may run elsewhere: send it a path that does not depend on our cwd.
+      char cwd[4096];
+      if (getcwd(cwd, sizeof(cwd)) != nullptr) dir = absl::StrCat(cwd, "/", dir);
+    }
+    request->set_checkpoint(dir);
+  }
+  if (auto it = v.find("config"); it != v.end()) {
+    std::string text = it->second;
+    if (absl::StripLeadingAsciiWhitespace(text).substr(0, 1) != "{") {
+      ASSIGN_OR_RETURN(text, ReadFile(it->second, "--config"));
+    }
+    auto hf = planner::ParseHfConfigJson(text);
+    if (!hf.ok()) return absl::InvalidArgumentError(absl::StrCat("--config: ", hf.status().message()));
+    request->mutable_config()->MergeFrom(hf->config);
+    if (request->variant() == v1::MODEL_VARIANT_UNSPECIFIED) request->set_variant(hf->variant);
+  }
+  if (auto it = v.find("variant"); it != v.end()) {
+    ASSIGN_OR_RETURN(v1::ModelVariant variant, planner::ParseVariant(it->second));
+    request->set_variant(variant);
+  }
+  if (auto it = v.find("tp"); it != v.end()) {
+    ASSIGN_OR_RETURN(int64_t n, ParseInt("tp", it->second));
+    p->set_tp_size(n);
+  }
+  if (auto it = v.find("pp"); it != v.end()) {
+    ASSIGN_OR_RETURN(int64_t n, ParseInt("pp", it->second));
+    p->set_pp_size(n);
+  }
+  if (auto it = v.find("pp-style"); it != v.end()) {
+    ASSIGN_OR_RETURN(v1::PipelineStyle style, ParsePipelineStyle(it->second));
+    p->set_pp_style(style);
+  }
+  if (auto it = v.find("chunks"); it != v.end()) {
+    ASSIGN_OR_RETURN(int64_t n, ParseInt("chunks", it->second));
+    p->set_num_model_chunks(n);
+  }
+  if (auto it = v.find("layers-per-stage"); it != v.end()) {
+    p->clear_num_layers_per_stage();
+    for (absl::string_view part : absl::StrSplit(it->second, ',')) {
+      ASSIGN_OR_RETURN(int64_t n, ParseInt("layers-per-stage", std::string(absl::StripAsciiWhitespace(part))));
+      p->add_num_layers_per_stage(n);
+    }
+  }
+  if (auto it = v.find("sp-mode"); it != v.end()) {
+    ASSIGN_OR_RETURN(v1::SequenceParallelMode mode, ParseSpMode(it->second));
+    p->set_sp_mode(mode);
+  }
+  if (auto it = v.find("vocab-multiple"); it != v.end()) {
+    ASSIGN_OR_RETURN(int64_t n, ParseInt("vocab-multiple", it->second));
+    p->set_make_vocab_size_divisible_by(n);
+  }
+  if (cl.switches.count("fused-norm")) p->set_enable_fused_normalization(true);
+  if (cl.switches.count("jit-fused")) p->set_enable_jit_fused(true);
+  if (cl.switches.count("all-optimization")) p->set_enable_all_optimization(true);
+  if (cl.switches.count("fp8")) p->set_fp8_communication(true);
+  return absl::OkStatus();
+}
+
+int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
+  const auto& v = cl.values;
+  const std::string output = v.count("output") ? v.at("output") : "table";
+  if (output != "table" && output != "json" && output != "dot") {
+    PrintError(err, absl::InvalidArgumentError(
+                        absl::StrCat("--output '", output, "' is not one of table, json, dot")));
+    return kExitInvalidInput;
+  }
+  if (cl.switches.count("local") && v.count("server")) {
+    PrintError(err, absl::InvalidArgumentError("give either --local or --server, not both"));
+    return kExitInvalidInput;
+  }
+  int64_t timeout_s = 30;
+  if (auto it = v.find("timeout"); it != v.end()) {
+    if (!absl::SimpleAtoi(it->second, &timeout_s) || timeout_s <= 0) {
+      PrintError(err, absl::InvalidArgumentError("--timeout needs a positive number of seconds"));
+      return kExitInvalidInput;
+    }
+  }
+  const PlanFn plan_fn = v.count("server")
+                             ? RemotePlanner(v.at("server"), std::chrono::seconds(timeout_s))
+                             : LocalPlanner();
+  if (auto it = v.find("batch"); it != v.end()) {
+    if (output != "json") {
+      PrintError(err, absl::InvalidArgumentError("--batch writes JSON lines: use it with --output json"));
+      return kExitInvalidInput;
+    }
+    for (const char* flag : {"request", "variant", "config", "checkpoint", "tp", "pp", "pp-style",
+                             "chunks", "layers-per-stage", "sp-mode", "vocab-multiple"}) {
+      if (v.count(flag)) {
+        PrintError(err, absl::InvalidArgumentError(absl::StrCat(
+                            "--batch takes each request from its file; --", flag, " cannot be combined with it")));
+        return kExitInvalidInput;
+      }
+    }
+    return RunBatch(it->second, plan_fn, out, err);
+  }
+
+  v1::PlanRequest request;
+  std::string request_path = v.count("request") ? v.at("request") : "";
+  if (cl.positional.size() > 2) {
+    PrintError(err, absl::InvalidArgumentError("plan takes at most one request file"));
+    return kExitInvalidInput;
+  }
+  if (cl.positional.size() == 2) {
+    if (!request_path.empty()) {
+      PrintError(err, absl::InvalidArgumentError("give the request file once (positional or --request)"));
+      return kExitInvalidInput;
+    }
+    request_path = cl.positional[1];
+  }
+  if (!request_path.empty()) {
+    absl::StatusOr<std::string> text = ReadFile(request_path, "request");
+    absl::StatusOr<v1::PlanRequest> parsed =
+        text.ok() ? ParsePlanRequestJson(*text) : absl::StatusOr<v1::PlanRequest>(text.status());
+    if (!parsed.ok()) {
+      PrintError(err, absl::InvalidArgumentError(absl::StrCat(request_path, ": ", parsed.status().message())));
+      return kExitInvalidInput;
+    }
+    request = *std::move(parsed);
+  }
+  if (absl::Status s = ApplyPlanFlags(cl, &request); !s.ok()) {
+    PrintError(err, s);
+    return kExitInvalidInput;
+  }
+  absl::StatusOr<v1::ShardPlan> plan = plan_fn(request);
+  if (!plan.ok()) {
+    PrintError(err, plan.status());
+    return ExitCodeFor(plan.status());
+  }
+  std::string text;
+  if (output == "json") {
+    text = common::ProtoToJson(*plan) + "\n";
+  } else if (output == "dot") {
+    text = planner::FormatPlanDot(*plan);
+  } else {
+    text = planner::FormatPlanTable(*plan);
+  }
+  std::fwrite(text.data(), 1, text.size(), out);
+  return std::fflush(out) == 0 ? kExitOk : kExitFailure;
+}
+
+}  // namespace bertshard::client

@@ -1,0 +1,44 @@
+// File: client/plan_command.h
+// -----------------------------------------------------------------------------
+// `shardctl plan`: builds a PlanRequest from a JSON file and/or flags, plans it in-process or on a
+// coordinator, and prints a table, the contract JSON or a Graphviz diagram; `--batch` plans one
+// JSON request per line.
+//
+// Thread safety: thread-compatible (writes to the FILE*s it is given).
+#ifndef BERTSHARD_CLIENT_PLAN_COMMAND_H_
+#define BERTSHARD_CLIENT_PLAN_COMMAND_H_
+
+#include <cstdio>
+#include <set>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "bertshard/v1/plan.pb.h"
+#include "client/command_line.h"
+
+namespace bertshard::client {
+
+// Exit statuses of shardctl.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;     // the coordinator could not be reached, I/O errors
+inline constexpr int kExitInvalidInput = 2;  // invalid request or command line
+
+// Flags `shardctl plan` takes.
+const std::set<std::string>& PlanValueFlags();
+const std::set<std::string>& PlanSwitchFlags();
+
+// Parses a PlanRequest in the contract's JSON. Besides the enum names it accepts the HF class
+// name for `variant` (BertForMaskedLM) and lower-case pp_style / sp_mode ("zbv",
+// "split_gather"). INVALID_ARGUMENT says what could not be read.
+absl::StatusOr<v1::PlanRequest> ParsePlanRequestJson(absl::string_view json);
+
+// Applies the command-line flags on top of `request` (flags win).
+absl::Status ApplyPlanFlags(const CommandLine& command_line, v1::PlanRequest* request);
+
+// Runs `shardctl plan` with parsed arguments (positional[0] is "plan"); returns the exit status.
+int RunPlanCommand(const CommandLine& command_line, std::FILE* out, std::FILE* err);
+
+}  // namespace bertshard::client
+
+#endif  // BERTSHARD_CLIENT_PLAN_COMMAND_H_

@@ -1,0 +1,74 @@
+// shardctl: the bertshard command line.
+//
+//   shardctl plan [REQUEST.json] [--variant V --tp N --pp N --pp-style S --chunks N
+//                 --sp-mode M --config FILE|JSON --checkpoint DIR ...]
+//                 [--local | --server HOST:PORT] [--output table|json|dot] [--batch FILE.jsonl]
+//
+// Exit status: 0 ok, 1 the coordinator could not be reached or output failed, 2 invalid input.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "client/command_line.h"
+#include "client/plan_command.h"
+
+namespace {
+
+constexpr char kUsage[] = R"(usage: shardctl plan [REQUEST.json] [flags]
+
+Plans how a BERT model is sharded over tensor- and pipeline-parallel ranks.
+
+Request (a JSON file in the plan contract's format, and/or flags; flags win):
+  --request FILE            PlanRequest JSON (same as the positional REQUEST.json)
+  --variant NAME            BertModel, BertForPreTraining, BertLMHeadModel, BertForMaskedLM,
+                            BertForNextSentencePrediction, BertForSequenceClassification,
+                            BertForTokenClassification, BertForMultipleChoice,
+                            BertForQuestionAnswering (or BERT_FOR_MASKED_LM style names)
+  --config FILE|JSON        HuggingFace config.json fields (a file, or inline JSON)
+  --checkpoint DIR          HuggingFace model directory; its config.json fills config and variant
+  --tp N                    tensor parallel size (1: off)
+  --pp N                    pipeline stages (1: no pipeline)
+  --pp-style S              1f1b (default), interleaved, zbv
+  --chunks N                model chunks per stage (interleaved: > 1; zbv: 2)
+  --layers-per-stage A,B,.. explicit layer count per pipeline slot (stages x chunks)
+  --sp-mode M               none, split_gather, ring (all_to_all, ring_attn are refused)
+  --vocab-multiple N        make_vocab_size_divisible_by (default 64)
+  --fused-norm --jit-fused --all-optimization --fp8
+
+Where and how:
+  --local                   plan in this process (the default without --server)
+  --server HOST:PORT        ask a bertshard coordinator
+  --timeout SECONDS         deadline of each call to the coordinator (default 30)
+  --output table|json|dot   readable summary (default), contract JSON, Graphviz diagram
+  --batch FILE.jsonl        with --output json: one request per line ('-' for stdin), one JSON
+                            line per request: the plan or {"error": {"code", "message"}}
+
+Exit status: 0 ok, 1 coordinator unreachable or output error, 2 invalid request or usage.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+    std::fputs(kUsage, args.empty() ? stderr : stdout);
+    return args.empty() ? bertshard::client::kExitInvalidInput : bertshard::client::kExitOk;
+  }
+  if (args[0] != "plan") {
+    std::fprintf(stderr, "shardctl: unknown command '%s'; commands: plan (see shardctl --help)\n",
+                 args[0].c_str());
+    return bertshard::client::kExitInvalidInput;
+  }
+  auto command_line = bertshard::client::ParseCommandLine(
+      args, bertshard::client::PlanValueFlags(), bertshard::client::PlanSwitchFlags());
+  if (!command_line.ok()) {
+    std::fprintf(stderr, "shardctl: %s (see shardctl --help)\n",
+                 std::string(command_line.status().message()).c_str());
+    return bertshard::client::kExitInvalidInput;
+  }
+  if (command_line->switches.count("help")) {
+    std::fputs(kUsage, stdout);
+    return bertshard::client::kExitOk;
+  }
+  return bertshard::client::RunPlanCommand(*command_line, stdout, stderr);
+}
