@@ -18,6 +18,7 @@
 #include "common/grpc_status.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
+#include "google/protobuf/arena.h"
 #include "google/protobuf/struct.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "planner/model_config.h"
@@ -27,7 +28,8 @@
 namespace bertshard::client {
 namespace {
 
-using PlanFn = std::function<absl::StatusOr<v1::ShardPlan>(const v1::PlanRequest&)>;
+// Plans a request into `*plan` (which may live on an arena).
+using PlanFn = std::function<absl::Status(const v1::PlanRequest&, v1::ShardPlan* plan)>;
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
   std::ifstream in(path, std::ios::binary);
@@ -93,18 +95,19 @@ absl::Status NormaliseEnumAliases(google::protobuf::Struct* root) {
   return absl::OkStatus();
 }
 
-PlanFn LocalPlanner() { return [](const v1::PlanRequest& r) { return planner::Plan(r); }; }
+PlanFn LocalPlanner() {
+  return [](const v1::PlanRequest& r, v1::ShardPlan* plan) { return planner::PlanInto(r, plan); };
+}
 
 PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeout) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
   auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   std::shared_ptr<v1::Coordinator::Stub> stub = v1::Coordinator::NewStub(channel);
-  return [stub, address, timeout](const v1::PlanRequest& r) -> absl::StatusOr<v1::ShardPlan> {
+  return [stub, address, timeout](const v1::PlanRequest& r, v1::ShardPlan* plan) -> absl::Status {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + timeout);
-    v1::ShardPlan plan;
-    grpc::Status status = stub->Plan(&context, r, &plan);
+    grpc::Status status = stub->Plan(&context, r, plan);
     if (!status.ok()) {
       absl::Status s = common::FromGrpcStatus(status);
       if (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded) {
@@ -112,7 +115,7 @@ PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeo
       }
       return s;
     }
-    return plan;
+    return absl::OkStatus();
   };
 }
 
@@ -143,13 +146,14 @@ int RunBatch(const std::string& path, const PlanFn& plan_fn, std::FILE* out, std
   while (std::getline(*in, line)) {
     ++line_number;
     if (absl::StripAsciiWhitespace(line).empty()) continue;
+    google::protobuf::Arena arena;  // a plan is ~1-2k small messages: allocate them together
+    auto* plan = google::protobuf::Arena::CreateMessage<v1::ShardPlan>(&arena);
     absl::StatusOr<v1::PlanRequest> request = ParsePlanRequestJson(line);
-    absl::StatusOr<v1::ShardPlan> plan =
-        request.ok() ? plan_fn(*request) : absl::StatusOr<v1::ShardPlan>(request.status());
-    if (plan.ok()) {
-      common::AppendProtoJson(*plan, {.indent = 0}, &buffer);
+    const absl::Status status = request.ok() ? plan_fn(*request, plan) : request.status();
+    if (status.ok()) {
+      planner::AppendPlanJson(*plan, 0, &buffer);
     } else {
-      buffer.append(planner::FormatErrorJson(plan.status()));
+      buffer.append(planner::FormatErrorJson(status));
     }
     buffer.push_back('\n');
     if (buffer.size() > (1 << 20)) {
@@ -319,14 +323,15 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
     PrintError(err, s);
     return kExitInvalidInput;
   }
-  absl::StatusOr<v1::ShardPlan> plan = plan_fn(request);
-  if (!plan.ok()) {
-    PrintError(err, plan.status());
-    return ExitCodeFor(plan.status());
+  auto plan = std::make_unique<v1::ShardPlan>();
+  if (absl::Status status = plan_fn(request, plan.get()); !status.ok()) {
+    PrintError(err, status);
+    return ExitCodeFor(status);
   }
   std::string text;
   if (output == "json") {
-    text = common::ProtoToJson(*plan) + "\n";
+    planner::AppendPlanJson(*plan, 2, &text);
+    text.push_back('\n');
   } else if (output == "dot") {
     text = planner::FormatPlanDot(*plan);
   } else {

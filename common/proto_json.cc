@@ -21,9 +21,11 @@ using google::protobuf::Reflection;
 
 class Writer {
  public:
-  Writer(const JsonWriteOptions& options, std::string* out) : indent_(options.indent), out_(out) {}
+  Writer(const JsonWriteOptions& options, std::string* out)
+      : indent_(options.indent), message_writer_(options.message_writer), out_(out) {}
 
   void WriteMessage(const Message& message, int depth) {
+    if (message_writer_ && message_writer_(message, out_)) return;
     const Descriptor* descriptor = message.GetDescriptor();
     const std::string& full_name = descriptor->full_name();
     if (full_name == "google.protobuf.Struct") {
@@ -190,6 +192,7 @@ class Writer {
   }
 
   const int indent_;
+  const std::function<bool(const google::protobuf::Message&, std::string*)>& message_writer_;
   std::string* const out_;
 };
 
@@ -198,7 +201,12 @@ class Writer {
 void AppendJsonString(absl::string_view text, std::string* out) {
   static constexpr char kHex[] = "0123456789abcdef";
   out->push_back('"');
-  for (unsigned char c : text) {
+  size_t plain_start = 0;  // copy runs that need no escaping in one append
+  for (size_t i = 0; i < text.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c != '"' && c != '\\') continue;
+    out->append(text.data() + plain_start, i - plain_start);
+    plain_start = i + 1;
     switch (c) {
       case '"': out->append("\\\""); break;
       case '\\': out->append("\\\\"); break;
@@ -206,15 +214,12 @@ void AppendJsonString(absl::string_view text, std::string* out) {
       case '\r': out->append("\\r"); break;
       case '\t': out->append("\\t"); break;
       default:
-        if (c < 0x20) {
-          out->append("\\u00");
-          out->push_back(kHex[c >> 4]);
-          out->push_back(kHex[c & 0xf]);
-        } else {
-          out->push_back(static_cast<char>(c));
-        }
+        out->append("\\u00");
+        out->push_back(kHex[c >> 4]);
+        out->push_back(kHex[c & 0xf]);
     }
   }
+  out->append(text.data() + plain_start, text.size() - plain_start);
   out->push_back('"');
 }
 

@@ -19,6 +19,7 @@
 #ifndef BERTSHARD_COMMON_PROTO_JSON_H_
 #define BERTSHARD_COMMON_PROTO_JSON_H_
 
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -30,6 +31,10 @@ namespace bertshard::common {
 struct JsonWriteOptions {
   // Spaces per nesting level; 0 writes one line with no spaces.
   int indent = 2;
+  // Optional fast path for hot message types: called for every message before the generic
+  // reflection-based writer; returns true if it appended the message's JSON itself (which must be
+  // exactly what the generic writer would produce with these options).
+  std::function<bool(const google::protobuf::Message&, std::string*)> message_writer;
 };
 
 // Appends the JSON of `message` to `*out`.

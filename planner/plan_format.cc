@@ -214,6 +214,76 @@ std::string FormatPlanDot(const v1::ShardPlan& plan) {
   return out;
 }
 
+namespace {
+
+void AppendIntArray(absl::string_view key, const google::protobuf::RepeatedField<int64_t>& values,
+                    bool* first, std::string* out) {
+  if (values.empty()) return;
+  if (!*first) out->push_back(',');
+  *first = false;
+  absl::StrAppend(out, "\"", key, "\":[");
+  for (int i = 0; i < values.size(); ++i) {
+    if (i > 0) out->push_back(',');
+    absl::StrAppend(out, values[i]);
+  }
+  out->push_back(']');
+}
+
+template <typename T>
+void AppendIntField(absl::string_view key, T value, bool* first, std::string* out) {
+  if (value == 0) return;
+  if (!*first) out->push_back(',');
+  *first = false;
+  absl::StrAppend(out, "\"", key, "\":", value);
+}
+
+// Compact JSON of one TensorShard, field by field as the generic writer orders and omits them.
+void AppendTensorJson(const v1::TensorShard& t, std::string* out) {
+  out->push_back('{');
+  bool first = true;
+  if (!t.name().empty()) {
+    out->append("\"name\":");
+    common::AppendJsonString(t.name(), out);
+    first = false;
+  }
+  AppendIntArray("global_shape", t.global_shape(), &first, out);
+  AppendIntArray("local_shape", t.local_shape(), &first, out);
+  AppendIntField("split_dim", t.split_dim(), &first, out);
+  AppendIntField("start", t.start(), &first, out);
+  AppendIntField("end", t.end(), &first, out);
+  AppendIntField("padding", t.padding(), &first, out);
+  AppendIntField("bytes", t.bytes(), &first, out);
+  if (!t.aliases().empty()) {
+    if (!first) out->push_back(',');
+    out->append("\"aliases\":[");
+    for (int i = 0; i < t.aliases_size(); ++i) {
+      if (i > 0) out->push_back(',');
+      common::AppendJsonString(t.aliases(i), out);
+    }
+    out->push_back(']');
+  }
+  out->push_back('}');
+}
+
+}  // namespace
+
+void AppendPlanJson(const v1::ShardPlan& plan, int indent, std::string* out) {
+  // Growing a string of a few hundred KiB step by step costs more than writing it.
+  size_t tensors = 0;
+  for (const auto& rank : plan.ranks()) tensors += static_cast<size_t>(rank.tensors_size());
+  out->reserve(out->size() + 4096 + tensors * (indent == 0 ? 160 : 400));
+  common::JsonWriteOptions options;
+  options.indent = indent;
+  if (indent == 0) {
+    options.message_writer = [](const google::protobuf::Message& m, std::string* o) {
+      if (m.GetDescriptor() != v1::TensorShard::descriptor()) return false;
+      AppendTensorJson(static_cast<const v1::TensorShard&>(m), o);
+      return true;
+    };
+  }
+  common::AppendProtoJson(plan, options, out);
+}
+
 std::string FormatErrorJson(const absl::Status& status) {
   std::string out = "{\"error\":{\"code\":";
   common::AppendJsonString(absl::StatusCodeToString(status.code()), &out);

@@ -26,6 +26,10 @@ std::string FormatPlanTable(const v1::ShardPlan& plan);
 // bytes, solid edges along the pipeline route, dashed edges between tied-weight holders.
 std::string FormatPlanDot(const v1::ShardPlan& plan);
 
+// Appends the contract JSON of `plan` (indent 0: one line). Same text as common::ProtoToJson,
+// about three times faster on big plans: tensor rows are written without reflection.
+void AppendPlanJson(const v1::ShardPlan& plan, int indent, std::string* out);
+
 // {"error": {"code": "INVALID_ARGUMENT", "message": "..."}} on one line.
 std::string FormatErrorJson(const absl::Status& status);
 

@@ -1,6 +1,7 @@
 #include "planner/plan_format.h"
 
 #include "absl/strings/match.h"
+#include "common/proto_json.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 
@@ -32,6 +33,17 @@ TEST(PlanDot, FollowsTheVBothWays) {
   EXPECT_TRUE(absl::StrContains(dot, "rank3 -> rank1;"));
   EXPECT_FALSE(absl::StrContains(dot, "rank4 -> rank4"));
   EXPECT_FALSE(absl::StrContains(dot, "style=dashed"));  // no cross-stage tie under ZBV
+}
+
+TEST(PlanJson, FastWriterMatchesGenericWriter) {
+  v1::ShardPlan plan = ZbvPlan();
+  plan.mutable_ranks(0)->mutable_tensors(0)->set_name("odd \"name\"");
+  std::string fast;
+  AppendPlanJson(plan, 0, &fast);
+  EXPECT_EQ(fast, common::ProtoToJson(plan, {.indent = 0}));
+  std::string pretty;
+  AppendPlanJson(plan, 2, &pretty);
+  EXPECT_EQ(pretty, common::ProtoToJson(plan));
 }
 
 TEST(PlanErrorJson, EscapesTheMessage) {

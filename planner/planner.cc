@@ -694,17 +694,17 @@ std::vector<int64_t> ValidTpSizes(const v1::BertConfig& config) {
   return sizes;
 }
 
-absl::StatusOr<v1::ShardPlan> Plan(const v1::PlanRequest& request) {
+absl::Status PlanInto(const v1::PlanRequest& request, v1::ShardPlan* plan) {
   v1::PlanRequest resolved_request = request;
   RETURN_IF_ERROR(ResolveCheckpoint(&resolved_request));
   ASSIGN_OR_RETURN(const Resolved r, Resolve(resolved_request));
 
-  v1::ShardPlan plan;
-  plan.set_variant(r.variant);
-  *plan.mutable_config() = r.config;
-  plan.set_world_size(static_cast<int32_t>(r.tp * r.stages));
+  plan->Clear();
+  plan->set_variant(r.variant);
+  *plan->mutable_config() = r.config;
+  plan->set_world_size(static_cast<int32_t>(r.tp * r.stages));
 
-  v1::ShardConfig* sc = plan.mutable_shard_config();
+  v1::ShardConfig* sc = plan->mutable_shard_config();
   sc->set_tensor_parallel_size(static_cast<int32_t>(r.tp));
   sc->set_enable_tensor_parallelism(r.tp_on);
   sc->set_enable_sequence_parallelism(r.sp != v1::SP_NONE);
@@ -721,13 +721,13 @@ absl::StatusOr<v1::ShardPlan> Plan(const v1::PlanRequest& request) {
   sc->set_pp_style(r.pipeline ? r.style : v1::PIPELINE_STYLE_UNSPECIFIED);
   sc->set_num_model_chunks(static_cast<int32_t>(r.chunks));
 
-  for (const std::string& w : r.warnings) plan.add_warnings(w);
-  plan.set_tie_weight(r.tie_weight);
+  for (const std::string& w : r.warnings) plan->add_warnings(w);
+  plan->set_tie_weight(r.tie_weight);
   const bool bias_gelu_fused = r.jit && r.config.hidden_act() == "gelu";
-  plan.set_enable_bias_gelu_fused(bias_gelu_fused);
-  BuildModulePolicy(r, bias_gelu_fused, &plan);
+  plan->set_enable_bias_gelu_fused(bias_gelu_fused);
+  BuildModulePolicy(r, bias_gelu_fused, plan);
 
-  for (int64_t n : r.layers_per_slot) plan.add_layers_per_stage(static_cast<int32_t>(n));
+  for (int64_t n : r.layers_per_slot) plan->add_layers_per_stage(static_cast<int32_t>(n));
 
   // Contract difference 1: under ZBV the V ends on stage 0, so the pooler and heads live there.
   const int64_t head_stage = r.zbv ? 0 : r.stages - 1;
@@ -735,7 +735,7 @@ absl::StatusOr<v1::ShardPlan> Plan(const v1::PlanRequest& request) {
   const std::vector<std::string> heads = HeadModules(r.variant);
   const TensorTable table(r);
   for (int64_t s = 0; s < r.stages; ++s) {
-    v1::Stage* stage = plan.add_stages();
+    v1::Stage* stage = plan->add_stages();
     stage->set_stage(static_cast<int32_t>(s));
     stage->set_is_first(s == 0);
     stage->set_is_last(s == head_stage);
@@ -761,7 +761,7 @@ absl::StatusOr<v1::ShardPlan> Plan(const v1::PlanRequest& request) {
     }
     const std::vector<ParamSpec> params = table.StageParams(modules);
     for (int64_t t = 0; t < r.tp; ++t) {
-      v1::RankShard* rank = plan.add_ranks();
+      v1::RankShard* rank = plan->add_ranks();
       rank->set_rank(static_cast<int32_t>(s * r.tp + t));
       rank->set_stage(static_cast<int32_t>(s));
       rank->set_tp_rank(static_cast<int32_t>(t));
@@ -771,7 +771,7 @@ absl::StatusOr<v1::ShardPlan> Plan(const v1::PlanRequest& request) {
 
   // Tied weights shared across stages (none under ZBV: both ends of the V are on stage 0).
   if (r.pipeline && r.stages > 1 && r.tie_weight && !r.zbv) {
-    v1::SharedParam* shared = plan.add_shared_params();
+    v1::SharedParam* shared = plan->add_shared_params();
     v1::SharedParamMember* first = shared->add_members();
     first->set_stage(0);
     first->set_param(prefix + "embeddings.word_embeddings.weight");
@@ -779,6 +779,12 @@ absl::StatusOr<v1::ShardPlan> Plan(const v1::PlanRequest& request) {
     last->set_stage(static_cast<int32_t>(r.stages - 1));
     last->set_param("cls.predictions.decoder.weight");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ShardPlan> Plan(const v1::PlanRequest& request) {
+  v1::ShardPlan plan;
+  RETURN_IF_ERROR(PlanInto(request, &plan));
   return plan;
 }
 

@@ -35,6 +35,11 @@ inline constexpr int64_t kMaxTensorElements = int64_t{1} << 31;  // one tensor, 
 // request, with what is wrong and what would be valid; nothing is planned halfway.
 absl::StatusOr<v1::ShardPlan> Plan(const v1::PlanRequest& request);
 
+// As Plan(), but fills `*plan` (cleared first), so callers can allocate it on a
+// google::protobuf::Arena: a plan of BERT-large at tp 4 x pp 4 has ~1600 tensor entries. On error
+// `*plan` is left in an unspecified state.
+absl::Status PlanInto(const v1::PlanRequest& request, v1::ShardPlan* plan);
+
 // The TP sizes a config admits: the divisors of both num_attention_heads and intermediate_size
 // (hidden_size is a multiple of the head count), ascending.
 std::vector<int64_t> ValidTpSizes(const v1::BertConfig& config_with_defaults);

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages bertshard builds and tests with. Idempotent: when everything is
+# already installed it returns without touching apt. Needs root (or sudo).
+set -euo pipefail
+
+PACKAGES=(
+  # Toolchain: Bazel (Debian's bootstrap build pulls in g++/build-essential and a JDK).
+  bazel-bootstrap bazel-rules-java bazel-platforms g++
+  # gRPC, protobuf, Abseil (headers and libraries), and the standard protos (health, reflection).
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev grpc-proto
+  # Tests and benchmarks.
+  libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
+  # `git clone` of this repository on a fresh machine, and TLS for apt mirrors.
+  ca-certificates git
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "install_deps: run as root (or install sudo)" >&2; exit 1; }
+  SUDO="sudo"
+fi
+echo "install_deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
