@@ -22,7 +22,10 @@ using google::protobuf::Reflection;
 class Writer {
  public:
   Writer(const JsonWriteOptions& options, std::string* out)
-      : indent_(options.indent), message_writer_(options.message_writer), out_(out) {}
+      : indent_(options.indent),
+        emit_defaults_(options.emit_defaults),
+        message_writer_(options.message_writer),
+        out_(out) {}
 
   void WriteMessage(const Message& message, int depth) {
     if (message_writer_ && message_writer_(message, out_)) return;
@@ -46,10 +49,11 @@ class Writer {
     for (int i = 0; i < descriptor->field_count(); ++i) {
       const FieldDescriptor* field = descriptor->field(i);
       if (field->is_repeated()) {
-        if (reflection->FieldSize(message, field) == 0) continue;
+        if (!emit_defaults_ && reflection->FieldSize(message, field) == 0) continue;
       } else if (field->has_presence()) {
+        // Unset messages and unset proto3 `optional` scalars mean "absent", never a default.
         if (!reflection->HasField(message, field)) continue;
-      } else if (IsDefault(message, field)) {
+      } else if (!emit_defaults_ && IsDefault(message, field)) {
         continue;
       }
       BeginMember(&first, depth + 1);
@@ -192,6 +196,7 @@ class Writer {
   }
 
   const int indent_;
+  const bool emit_defaults_;
   const std::function<bool(const google::protobuf::Message&, std::string*)>& message_writer_;
   std::string* const out_;
 };

@@ -6,8 +6,10 @@
 // Writing differs from protobuf's JsonUtil in one deliberate way: 64-bit integers are written as
 // JSON numbers, not strings, so that `"param_bytes": 123456` reads as the contract shows. Values
 // beyond 2^53 would lose precision in JavaScript readers; the planner refuses sizes that large.
-// Fields at their default (0, false, "", empty) are omitted unless they have explicit presence
-// (proto3 `optional`), as protobuf does; readers treat a missing field as its default.
+// By default every field is written, defaults included (0, false, "", []), so that readers need
+// not know proto3's omission rule; unset message fields and unset proto3 `optional` scalars are
+// still absent, since absence is what they mean. `emit_defaults = false` gives protobuf's compact
+// form (defaults omitted).
 // google.protobuf.Struct keys are written sorted, for stable output.
 //
 // Example:
@@ -31,6 +33,8 @@ namespace bertshard::common {
 struct JsonWriteOptions {
   // Spaces per nesting level; 0 writes one line with no spaces.
   int indent = 2;
+  // Write scalar and repeated fields even when they hold their default value.
+  bool emit_defaults = true;
   // Optional fast path for hot message types: called for every message before the generic
   // reflection-based writer; returns true if it appended the message's JSON itself (which must be
   // exactly what the generic writer would produce with these options).

@@ -6,7 +6,7 @@
 namespace bertshard::common {
 namespace {
 
-TEST(ProtoJson, WritesInt64AsNumbersAndOmitsDefaults) {
+TEST(ProtoJson, WritesInt64AsNumbersAndOmitsDefaultsWhenAsked) {
   v1::RankShard rank;
   rank.set_rank(3);
   rank.set_param_bytes(int64_t{5000000000});
@@ -14,9 +14,13 @@ TEST(ProtoJson, WritesInt64AsNumbersAndOmitsDefaults) {
   t->set_name("a.weight");
   t->add_global_shape(10);
   t->set_split_dim(-1);
-  EXPECT_EQ(ProtoToJson(rank, {.indent = 0}),
+  EXPECT_EQ(ProtoToJson(rank, {.indent = 0, .emit_defaults = false}),
             R"({"rank":3,"param_bytes":5000000000,"tensors":[{"name":"a.weight",)"
             R"("global_shape":[10],"split_dim":-1}]})");
+  EXPECT_EQ(ProtoToJson(rank, {.indent = 0}),
+            R"({"rank":3,"stage":0,"tp_rank":0,"param_bytes":5000000000,"tensors":[{"name":"a.weight",)"
+            R"("global_shape":[10],"local_shape":[],"split_dim":-1,"start":0,"end":0,"padding":0,)"
+            R"("bytes":0,"aliases":[]}]})");
 }
 
 TEST(ProtoJson, WritesOptionalFieldsSetToZeroAndEnumsByName) {
@@ -25,9 +29,10 @@ TEST(ProtoJson, WritesOptionalFieldsSetToZeroAndEnumsByName) {
   request.mutable_config()->set_vocab_size(0);
   request.mutable_config()->set_layer_norm_eps(1e-12);
   request.mutable_config()->set_hidden_act("ge\"lu");
+  // Unset optional fields stay absent; unset messages (parallel) too.
   EXPECT_EQ(ProtoToJson(request, {.indent = 0}),
             R"({"variant":"BERT_FOR_MASKED_LM","config":{"vocab_size":0,"hidden_act":"ge\"lu",)"
-            R"("layer_norm_eps":1e-12}})");
+            R"("layer_norm_eps":1e-12},"checkpoint":""})");
 }
 
 TEST(ProtoJson, StructKeysSortedAndNullKept) {
@@ -36,7 +41,7 @@ TEST(ProtoJson, StructKeysSortedAndNullKept) {
   fields["use_zbv"].set_bool_value(false);
   fields["seq_parallel_mode"].set_null_value(google::protobuf::NULL_VALUE);
   fields["make_vocab_size_divisible_by"].set_number_value(64);
-  EXPECT_EQ(ProtoToJson(r, {.indent = 0}),
+  EXPECT_EQ(ProtoToJson(r, {.indent = 0, .emit_defaults = false}),
             R"({"kwargs":{"make_vocab_size_divisible_by":64,"seq_parallel_mode":null,)"
             R"("use_zbv":false}})");
 }

@@ -216,12 +216,18 @@ std::string FormatPlanDot(const v1::ShardPlan& plan) {
 
 namespace {
 
-void AppendIntArray(absl::string_view key, const google::protobuf::RepeatedField<int64_t>& values,
-                    bool* first, std::string* out) {
-  if (values.empty()) return;
+void AppendKey(absl::string_view key, bool* first, std::string* out) {
   if (!*first) out->push_back(',');
   *first = false;
-  absl::StrAppend(out, "\"", key, "\":[");
+  out->push_back('"');
+  out->append(key.data(), key.size());
+  out->append("\":");
+}
+
+void AppendIntArray(absl::string_view key, const google::protobuf::RepeatedField<int64_t>& values,
+                    bool* first, std::string* out) {
+  AppendKey(key, first, out);
+  out->push_back('[');
   for (int i = 0; i < values.size(); ++i) {
     if (i > 0) out->push_back(',');
     absl::StrAppend(out, values[i]);
@@ -229,40 +235,32 @@ void AppendIntArray(absl::string_view key, const google::protobuf::RepeatedField
   out->push_back(']');
 }
 
-template <typename T>
-void AppendIntField(absl::string_view key, T value, bool* first, std::string* out) {
-  if (value == 0) return;
-  if (!*first) out->push_back(',');
-  *first = false;
-  absl::StrAppend(out, "\"", key, "\":", value);
-}
-
-// Compact JSON of one TensorShard, field by field as the generic writer orders and omits them.
+// Compact JSON of one TensorShard, field by field as the generic writer orders them (with
+// emit_defaults: every field written).
 void AppendTensorJson(const v1::TensorShard& t, std::string* out) {
   out->push_back('{');
   bool first = true;
-  if (!t.name().empty()) {
-    out->append("\"name\":");
-    common::AppendJsonString(t.name(), out);
-    first = false;
-  }
+  AppendKey("name", &first, out);
+  common::AppendJsonString(t.name(), out);
   AppendIntArray("global_shape", t.global_shape(), &first, out);
   AppendIntArray("local_shape", t.local_shape(), &first, out);
-  AppendIntField("split_dim", t.split_dim(), &first, out);
-  AppendIntField("start", t.start(), &first, out);
-  AppendIntField("end", t.end(), &first, out);
-  AppendIntField("padding", t.padding(), &first, out);
-  AppendIntField("bytes", t.bytes(), &first, out);
-  if (!t.aliases().empty()) {
-    if (!first) out->push_back(',');
-    out->append("\"aliases\":[");
-    for (int i = 0; i < t.aliases_size(); ++i) {
-      if (i > 0) out->push_back(',');
-      common::AppendJsonString(t.aliases(i), out);
-    }
-    out->push_back(']');
+  AppendKey("split_dim", &first, out);
+  absl::StrAppend(out, t.split_dim());
+  AppendKey("start", &first, out);
+  absl::StrAppend(out, t.start());
+  AppendKey("end", &first, out);
+  absl::StrAppend(out, t.end());
+  AppendKey("padding", &first, out);
+  absl::StrAppend(out, t.padding());
+  AppendKey("bytes", &first, out);
+  absl::StrAppend(out, t.bytes());
+  AppendKey("aliases", &first, out);
+  out->push_back('[');
+  for (int i = 0; i < t.aliases_size(); ++i) {
+    if (i > 0) out->push_back(',');
+    common::AppendJsonString(t.aliases(i), out);
   }
-  out->push_back('}');
+  out->append("]}");
 }
 
 }  // namespace
@@ -271,7 +269,7 @@ void AppendPlanJson(const v1::ShardPlan& plan, int indent, std::string* out) {
   // Growing a string of a few hundred KiB step by step costs more than writing it.
   size_t tensors = 0;
   for (const auto& rank : plan.ranks()) tensors += static_cast<size_t>(rank.tensors_size());
-  out->reserve(out->size() + 4096 + tensors * (indent == 0 ? 160 : 400));
+  out->reserve(out->size() + 4096 + tensors * (indent == 0 ? 200 : 450));
   common::JsonWriteOptions options;
   options.indent = indent;
   if (indent == 0) {
