@@ -46,40 +46,31 @@ void BM_Plan(benchmark::State& state) {
                  (state.range(1) == v1::ZBV ? " zbv" : " interleaved"));
 }
 
-// The same on an arena, as shardctl --batch and the coordinator use it.
-void BM_PlanOnArena(benchmark::State& state) {
+// On an arena, as shardctl --batch uses it; with `json`, also renders the batch line (the output
+// buffer is reused, as --batch reuses it).
+void PlanOnArena(benchmark::State& state, bool json) {
   const v1::PlanRequest request =
       Request(state.range(0) == 1, static_cast<v1::PipelineStyle>(state.range(1)));
+  std::string text;
   for (auto _ : state) {
     google::protobuf::Arena arena;
     auto* plan = google::protobuf::Arena::CreateMessage<v1::ShardPlan>(&arena);
     if (!planner::PlanInto(request, plan).ok()) {
       state.SkipWithError("plan failed");
       break;
+    }
+    if (json) {
+      text.clear();
+      planner::AppendPlanJson(*plan, 0, &text);
     }
     benchmark::DoNotOptimize(plan);
+    benchmark::DoNotOptimize(text);
   }
+  if (json) state.counters["json_bytes"] = static_cast<double>(text.size());
 }
 
-void BM_PlanAndJson(benchmark::State& state) {
-  const v1::PlanRequest request =
-      Request(state.range(0) == 1, static_cast<v1::PipelineStyle>(state.range(1)));
-  size_t bytes = 0;
-  std::string json;  // reused, as shardctl --batch reuses its output buffer
-  for (auto _ : state) {
-    google::protobuf::Arena arena;
-    auto* plan = google::protobuf::Arena::CreateMessage<v1::ShardPlan>(&arena);
-    if (!planner::PlanInto(request, plan).ok()) {
-      state.SkipWithError("plan failed");
-      break;
-    }
-    json.clear();
-    planner::AppendPlanJson(*plan, 0, &json);
-    bytes = json.size();
-    benchmark::DoNotOptimize(json);
-  }
-  state.counters["json_bytes"] = static_cast<double>(bytes);
-}
+void BM_PlanOnArena(benchmark::State& state) { PlanOnArena(state, false); }
+void BM_PlanAndJson(benchmark::State& state) { PlanOnArena(state, true); }
 
 // Args: {0: bert-base, 1: bert-large} x pipeline style.
 BENCHMARK(BM_Plan)->ArgsProduct({{0, 1}, {v1::INTERLEAVED, v1::ZBV}})->Unit(benchmark::kMicrosecond);

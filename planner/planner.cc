@@ -152,7 +152,7 @@ absl::Status ValidateConfig(const v1::ModelVariant variant, const v1::BertConfig
   // Every tensor, padded, must stay below 2^31 elements.
   const int64_t h = c.hidden_size();
   auto too_big = [h](int64_t rows) { return rows > kMaxTensorElements / h; };
-  if (too_big(c.vocab_size() + 64 * kMaxParallelSize) || too_big(c.intermediate_size()) ||
+  if (too_big(c.vocab_size()) || too_big(c.intermediate_size()) ||
       too_big(h) || too_big(c.max_position_embeddings()) || too_big(c.type_vocab_size()) ||
       too_big(c.num_labels())) {
     return Invalid(absl::StrCat("config sizes give a tensor of more than 2^31 elements (hidden_size ",
@@ -277,6 +277,12 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
     r.layers_per_slot = DistributeLayers(r.layers, r.stages, r.chunks);
   }
   r.vocab_multiple = p.make_vocab_size_divisible_by() > 0 ? p.make_vocab_size_divisible_by() : 64;
+  // The padded vocabulary (a multiple of make_vocab_size_divisible_by x tp) must fit too.
+  if (RoundUp(r.vocab, r.vocab_multiple * r.tp) > kMaxTensorElements / r.hidden) {
+    return Invalid(absl::StrCat("the word embedding padded to a multiple of make_vocab_size_divisible_by ",
+                                r.vocab_multiple, " x tp_size ", r.tp,
+                                " has more than 2^31 elements; use a smaller multiple"));
+  }
   r.fp8 = p.fp8_communication();
   // Contract difference 8: all optimisations means fused norm and the JIT paths, no apex needed.
   r.all_opt = p.enable_all_optimization();

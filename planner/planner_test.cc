@@ -248,6 +248,13 @@ TEST(PlanValidator, RejectsAbsurdSizes) {
   r.mutable_config()->set_num_attention_heads(64);
   r.mutable_config()->set_vocab_size(65536);  // 2^32 elements in the word embedding
   ExpectInvalid(r, "more than 2^31 elements");
+  r = Request(v1::BERT_MODEL, 4);
+  r.mutable_config()->set_hidden_size(32768);
+  r.mutable_config()->set_num_attention_heads(4);
+  r.mutable_config()->set_intermediate_size(4);
+  r.mutable_config()->set_vocab_size(65000);  // fits unpadded; padded to 65536 x 4 = 2^18 rows it does not
+  r.mutable_parallel()->set_make_vocab_size_divisible_by(65536);
+  ExpectInvalid(r, "padded to a multiple of make_vocab_size_divisible_by 65536 x tp_size 4");
   r = Request(v1::BERT_MODEL, 64, 128);
   r.mutable_config()->set_num_attention_heads(64);
   r.mutable_config()->set_hidden_size(4096);
