@@ -68,9 +68,19 @@ absl::StatusOr<int64_t> ParseInt(const std::string& flag, const std::string& tex
   return value;
 }
 
-// Rewrites the friendly spellings of enum fields to their enum names, in a parsed JSON object.
-absl::Status NormaliseEnumAliases(google::protobuf::Struct* root) {
+// Rewrites the friendly spellings of enum fields to their enum names, in a parsed JSON object,
+// and takes out `config`, which is read as a HuggingFace config.json (see ParsePlanRequestJson).
+absl::StatusOr<google::protobuf::Struct> NormaliseRequest(google::protobuf::Struct* root) {
   auto& fields = *root->mutable_fields();
+  google::protobuf::Struct config;
+  if (auto it = fields.find("config"); it != fields.end()) {
+    if (it->second.has_struct_value()) {
+      config = it->second.struct_value();
+    } else if (!it->second.has_null_value()) {
+      return absl::InvalidArgumentError("request field config must be an object of config.json fields");
+    }
+    fields.erase(it);
+  }
   if (auto it = fields.find("variant"); it != fields.end() && it->second.has_string_value()) {
     ASSIGN_OR_RETURN(v1::ModelVariant v, planner::ParseVariant(it->second.string_value()));
     it->second.set_string_value(v1::ModelVariant_Name(v));
@@ -92,7 +102,7 @@ absl::Status NormaliseEnumAliases(google::protobuf::Struct* root) {
       s->second.set_string_value(v1::SequenceParallelMode_Name(mode));
     }
   }
-  return absl::OkStatus();
+  return config;
 }
 
 PlanFn LocalPlanner() {
@@ -189,8 +199,12 @@ absl::StatusOr<v1::PlanRequest> ParsePlanRequestJson(absl::string_view json) {
   if (absl::Status s = common::JsonToProto(json, &root); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("request is not a JSON object: ", s.message()));
   }
-  RETURN_IF_ERROR(NormaliseEnumAliases(&root));
+  ASSIGN_OR_RETURN(google::protobuf::Struct config, NormaliseRequest(&root));
   RETURN_IF_ERROR(common::JsonToProto(common::ProtoToJson(root, {.indent = 0}), &request));
+  auto hf = planner::ParseHfConfigJson(common::ProtoToJson(config, {.indent = 0}));
+  if (!hf.ok()) return absl::InvalidArgumentError(absl::StrCat("request config: ", hf.status().message()));
+  *request.mutable_config() = hf->config;
+  if (request.variant() == v1::MODEL_VARIANT_UNSPECIFIED) request.set_variant(hf->variant);
   return request;
 }
 

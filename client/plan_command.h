@@ -30,7 +30,9 @@ const std::set<std::string>& PlanSwitchFlags();
 
 // Parses a PlanRequest in the contract's JSON. Besides the enum names it accepts the HF class
 // name for `variant` (BertForMaskedLM) and lower-case pp_style / sp_mode ("zbv",
-// "split_gather"). INVALID_ARGUMENT says what could not be read.
+// "split_gather"); `config` may be a whole HF config.json (fields bertshard does not use are
+// ignored, `architectures[0]` gives the variant if the request has none). Unknown fields
+// elsewhere are errors (typos). INVALID_ARGUMENT says what could not be read.
 absl::StatusOr<v1::PlanRequest> ParsePlanRequestJson(absl::string_view json);
 
 // Applies the command-line flags on top of `request` (flags win).

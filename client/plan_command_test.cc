@@ -18,6 +18,21 @@ TEST(PlanRequestJson, AcceptsContractAndFriendlySpellings) {
   EXPECT_EQ(friendly->parallel().sp_mode(), v1::SPLIT_GATHER);
 }
 
+TEST(PlanRequestJson, ConfigMayBeAWholeHfConfig) {
+  auto r = ParsePlanRequestJson(R"({"config": {"architectures": ["BertForTokenClassification"],
+      "hidden_size": 128, "model_type": "bert", "_attn_implementation": "eager",
+      "pad_token_id": null, "id2label": {"0": "O", "1": "B-PER", "2": "I-PER"}},
+      "parallel": {"tp_size": 2}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->variant(), v1::BERT_FOR_TOKEN_CLASSIFICATION);
+  EXPECT_EQ(r->config().hidden_size(), 128);
+  EXPECT_EQ(r->config().num_labels(), 3);
+  EXPECT_FALSE(r->config().has_pad_token_id());
+  EXPECT_FALSE(ParsePlanRequestJson(R"({"config": {"hidden_size": "big"}})").ok());
+  EXPECT_FALSE(ParsePlanRequestJson(R"({"config": 3})").ok());
+  EXPECT_FALSE(ParsePlanRequestJson(R"({"parallel": {"tp": 2}})").ok());  // typo outside config
+}
+
 TEST(PlanRequestJson, RejectsUnknownNamesWithTheValidOnes) {
   auto bad_variant = ParsePlanRequestJson(R"({"variant": "GPT2"})");
   EXPECT_EQ(bad_variant.status().code(), absl::StatusCode::kInvalidArgument);

@@ -99,7 +99,11 @@ absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json) {
   }
   HfConfig out;
   v1::BertConfig& c = out.config;
-  const auto& f = root.fields();
+  // HF writes null for unset optional fields: treat null as absent.
+  google::protobuf::Map<std::string, Value> f;
+  for (const auto& [key, value] : root.fields()) {
+    if (value.kind_case() != Value::kNullValue) f[key] = value;
+  }
   struct IntSetter {
     const char* name;
     void (v1::BertConfig::*set)(int64_t);
@@ -117,7 +121,7 @@ absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json) {
   };
   for (const auto& field : kInts) {
     auto it = f.find(field.name);
-    if (it == f.end() || it->second.kind_case() == Value::kNullValue) continue;
+    if (it == f.end()) continue;
     ASSIGN_OR_RETURN(int64_t value, IntegerField(it->second, field.name));
     (c.*field.set)(value);
   }

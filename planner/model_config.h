@@ -40,8 +40,8 @@ struct HfConfig {
   v1::ModelVariant variant = v1::MODEL_VARIANT_UNSPECIFIED;
 };
 
-// Parses the text of a HuggingFace config.json. Fields bertshard does not use are ignored;
-// num_labels also comes from the size of id2label. INVALID_ARGUMENT names a field of the wrong
+// Parses the text of a HuggingFace config.json. Fields bertshard does not use are ignored, null
+// means absent, and num_labels also comes from the size of id2label. INVALID_ARGUMENT names a field of the wrong
 // type, a non-integer size, or an architecture that is not one of the nine BERT classes.
 absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json);
 
