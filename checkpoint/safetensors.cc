@@ -1,0 +1,259 @@
+#include "checkpoint/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace bertshard::checkpoint {
+namespace {
+
+using nlohmann::json;
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f;
+  uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exponent = 127 - 15 + 1;
+      while ((mantissa & 0x400) == 0) {
+        mantissa <<= 1;
+        --exponent;
+      }
+      mantissa &= 0x3ff;
+      bits = sign | (exponent << 23) | (mantissa << 13);
+    }
+  } else if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+float BFloatToFloat(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+void Convert(const uint8_t* src, DType dtype, int64_t count, float* out) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(out, src, static_cast<size_t>(count) * 4);
+      break;
+    case DType::kF16:
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        out[i] = HalfToFloat(h);
+      }
+      break;
+    case DType::kBF16:
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t b;
+        std::memcpy(&b, src + 2 * i, 2);
+        out[i] = BFloatToFloat(b);
+      }
+      break;
+  }
+}
+
+absl::Status Bad(const std::string& path, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("safetensors file ", path, ": ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<DType> ParseDType(absl::string_view name) {
+  if (name == "F32") return DType::kF32;
+  if (name == "F16") return DType::kF16;
+  if (name == "BF16") return DType::kBF16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype ", name, " is not supported; valid: F32, F16, BF16"));
+}
+
+int DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Bad(path, "not a regular file");
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    return Bad(path, absl::StrCat("file is ", size, " bytes, shorter than the 8-byte header length"));
+  }
+  void* map = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot map ", path, ": ", std::strerror(errno)));
+  const auto* bytes = static_cast<const uint8_t*>(map);
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | bytes[i];
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile(path, bytes, size, 8 + header_len));
+  if (header_len > kMaxHeaderBytes) {
+    return Bad(path, absl::StrCat("header length ", header_len, " exceeds the ", kMaxHeaderBytes, "-byte bound"));
+  }
+  if (header_len > size - 8) {
+    return Bad(path, absl::StrCat("header length ", header_len, " runs past the end of the ", size,
+                                  "-byte file (truncated?)"));
+  }
+  const json header = json::parse(bytes + 8, bytes + 8 + header_len, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) return Bad(path, "header is not a JSON object");
+  const uint64_t data_size = size - 8 - header_len;
+  std::vector<const TensorInfo*> by_offset;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") continue;
+    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+        !entry.contains("data_offsets") || !entry["dtype"].is_string() || !entry["shape"].is_array() ||
+        !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
+      return Bad(path, absl::StrCat("tensor ", name, " needs dtype, shape and data_offsets [begin, end]"));
+    }
+    TensorInfo info;
+    info.name = name;
+    auto dtype = ParseDType(entry["dtype"].get<std::string>());
+    if (!dtype.ok()) return Bad(path, absl::StrCat("tensor ", name, ": ", dtype.status().message()));
+    info.dtype = *dtype;
+    uint64_t numel = 1;
+    for (const auto& d : entry["shape"]) {
+      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40)) {
+        return Bad(path, absl::StrCat("tensor ", name, " has a bad shape ", entry["shape"].dump()));
+      }
+      info.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
+      numel *= d.get<uint64_t>();
+      if (numel > (uint64_t{1} << 40)) return Bad(path, absl::StrCat("tensor ", name, " is absurdly large"));
+    }
+    for (const auto& o : entry["data_offsets"]) {
+      if (!o.is_number_unsigned()) return Bad(path, absl::StrCat("tensor ", name, " has non-integer data_offsets"));
+    }
+    info.begin = entry["data_offsets"][0].get<uint64_t>();
+    info.end = entry["data_offsets"][1].get<uint64_t>();
+    if (info.begin > info.end || info.end > data_size) {
+      return Bad(path, absl::StrCat("tensor ", name, " data_offsets [", info.begin, ", ", info.end,
+                                    ") lie outside the ", data_size, "-byte data section"));
+    }
+    if (numel * static_cast<uint64_t>(DTypeSize(info.dtype)) != info.end - info.begin) {
+      return Bad(path, absl::StrCat("tensor ", name, " has ", numel, " elements of ",
+                                    DTypeSize(info.dtype), " bytes but ", info.end - info.begin,
+                                    " bytes of data"));
+    }
+    auto [it, inserted] = file->tensors_.emplace(name, std::move(info));
+    by_offset.push_back(&it->second);
+  }
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  uint64_t expected = 0;
+  for (const TensorInfo* t : by_offset) {
+    if (t->begin < expected) return Bad(path, absl::StrCat("tensor ", t->name, " overlaps the tensor before it"));
+    if (t->begin > expected) return Bad(path, absl::StrCat("tensor ", t->name, " leaves a gap before it (not contiguous)"));
+    expected = t->end;
+  }
+  if (expected != data_size) {
+    return Bad(path, absl::StrCat("tensors cover ", expected, " of ", data_size, " data bytes"));
+  }
+  return file;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  munmap(const_cast<uint8_t*>(map_), size_);
+}
+
+const TensorInfo* SafetensorsFile::Find(absl::string_view name) const {
+  auto it = tensors_.find(std::string(name));
+  return it == tensors_.end() ? nullptr : &it->second;
+}
+
+absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice, float* out) const {
+  if (t.shape.size() > 2) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.shape.size(),
+                                                   " dims; slices of at most 2 are supported"));
+  }
+  const int esize = DTypeSize(t.dtype);
+  const uint8_t* base = map_ + data_offset_ + t.begin;
+  if (slice.dim < 0) {
+    Convert(base, t.dtype, t.numel(), out);
+    bytes_read_ += static_cast<uint64_t>(t.numel() * esize);
+    return absl::OkStatus();
+  }
+  if (slice.dim >= static_cast<int>(t.shape.size()) || slice.start < 0 || slice.end < slice.start ||
+      slice.end > t.shape[static_cast<size_t>(slice.dim)]) {
+    return absl::InvalidArgumentError(absl::StrCat("slice [", slice.start, ", ", slice.end, ") of dim ",
+                                                   slice.dim, " is outside tensor ", t.name));
+  }
+  const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
+  if (slice.dim == 0) {
+    const int64_t count = (slice.end - slice.start) * cols;
+    Convert(base + slice.start * cols * esize, t.dtype, count, out);
+    bytes_read_ += static_cast<uint64_t>(count * esize);
+    return absl::OkStatus();
+  }
+  const int64_t width = slice.end - slice.start;
+  for (int64_t row = 0; row < t.shape[0]; ++row) {
+    Convert(base + (row * cols + slice.start) * esize, t.dtype, width, out + row * width);
+  }
+  bytes_read_ += static_cast<uint64_t>(t.shape[0] * width * esize);
+  return absl::OkStatus();
+}
+
+absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorData>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  uint64_t offset = 0;
+  for (const TensorData& t : tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    if (numel != static_cast<int64_t>(t.values.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.values.size(),
+                                                     " values for a shape of ", numel, " elements"));
+    }
+    const uint64_t bytes = t.values.size() * 4;
+    header[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string text = header.dump();
+  while (text.size() % 8 != 0) text.push_back(' ');  // align the data section, as HF does
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  uint64_t len = text.size();
+  char len_bytes[8];
+  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+  out.write(len_bytes, 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const TensorData& t : tensors) {
+    out.write(reinterpret_cast<const char*>(t.values.data()), static_cast<std::streamsize>(t.values.size() * 4));
+  }
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("error writing ", path));
+  return absl::OkStatus();
+}
+
+}  // namespace bertshard::checkpoint

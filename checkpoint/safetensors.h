@@ -1,0 +1,107 @@
+// File: checkpoint/safetensors.h
+// -----------------------------------------------------------------------------
+// A reader and writer of the safetensors format (HuggingFace): an 8-byte little-endian header
+// length N, N bytes of JSON {"name": {"dtype", "shape", "data_offsets": [begin, end]}, ...,
+// "__metadata__": {...}}, then the tensor bytes. The reader maps the file and copies out only the
+// byte ranges of the slices asked for, so a rank reads just its shard; everything in the header
+// is validated first and a bad file is refused with a message naming the problem.
+//
+// Example:
+//   ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open("model.safetensors"));
+//   const TensorInfo* q = file->Find("bert.encoder.layer.0.attention.self.query.weight");
+//   std::vector<float> rows(384 * 768);
+//   RETURN_IF_ERROR(file->ReadSlice(*q, {.dim = 0, .start = 384, .end = 768}, rows.data()));
+//
+// Thread safety: a SafetensorsFile is thread-compatible for reads after Open (ReadSlice only reads
+// the mapping; its byte counter is atomic).
+#ifndef BERTSHARD_CHECKPOINT_SAFETENSORS_H_
+#define BERTSHARD_CHECKPOINT_SAFETENSORS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace bertshard::checkpoint {
+
+enum class DType { kF32, kF16, kBF16 };
+
+// "F32" / "F16" / "BF16"; INVALID_ARGUMENT names any other.
+absl::StatusOr<DType> ParseDType(absl::string_view name);
+int DTypeSize(DType dtype);
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // byte offsets into the data section
+  uint64_t end = 0;
+  int64_t numel() const;
+};
+
+// A contiguous range of one dimension; dim -1 means the whole tensor.
+struct Slice {
+  int dim = -1;
+  int64_t start = 0;
+  int64_t end = 0;
+};
+
+// Largest header accepted: big checkpoints have a few thousand tensors (~1 MiB of JSON).
+inline constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+
+class SafetensorsFile {
+ public:
+  // Maps and validates `path`. INVALID_ARGUMENT for any malformed header: length beyond the bound
+  // or the file, bad JSON, unknown dtype, shape x dtype size != byte length, offsets out of bounds,
+  // tensors not contiguous or overlapping. NOT_FOUND if the file cannot be opened.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  // nullptr if absent.
+  const TensorInfo* Find(absl::string_view name) const;
+  const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
+
+  // Copies `slice` of a tensor of rank <= 2 into `out` (row-major, float32), converting F16/BF16.
+  // For dim 1 of a matrix it reads each row's column range. INVALID_ARGUMENT if the slice is out
+  // of the tensor's bounds. Bytes touched are added to bytes_read().
+  absl::Status ReadSlice(const TensorInfo& tensor, const Slice& slice, float* out) const;
+
+  uint64_t bytes_read() const { return bytes_read_.load(); }
+
+ private:
+  SafetensorsFile(std::string path, const uint8_t* map, size_t size, uint64_t data_offset)
+      : path_(std::move(path)), map_(map), size_(size), data_offset_(data_offset) {}
+
+  const std::string path_;
+  const uint8_t* const map_;
+  const size_t size_;
+  const uint64_t data_offset_;
+  std::map<std::string, TensorInfo> tensors_;
+  mutable std::atomic<uint64_t> bytes_read_{0};
+};
+
+// A float32 tensor to write.
+struct TensorData {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+// Writes `tensors` (F32, in the given order) with optional string metadata. INVALID_ARGUMENT if a
+// shape does not match its values; INTERNAL on I/O errors.
+absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorData>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace bertshard::checkpoint
+
+#endif  // BERTSHARD_CHECKPOINT_SAFETENSORS_H_
