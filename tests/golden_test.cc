@@ -566,8 +566,11 @@ TEST(GoldenLayerShards, WholeModelSlicesMatchSharder) {
           if (tensor.split_dim() == static_cast<int>(d)) {
             EXPECT_EQ(tensor.padding(), pad) << "dim " << d;
             EXPECT_EQ(tensor.end() - tensor.start(), real_count + pad) << "dim " << d;
-            if (real_start >= 0) EXPECT_EQ(tensor.start(), real_start) << "dim " << d;
-            if (real_start < 0) EXPECT_GE(tensor.start(), vocab) << "dim " << d;
+            if (real_start >= 0) {
+              EXPECT_EQ(tensor.start(), real_start) << "dim " << d;
+            } else {
+              EXPECT_GE(tensor.start(), vocab) << "dim " << d;
+            }
           } else {
             EXPECT_TRUE(whole) << "dim " << d << " is sliced by the seed but not by us: " << runs.dump() << " split_dim " << tensor.split_dim() << " rank " << rank.rank();
           }
