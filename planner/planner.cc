@@ -158,7 +158,11 @@ absl::Status ValidateConfig(const v1::ModelVariant variant, const v1::BertConfig
     return Invalid(absl::StrCat("config sizes give a tensor of more than 2^31 elements (hidden_size ",
                                 h, "); this is not a BERT bertshard can plan"));
   }
-  (void)variant;
+  if (variant == v1::BERT_FOR_QUESTION_ANSWERING && c.num_labels() != 2) {
+    // HF splits qa_outputs into exactly start and end logits.
+    return Invalid(absl::StrCat("BertForQuestionAnswering needs config.num_labels 2 (start and end "
+                                "logits), got ", c.num_labels()));
+  }
   return absl::OkStatus();
 }
 

@@ -306,6 +306,9 @@ TEST(PlanValidator, RejectsChunksWithoutPipelineAndCrossAttentionWithoutDecoder)
   r = Request(v1::BERT_MODEL);
   r.mutable_config()->set_add_cross_attention(true);
   ExpectInvalid(r, "add_cross_attention needs config.is_decoder");
+  r = Request(v1::BERT_FOR_QUESTION_ANSWERING);
+  r.mutable_config()->set_num_labels(3);
+  ExpectInvalid(r, "BertForQuestionAnswering needs config.num_labels 2");
   r = Request(v1::BERT_MODEL);
   r.mutable_config()->set_pad_token_id(30522);
   ExpectInvalid(r, "pad_token_id 30522 is outside the vocabulary");
