@@ -192,7 +192,7 @@ const TensorInfo* SafetensorsFile::Find(absl::string_view name) const {
 }
 
 absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice, float* out) const {
-  if (t.shape.size() > 2) {
+  if (slice.dim >= 0 && t.shape.size() > 2) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.shape.size(),
                                                    " dims; slices of at most 2 are supported"));
   }

@@ -71,7 +71,8 @@ class SafetensorsFile {
   const TensorInfo* Find(absl::string_view name) const;
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
 
-  // Copies `slice` of a tensor of rank <= 2 into `out` (row-major, float32), converting F16/BF16.
+  // Copies `slice` of a tensor into `out` (row-major, float32), converting F16/BF16. A whole
+  // tensor may have any rank; a slice needs rank <= 2.
   // For dim 1 of a matrix it reads each row's column range. INVALID_ARGUMENT if the slice is out
   // of the tensor's bounds. Bytes touched are added to bytes_read().
   absl::Status ReadSlice(const TensorInfo& tensor, const Slice& slice, float* out) const;

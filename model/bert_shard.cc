@@ -1,0 +1,421 @@
+#include "model/bert_shard.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+
+namespace bertshard::model {
+namespace {
+
+bool IsLm(v1::ModelVariant v) {
+  return v == v1::BERT_FOR_PRE_TRAINING || v == v1::BERT_LM_HEAD_MODEL || v == v1::BERT_FOR_MASKED_LM;
+}
+
+bool HasPooler(v1::ModelVariant v) {
+  return v == v1::BERT_MODEL || v == v1::BERT_FOR_PRE_TRAINING ||
+         v == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION || v == v1::BERT_FOR_SEQUENCE_CLASSIFICATION ||
+         v == v1::BERT_FOR_MULTIPLE_CHOICE;
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// One pipeline slot in route order: which stage runs it and the layers it covers.
+struct Slot {
+  int stage = 0;
+  int64_t start = 0, end = 0;
+};
+
+}  // namespace
+
+class BertShard::Impl {
+ public:
+  Impl(const v1::ShardPlan& plan, int rank) : plan_(plan), rank_(rank) {
+    const auto& sc = plan.shard_config();
+    tp_ = std::max(1, sc.tensor_parallel_size());
+    stage_ = rank / tp_;
+    tp_rank_ = rank % tp_;
+    sp_ = sc.sp_mode() == v1::SPLIT_GATHER && tp_ > 1;
+    prefix_ = plan.variant() == v1::BERT_MODEL ? "" : "bert.";
+    const int stages = plan.stages_size();
+    const int slots = plan.layers_per_stage_size();
+    // The route over the slots (docs/plan-contract.md): slot k runs on stage k mod S (chunk
+    // k / S), or for ZBV down the stages and back up.
+    std::vector<int64_t> prefix_sum(static_cast<size_t>(slots) + 1, 0);
+    for (int k = 0; k < slots; ++k) prefix_sum[k + 1] = prefix_sum[k] + plan.layers_per_stage(k);
+    for (int k = 0; k < slots; ++k) {
+      int stage = k % stages;
+      if (sc.pp_style() == v1::ZBV) stage = k < stages ? k : 2 * stages - 1 - k;
+      route_.push_back({stage, prefix_sum[k], prefix_sum[k + 1]});
+    }
+    for (int s = 0; s < stages; ++s) {
+      if (plan.stages(s).is_last()) head_stage_ = s;
+    }
+  }
+
+  absl::Status LoadTensors(const checkpoint::Checkpoint& ckpt, int64_t* param_bytes) {
+    const v1::RankShard* mine = nullptr;
+    for (const auto& r : plan_.ranks()) {
+      if (r.rank() == rank_) mine = &r;
+    }
+    if (mine == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " is not in the plan (world size ",
+                                                     plan_.world_size(), ")"));
+    }
+    *param_bytes = 0;
+    for (const v1::TensorShard& t : mine->tensors()) {
+      std::vector<std::string> aliases(t.aliases().begin(), t.aliases().end());
+      ASSIGN_OR_RETURN(checkpoint::TensorLocation where, ckpt.Find(t.name(), aliases));
+      const std::vector<int64_t> global(t.global_shape().begin(), t.global_shape().end());
+      if (where.info->shape != global) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint tensor ", where.info->name, " has shape ", ShapeString(where.info->shape),
+            "; the plan (from config.json) expects ", ShapeString(global)));
+      }
+      at::Tensor local = at::zeros(std::vector<int64_t>(t.local_shape().begin(), t.local_shape().end()),
+                                   at::kFloat);
+      checkpoint::Slice slice;
+      if (t.split_dim() >= 0) {
+        // Rows past the real size are padding: they stay zero.
+        slice = {t.split_dim(), t.start(), std::min(t.end(), global[static_cast<size_t>(t.split_dim())])};
+      }
+      if (slice.dim < 0 || slice.end > slice.start) {
+        RETURN_IF_ERROR(where.file->ReadSlice(*where.info, slice, local.data_ptr<float>()));
+      }
+      *param_bytes += t.bytes();
+      params_[t.name()] = local;
+      for (const auto& a : aliases) params_[a] = local;
+      shards_[t.name()] = &t;
+    }
+    return absl::OkStatus();
+  }
+
+  bool holds_heads() const { return stage_ == head_stage_; }
+
+  absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& in, int micro_batches,
+                                                            Collectives* comm) {
+    RETURN_IF_ERROR(Validate(in, micro_batches, comm));
+    comm_ = comm;
+    const int64_t rows = in.input_ids.size(0);
+    const int64_t batch = rows / in.choices;
+    std::map<std::string, std::vector<at::Tensor>> pieces;
+    int64_t batch_start = 0;
+    for (int m = 0; m < micro_batches; ++m) {
+      const int64_t size = batch / micro_batches + (m < batch % micro_batches ? 1 : 0);
+      const int64_t r0 = batch_start * in.choices, nrows = size * in.choices;
+      batch_start += size;
+      ModelInputs mb{in.input_ids.narrow(0, r0, nrows), in.attention_mask.narrow(0, r0, nrows),
+                     in.token_type_ids.narrow(0, r0, nrows), in.choices};
+      ASSIGN_OR_RETURN(auto outputs, RunMicroBatch(mb, m));
+      for (auto& [name, t] : outputs) pieces[name].push_back(t);
+    }
+    std::map<std::string, at::Tensor> outputs;
+    for (auto& [name, list] : pieces) outputs[name] = at::cat(list, 0);
+    return outputs;
+  }
+
+ private:
+  absl::Status Validate(const ModelInputs& in, int micro_batches, Collectives* comm) const {
+    const v1::BertConfig& c = plan_.config();
+    if (comm == nullptr || comm->tp_size() != tp_ || comm->tp_rank() != tp_rank_) {
+      return absl::InternalError("collectives do not match the plan's tensor-parallel group");
+    }
+    if (in.input_ids.dim() != 2 || in.input_ids.sizes() != in.attention_mask.sizes() ||
+        in.input_ids.sizes() != in.token_type_ids.sizes()) {
+      return absl::InvalidArgumentError("input_ids, attention_mask and token_type_ids must share one [rows, seq] shape");
+    }
+    const int64_t rows = in.input_ids.size(0), seq = in.input_ids.size(1);
+    if (rows < 1 || seq < 1) return absl::InvalidArgumentError("inputs must hold at least one token");
+    if (in.choices < 1 || rows % in.choices != 0) {
+      return absl::InvalidArgumentError("rows must be a whole number of choice groups");
+    }
+    if ((in.choices > 1) != (plan_.variant() == v1::BERT_FOR_MULTIPLE_CHOICE)) {
+      return absl::InvalidArgumentError(
+          "inputs are [batch, choices, seq] exactly for BertForMultipleChoice, [batch, seq] otherwise");
+    }
+    if (seq > c.max_position_embeddings()) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence length ", seq, " exceeds max_position_embeddings ",
+                                                     c.max_position_embeddings()));
+    }
+    if (sp_ && seq % tp_ != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("split_gather sequence parallelism needs the sequence length (",
+                                                     seq, ") to be a multiple of tp_size ", tp_));
+    }
+    if (in.input_ids.min().item<int64_t>() < 0 || in.input_ids.max().item<int64_t>() >= c.vocab_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("input_ids must be in [0, vocab_size ", c.vocab_size(), ")"));
+    }
+    if (in.token_type_ids.min().item<int64_t>() < 0 ||
+        in.token_type_ids.max().item<int64_t>() >= c.type_vocab_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("token_type_ids must be in [0, type_vocab_size ",
+                                                     c.type_vocab_size(), ")"));
+    }
+    const int64_t batch = rows / in.choices;
+    if (micro_batches < 1 || micro_batches > batch) {
+      return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 1..batch size ", batch,
+                                                     ", got ", micro_batches));
+    }
+    return absl::OkStatus();
+  }
+
+  const at::Tensor& P(const std::string& name) const { return params_.at(name); }
+
+  at::Tensor Act(const at::Tensor& x) const {
+    const std::string& act = plan_.config().hidden_act();
+    if (act == "relu") return at::relu(x);
+    if (act == "gelu_new" || act == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
+    return at::gelu(x);  // "gelu": the exact (erf) form
+  }
+
+  at::Tensor Norm(const at::Tensor& x, const std::string& module) const {
+    return at::layer_norm(x, {x.size(-1)}, P(module + ".weight"), P(module + ".bias"),
+                          plan_.config().layer_norm_eps());
+  }
+
+  at::Tensor Linear(const at::Tensor& x, const std::string& module) const {
+    return at::linear(x, P(module + ".weight"), P(module + ".bias"));
+  }
+
+  // Linear1D_Row: this rank's input features times its weight columns, summed over the group
+  // (or reduce-scattered along the sequence under split_gather), then the whole bias once.
+  absl::StatusOr<at::Tensor> RowLinear(const at::Tensor& x, const std::string& module) {
+    at::Tensor y = at::matmul(x, P(module + ".weight").t());
+    if (tp_ > 1) {
+      if (sp_) {
+        ASSIGN_OR_RETURN(y, comm_->ReduceScatter(y, 1));
+      } else {
+        RETURN_IF_ERROR(comm_->AllReduceSum(y));
+      }
+    }
+    return y + P(module + ".bias");
+  }
+
+  // [mb, seq] ids -> [mb, seq, H] (full sequence on every TP rank).
+  absl::StatusOr<at::Tensor> Embeddings(const ModelInputs& in) {
+    const std::string word_name = prefix_ + "embeddings.word_embeddings.weight";
+    const at::Tensor& word = P(word_name);
+    const v1::TensorShard& shard = *shards_.at(word_name);
+    at::Tensor words;
+    if (tp_ > 1) {
+      // VocabParallelEmbedding1D: ids outside this rank's rows look up row 0, are zeroed, and the
+      // sum over the group assembles every token's row.
+      const at::Tensor outside = (in.input_ids < shard.start()) | (in.input_ids >= shard.end());
+      const at::Tensor local_ids = (in.input_ids - shard.start()).masked_fill(outside, 0);
+      words = at::embedding(word, local_ids).masked_fill(outside.unsqueeze(-1), 0.0);
+      RETURN_IF_ERROR(comm_->AllReduceSum(words));
+    } else {
+      words = at::embedding(word, in.input_ids);
+    }
+    const int64_t seq = in.input_ids.size(1);
+    const at::Tensor positions = at::arange(seq, at::kLong);
+    at::Tensor x = words + at::embedding(P(prefix_ + "embeddings.token_type_embeddings.weight"), in.token_type_ids);
+    x = x + at::embedding(P(prefix_ + "embeddings.position_embeddings.weight"), positions).unsqueeze(0);
+    return Norm(x, prefix_ + "embeddings.LayerNorm");
+  }
+
+  // HF's extended mask: 0 where attended, the dtype's lowest value where masked; decoders also
+  // mask future positions. [mb, 1, 1 or seq, seq].
+  at::Tensor ExtendedMask(const at::Tensor& attention_mask) const {
+    at::Tensor m = attention_mask.to(at::kFloat);
+    at::Tensor keep;
+    if (plan_.variant() == v1::BERT_LM_HEAD_MODEL && plan_.config().is_decoder()) {
+      const int64_t seq = m.size(1);
+      const at::Tensor ids = at::arange(seq, at::kLong);
+      const at::Tensor causal = (ids.unsqueeze(0) <= ids.unsqueeze(1)).to(at::kFloat);  // [q, k]
+      keep = (causal.unsqueeze(0) * m.unsqueeze(1)).unsqueeze(1);
+    } else {
+      keep = m.unsqueeze(1).unsqueeze(2);
+    }
+    return (1.0 - keep) * std::numeric_limits<float>::lowest();
+  }
+
+  // One encoder layer on this rank's heads. `x` is [mb, seq or seq/tp (split_gather), H].
+  absl::StatusOr<at::Tensor> Layer(const at::Tensor& x, int64_t index, const at::Tensor& ext_mask) {
+    const std::string p = absl::StrCat(prefix_, "encoder.layer.", index, ".");
+    const v1::BertConfig& c = plan_.config();
+    at::Tensor full = x;
+    if (sp_) {
+      // Linear1D_Col under split_gather gathers the sequence before its matmul; Q, K and V share
+      // one gathered input.
+      ASSIGN_OR_RETURN(full, comm_->AllGather(x, 1));
+    }
+    const int64_t mb = full.size(0), seq = full.size(1);
+    const int64_t head_dim = c.hidden_size() / c.num_attention_heads();
+    const int64_t local_heads = c.num_attention_heads() / tp_;
+    auto heads = [&](const at::Tensor& t) { return t.view({mb, seq, local_heads, head_dim}).permute({0, 2, 1, 3}); };
+    const at::Tensor q = heads(Linear(full, p + "attention.self.query"));
+    const at::Tensor k = heads(Linear(full, p + "attention.self.key"));
+    const at::Tensor v = heads(Linear(full, p + "attention.self.value"));
+    at::Tensor scores = at::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(head_dim));
+    scores = scores + ext_mask;
+    const at::Tensor context = at::matmul(at::softmax(scores, -1), v)
+                                   .permute({0, 2, 1, 3})
+                                   .reshape({mb, seq, local_heads * head_dim});
+    ASSIGN_OR_RETURN(at::Tensor attn, RowLinear(context, p + "attention.output.dense"));
+    const at::Tensor x1 = Norm(attn + x, p + "attention.output.LayerNorm");
+    at::Tensor x1_full = x1;
+    if (sp_) {
+      ASSIGN_OR_RETURN(x1_full, comm_->AllGather(x1, 1));
+    }
+    const at::Tensor inter = Act(Linear(x1_full, p + "intermediate.dense"));
+    ASSIGN_OR_RETURN(at::Tensor out, RowLinear(inter, p + "output.dense"));
+    return Norm(out + x1, p + "output.LayerNorm");
+  }
+
+  // The layers of one slot on a full-sequence hidden state; split and gathered around them under
+  // split_gather (tensors between stages are full-sequence).
+  absl::StatusOr<at::Tensor> RunSlot(const Slot& slot, at::Tensor hidden, const at::Tensor& ext_mask) {
+    if (slot.start == slot.end) return hidden;
+    if (sp_) {
+      const int64_t part = hidden.size(1) / tp_;
+      hidden = hidden.narrow(1, tp_rank_ * part, part).contiguous();
+    }
+    for (int64_t l = slot.start; l < slot.end; ++l) {
+      ASSIGN_OR_RETURN(hidden, Layer(hidden, l, ext_mask));
+    }
+    if (sp_) {
+      ASSIGN_OR_RETURN(hidden, comm_->AllGather(hidden, 1));
+    }
+    return hidden;
+  }
+
+  absl::StatusOr<at::Tensor> LmLogits(const at::Tensor& hidden) {
+    at::Tensor t = Act(Linear(hidden, "cls.predictions.transform.dense"));
+    t = Norm(t, "cls.predictions.transform.LayerNorm");
+    // VocabParallelLMHead1D with gather_output (PaddingLMHead without TP): padded rows are zero
+    // weights and bias, and are cut off after the gather.
+    at::Tensor logits = at::linear(t, P("cls.predictions.decoder.weight"), P("cls.predictions.bias"));
+    if (tp_ > 1) {
+      ASSIGN_OR_RETURN(logits, comm_->AllGather(logits, logits.dim() - 1));
+    }
+    return logits.narrow(-1, 0, plan_.config().vocab_size()).contiguous();
+  }
+
+  absl::StatusOr<std::map<std::string, at::Tensor>> Heads(const at::Tensor& hidden, int64_t choices) {
+    std::map<std::string, at::Tensor> out;
+    const v1::ModelVariant v = plan_.variant();
+    at::Tensor pooled;
+    if (HasPooler(v)) {
+      pooled = at::tanh(Linear(hidden.select(1, 0), prefix_ + "pooler.dense"));
+    }
+    switch (v) {
+      case v1::BERT_MODEL:
+        out["last_hidden_state"] = hidden;
+        out["pooler_output"] = pooled;
+        break;
+      case v1::BERT_FOR_PRE_TRAINING: {
+        ASSIGN_OR_RETURN(out["prediction_logits"], LmLogits(hidden));
+        out["seq_relationship_logits"] = Linear(pooled, "cls.seq_relationship");
+        break;
+      }
+      case v1::BERT_LM_HEAD_MODEL:
+      case v1::BERT_FOR_MASKED_LM: {
+        ASSIGN_OR_RETURN(out["logits"], LmLogits(hidden));
+        break;
+      }
+      case v1::BERT_FOR_NEXT_SENTENCE_PREDICTION:
+        out["logits"] = Linear(pooled, "cls.seq_relationship");
+        break;
+      case v1::BERT_FOR_SEQUENCE_CLASSIFICATION:
+        out["logits"] = Linear(pooled, "classifier");
+        break;
+      case v1::BERT_FOR_TOKEN_CLASSIFICATION:
+        out["logits"] = Linear(hidden, "classifier");
+        break;
+      case v1::BERT_FOR_MULTIPLE_CHOICE:
+        out["logits"] = Linear(pooled, "classifier").view({-1, choices});
+        break;
+      case v1::BERT_FOR_QUESTION_ANSWERING: {
+        const at::Tensor logits = Linear(hidden, "qa_outputs");
+        out["start_logits"] = logits.select(-1, 0).contiguous();
+        out["end_logits"] = logits.select(-1, 1).contiguous();
+        break;
+      }
+      default:
+        return absl::InternalError("plan has no model variant");
+    }
+    return out;
+  }
+
+  // Runs every slot of this rank's stage for micro-batch `m`, receiving from and sending to the
+  // neighbouring stages on the route. All ranks walk the route in the same order, so every send
+  // meets its receive and stages overlap across micro-batches.
+  absl::StatusOr<std::map<std::string, at::Tensor>> RunMicroBatch(const ModelInputs& mb, int m) {
+    const at::Tensor ext_mask = ExtendedMask(mb.attention_mask);
+    const int slots = static_cast<int>(route_.size());
+    const auto tag = [&](int k) { return m * (slots + 1) + k; };
+    const auto peer = [&](int stage) { return stage * tp_ + tp_rank_; };
+    at::Tensor hidden;
+    std::map<std::string, at::Tensor> outputs;
+    for (int k = 0; k < slots; ++k) {
+      const Slot& slot = route_[static_cast<size_t>(k)];
+      if (slot.stage != stage_) continue;
+      if (k == 0) {
+        ASSIGN_OR_RETURN(hidden, Embeddings(mb));
+      } else if (route_[static_cast<size_t>(k) - 1].stage != stage_) {
+        hidden = at::empty({mb.input_ids.size(0), mb.input_ids.size(1), plan_.config().hidden_size()}, at::kFloat);
+        RETURN_IF_ERROR(comm_->Recv(hidden, peer(route_[static_cast<size_t>(k) - 1].stage), tag(k)));
+      }
+      ASSIGN_OR_RETURN(hidden, RunSlot(slot, hidden, ext_mask));
+      if (k == slots - 1) {
+        ASSIGN_OR_RETURN(outputs, Heads(hidden, mb.choices));
+      } else if (route_[static_cast<size_t>(k) + 1].stage != stage_) {
+        RETURN_IF_ERROR(comm_->Send(hidden.contiguous(), peer(route_[static_cast<size_t>(k) + 1].stage), tag(k + 1)));
+      }
+    }
+    return outputs;
+  }
+
+  const v1::ShardPlan plan_;
+  const int rank_;
+  int tp_ = 1, stage_ = 0, tp_rank_ = 0, head_stage_ = 0;
+  bool sp_ = false;
+  std::string prefix_;
+  std::vector<Slot> route_;
+  std::map<std::string, at::Tensor> params_;  // by state-dict name and alias
+  std::map<std::string, const v1::TensorShard*> shards_;  // points into plan_
+  Collectives* comm_ = nullptr;  // set for the duration of Forward
+};
+
+BertShard::BertShard(std::unique_ptr<Impl> impl, int stage, int64_t param_bytes)
+    : impl_(std::move(impl)), stage_(stage), param_bytes_(param_bytes) {}
+
+BertShard::~BertShard() = default;
+
+bool BertShard::holds_heads() const { return impl_->holds_heads(); }
+
+absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& plan, int rank,
+                                                           const checkpoint::Checkpoint& checkpoint) {
+  if (rank < 0 || rank >= plan.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside the plan's world of ",
+                                                   plan.world_size()));
+  }
+  try {
+    auto impl = std::make_unique<Impl>(plan, rank);
+    int64_t bytes = 0;
+    RETURN_IF_ERROR(impl->LoadTensors(checkpoint, &bytes));
+    const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
+    return std::unique_ptr<BertShard>(new BertShard(std::move(impl), rank / tp, bytes));
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("loading rank ", rank, ": ", e.what()));
+  }
+}
+
+absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs,
+                                                                     int micro_batches,
+                                                                     Collectives* collectives) {
+  try {
+    return impl_->Forward(inputs, micro_batches, collectives);
+  } catch (const std::exception& e) {
+    // Shapes and ids are validated first, so an escaped torch error is our bug.
+    return absl::InternalError(absl::StrCat("forward: ", e.what()));
+  }
+}
+
+}  // namespace bertshard::model

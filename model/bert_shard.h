@@ -1,0 +1,77 @@
+// File: model/bert_shard.h
+// -----------------------------------------------------------------------------
+// One rank's part of a sharded HuggingFace BERT (eval mode), built exactly from its ShardPlan:
+// the rank loads the tensors its plan lists (slices, padding, aliases) and runs the modules its
+// stage holds, with the collectives the plan's layers imply -- column/row-parallel linears over
+// its attention heads, vocabulary-parallel embedding and LM head, split_gather sequence
+// parallelism, and pipeline transfers along the plan's route (1F1B, interleaved chunks, ZBV).
+// It never re-derives sharding: every slice comes from the plan.
+//
+// Example (one rank of a TP 2 x PP 2 plan):
+//   ASSIGN_OR_RETURN(auto shard, BertShard::Load(plan, /*rank=*/3, *checkpoint));
+//   ASSIGN_OR_RETURN(auto outputs, shard->Forward(inputs, /*micro_batches=*/2, &collectives));
+//   // On the ranks of the stage that holds the heads: {"logits": [batch, seq, vocab]}; else {}.
+//
+// Thread safety: thread-compatible; Forward uses the intra-op thread pool of LibTorch.
+#ifndef BERTSHARD_MODEL_BERT_SHARD_H_
+#define BERTSHARD_MODEL_BERT_SHARD_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "bertshard/v1/plan.pb.h"
+#include "checkpoint/checkpoint.h"
+#include "model/collectives.h"
+
+namespace bertshard::model {
+
+// Token inputs, int64 tensors of shape [rows, seq]; rows = batch, or batch x choices for
+// BertForMultipleChoice (then `choices` > 1).
+struct ModelInputs {
+  at::Tensor input_ids;
+  at::Tensor attention_mask;  // 1 = attend, 0 = padding
+  at::Tensor token_type_ids;
+  int64_t choices = 1;
+};
+
+class BertShard {
+ public:
+  // Reads the tensors rank `rank` holds in `plan` from `checkpoint` (only the byte ranges of its
+  // slices). Errors: INVALID_ARGUMENT for a rank outside the plan, NOT_FOUND / INVALID_ARGUMENT
+  // naming a tensor that is missing or misshaped in the checkpoint.
+  static absl::StatusOr<std::unique_ptr<BertShard>> Load(const v1::ShardPlan& plan, int rank,
+                                                         const checkpoint::Checkpoint& checkpoint);
+
+  ~BertShard();
+
+  // fp32 bytes of the tensors this rank holds.
+  int64_t param_bytes() const { return param_bytes_; }
+  int stage() const { return stage_; }
+  // Whether this rank's stage ends the pipeline route (and so returns the outputs).
+  bool holds_heads() const;
+
+  // Runs the forward over `micro_batches` slices of the batch (1 <= micro_batches <= rows), taking
+  // part in every pipeline slot of this rank's stage. Returns the outputs with HF names on ranks
+  // of the head stage, {} elsewhere. INVALID_ARGUMENT for inputs the plan cannot run (shapes,
+  // ids, lengths); a collective failure is UNAVAILABLE.
+  absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& inputs,
+                                                            int micro_batches,
+                                                            Collectives* collectives);
+
+ private:
+  class Impl;
+  explicit BertShard(std::unique_ptr<Impl> impl, int stage, int64_t param_bytes);
+
+  std::unique_ptr<Impl> impl_;
+  const int stage_;
+  const int64_t param_bytes_;
+};
+
+}  // namespace bertshard::model
+
+#endif  // BERTSHARD_MODEL_BERT_SHARD_H_

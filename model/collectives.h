@@ -1,0 +1,61 @@
+// File: model/collectives.h
+// -----------------------------------------------------------------------------
+// The communication a rank of a sharded BERT needs: collectives over its stage's tensor-parallel
+// group and point-to-point transfers of activations between pipeline stages. The worker implements
+// it over c10d process groups (Gloo on CPU); SingleRankCollectives serves an unsharded model.
+//
+// Every method returns a Status instead of throwing. After an error the group is unusable (a
+// failed collective can desynchronise the ranks): callers end the rank.
+//
+// Thread safety: implementations are thread-compatible (one forward at a time).
+#ifndef BERTSHARD_MODEL_COLLECTIVES_H_
+#define BERTSHARD_MODEL_COLLECTIVES_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace bertshard::model {
+
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+
+  virtual int tp_size() const = 0;
+  virtual int tp_rank() const = 0;
+
+  // Sum over the TP group, in place.
+  virtual absl::Status AllReduceSum(at::Tensor& tensor) = 0;
+  // Concatenation of every TP rank's `tensor` along `dim`, in TP rank order.
+  virtual absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor, int64_t dim) = 0;
+  // Sum over the TP group, then this rank's 1/tp_size part along `dim` (which it must divide).
+  virtual absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& tensor, int64_t dim) = 0;
+
+  // Pipeline transfers between global ranks; `tag` pairs a send with its receive. Recv fills a
+  // tensor of the expected shape.
+  virtual absl::Status Send(const at::Tensor& tensor, int dst_rank, int tag) = 0;
+  virtual absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) = 0;
+};
+
+// One rank, no peers: collectives are identities and transfers are errors.
+class SingleRankCollectives final : public Collectives {
+ public:
+  int tp_size() const override { return 1; }
+  int tp_rank() const override { return 0; }
+  absl::Status AllReduceSum(at::Tensor&) override { return absl::OkStatus(); }
+  absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor, int64_t) override { return tensor; }
+  absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& tensor, int64_t) override { return tensor; }
+  absl::Status Send(const at::Tensor&, int, int) override {
+    return absl::InternalError("a single rank has no pipeline peer to send to");
+  }
+  absl::Status Recv(at::Tensor&, int, int) override {
+    return absl::InternalError("a single rank has no pipeline peer to receive from");
+  }
+};
+
+}  // namespace bertshard::model
+
+#endif  // BERTSHARD_MODEL_COLLECTIVES_H_
