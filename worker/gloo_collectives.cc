@@ -1,0 +1,134 @@
+#include "worker/gloo_collectives.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace bertshard::worker {
+namespace {
+
+// Runs a c10d call; any exception means the group is broken.
+template <typename F>
+absl::Status Guard(absl::string_view what, F&& f) {
+  try {
+    f();
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat(what, " failed: ", e.what()));
+  }
+}
+
+}  // namespace
+
+struct GlooCollectives::Groups {
+  GlooOptions options;
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> world;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> tp;  // null when tp_size == 1
+  int tp_rank = 0;
+};
+
+GlooCollectives::GlooCollectives(std::unique_ptr<Groups> groups) : groups_(std::move(groups)) {}
+GlooCollectives::~GlooCollectives() = default;
+
+absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const GlooOptions& o) {
+  if (o.world_size < 1 || o.tp_size < 1 || o.world_size % o.tp_size != 0 || o.rank < 0 ||
+      o.rank >= o.world_size || o.master_port <= 0 || o.master_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("inconsistent process group: rank ", o.rank, " of ",
+                                                   o.world_size, ", tp ", o.tp_size, ", port ", o.master_port));
+  }
+  auto groups = std::make_unique<Groups>();
+  groups->options = o;
+  groups->tp_rank = o.rank % o.tp_size;
+  absl::Status status = Guard("rendezvous", [&]() {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(o.master_port);
+    store_options.isServer = o.rank == 0;
+    store_options.numWorkers = static_cast<size_t>(o.world_size);
+    store_options.waitWorkers = false;
+    store_options.timeout = o.timeout;
+    groups->store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
+    auto make_options = [&]() {
+      auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(o.master_addr));
+      options->threads = 1;
+      return options;
+    };
+    groups->world = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("world", groups->store), o.rank, o.world_size,
+        make_options());
+    if (o.tp_size > 1) {
+      const int stage = o.rank / o.tp_size;
+      groups->tp = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("tp", stage), groups->store),
+          groups->tp_rank, o.tp_size, make_options());
+    }
+  });
+  if (!status.ok()) return status;
+  return std::unique_ptr<GlooCollectives>(new GlooCollectives(std::move(groups)));
+}
+
+int GlooCollectives::tp_size() const { return groups_->options.tp_size; }
+int GlooCollectives::tp_rank() const { return groups_->tp_rank; }
+
+absl::Status GlooCollectives::AllReduceSum(at::Tensor& tensor) {
+  if (!groups_->tp) return absl::OkStatus();
+  return Guard("tensor-parallel all-reduce", [&]() {
+    std::vector<at::Tensor> tensors = {tensor};
+    groups_->tp->allreduce(tensors)->wait();
+  });
+}
+
+absl::StatusOr<at::Tensor> GlooCollectives::AllGather(const at::Tensor& tensor, int64_t dim) {
+  if (!groups_->tp) return tensor;
+  at::Tensor result;
+  absl::Status status = Guard("tensor-parallel all-gather", [&]() {
+    std::vector<at::Tensor> input = {tensor.contiguous()};
+    std::vector<std::vector<at::Tensor>> output(1);
+    for (int i = 0; i < tp_size(); ++i) output[0].push_back(at::empty_like(input[0]));
+    groups_->tp->allgather(output, input)->wait();
+    result = at::cat(output[0], dim);
+  });
+  if (!status.ok()) return status;
+  return result;
+}
+
+absl::StatusOr<at::Tensor> GlooCollectives::ReduceScatter(const at::Tensor& tensor, int64_t dim) {
+  if (!groups_->tp) return tensor;
+  if (tensor.size(dim) % tp_size() != 0) {
+    return absl::InternalError("reduce-scatter dimension is not a multiple of the TP size");
+  }
+  at::Tensor result;
+  absl::Status status = Guard("tensor-parallel reduce-scatter", [&]() {
+    // Chunk j goes to TP rank j; each rank then sums the chunks it received.
+    at::Tensor input = at::stack(tensor.chunk(tp_size(), dim), 0).contiguous();
+    at::Tensor output = at::empty_like(input);
+    std::vector<int64_t> equal_splits;
+    groups_->tp->alltoall_base(output, input, equal_splits, equal_splits)->wait();
+    result = output.sum(0);
+  });
+  if (!status.ok()) return status;
+  return result;
+}
+
+absl::Status GlooCollectives::Send(const at::Tensor& tensor, int dst_rank, int tag) {
+  return Guard(absl::StrCat("send to rank ", dst_rank), [&]() {
+    std::vector<at::Tensor> tensors = {tensor.contiguous()};
+    groups_->world->send(tensors, dst_rank, tag)->wait();
+  });
+}
+
+absl::Status GlooCollectives::Recv(at::Tensor& tensor, int src_rank, int tag) {
+  return Guard(absl::StrCat("receive from rank ", src_rank), [&]() {
+    std::vector<at::Tensor> tensors = {tensor};
+    groups_->world->recv(tensors, src_rank, tag)->wait();
+  });
+}
+
+}  // namespace bertshard::worker

@@ -1,0 +1,57 @@
+// File: worker/gloo_collectives.h
+// -----------------------------------------------------------------------------
+// Collectives (model/collectives.h) over c10d ProcessGroupGloo on CPU: a TCPStore rendezvous
+// hosted by rank 0 (MASTER_ADDR/MASTER_PORT style), one process group over all ranks for the
+// pipeline's point-to-point transfers, and one per pipeline stage for its tensor-parallel ranks.
+// LibTorch 1.13's Gloo has no reduce-scatter: it is emulated with alltoall_base plus a local sum.
+//
+// Every c10d call is wrapped: a failure (peer gone, timeout) becomes UNAVAILABLE, and the groups
+// are then unusable -- the rank must end (a failed collective can desynchronise the ranks).
+//
+// Thread safety: thread-compatible.
+#ifndef BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
+#define BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "model/collectives.h"
+
+namespace bertshard::worker {
+
+struct GlooOptions {
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  int rank = 0;
+  int world_size = 1;
+  int tp_size = 1;  // ranks stage*tp .. stage*tp+tp-1 form a stage's TP group
+  // Rendezvous and every collective give up after this long (no hangs).
+  std::chrono::milliseconds timeout{120000};
+};
+
+class GlooCollectives final : public model::Collectives {
+ public:
+  // Joins the rendezvous and builds the groups. UNAVAILABLE if peers do not arrive in time;
+  // INVALID_ARGUMENT for inconsistent sizes.
+  static absl::StatusOr<std::unique_ptr<GlooCollectives>> Connect(const GlooOptions& options);
+  ~GlooCollectives() override;
+
+  int tp_size() const override;
+  int tp_rank() const override;
+  absl::Status AllReduceSum(at::Tensor& tensor) override;
+  absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor, int64_t dim) override;
+  absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& tensor, int64_t dim) override;
+  absl::Status Send(const at::Tensor& tensor, int dst_rank, int tag) override;
+  absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) override;
+
+ private:
+  struct Groups;
+  explicit GlooCollectives(std::unique_ptr<Groups> groups);
+  std::unique_ptr<Groups> groups_;
+};
+
+}  // namespace bertshard::worker
+
+#endif  // BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
