@@ -6,17 +6,27 @@
 //
 // Exit status: 0 ok, 1 the coordinator could not be reached or output failed, 2 invalid input.
 #include <cstdio>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "client/command_line.h"
+#include "client/init_checkpoint.h"
 #include "client/plan_command.h"
+#include "client/run_command.h"
 
 namespace {
 
 constexpr char kUsage[] = R"(usage: shardctl plan [REQUEST.json] [flags]
+       shardctl run --local --checkpoint DIR --input FILE.json --output FILE.safetensors [flags]
+       shardctl init-checkpoint --variant V [--config JSON] [--seed N] --out DIR
 
-Plans how a BERT model is sharded over tensor- and pipeline-parallel ranks.
+plan: how a BERT model is sharded over tensor- and pipeline-parallel ranks.
+run: the sharded forward, one process per rank on this machine (Gloo on loopback); --tp, --pp,
+  --pp-style, --chunks, --sp-mode as for plan, plus --micro-batches M, --threads T (per rank),
+  --backend gloo, --timeout SECONDS, --rank-binary PATH. Prints per-rank load/forward time, peak
+  RSS and checkpoint bytes read; writes the outputs (float32, HF names).
+init-checkpoint: a randomly initialised HF model directory (config.json + model.safetensors).
 
 Request (a JSON file in the plan contract's format, and/or flags; flags win):
   --request FILE            PlanRequest JSON (same as the positional REQUEST.json)
@@ -54,13 +64,26 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, args.empty() ? stderr : stdout);
     return args.empty() ? bertshard::client::kExitInvalidInput : bertshard::client::kExitOk;
   }
-  if (args[0] != "plan") {
-    std::fprintf(stderr, "shardctl: unknown command '%s'; commands: plan (see shardctl --help)\n",
+  namespace client = bertshard::client;
+  const std::set<std::string> no_switches = {"help"};
+  const std::set<std::string>* value_flags = nullptr;
+  const std::set<std::string>* switch_flags = nullptr;
+  if (args[0] == "plan") {
+    value_flags = &client::PlanValueFlags();
+    switch_flags = &client::PlanSwitchFlags();
+  } else if (args[0] == "run") {
+    value_flags = &client::RunValueFlags();
+    switch_flags = &client::RunSwitchFlags();
+  } else if (args[0] == "init-checkpoint") {
+    value_flags = &client::InitCheckpointValueFlags();
+    switch_flags = &no_switches;
+  } else {
+    std::fprintf(stderr,
+                 "shardctl: unknown command '%s'; commands: plan, run, init-checkpoint (see shardctl --help)\n",
                  args[0].c_str());
-    return bertshard::client::kExitInvalidInput;
+    return client::kExitInvalidInput;
   }
-  auto command_line = bertshard::client::ParseCommandLine(
-      args, bertshard::client::PlanValueFlags(), bertshard::client::PlanSwitchFlags());
+  auto command_line = client::ParseCommandLine(args, *value_flags, *switch_flags);
   if (!command_line.ok()) {
     std::fprintf(stderr, "shardctl: %s (see shardctl --help)\n",
                  std::string(command_line.status().message()).c_str());
@@ -70,5 +93,7 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, stdout);
     return bertshard::client::kExitOk;
   }
-  return bertshard::client::RunPlanCommand(*command_line, stdout, stderr);
+  if (args[0] == "run") return client::RunRunCommand(*command_line, stdout, stderr);
+  if (args[0] == "init-checkpoint") return client::RunInitCheckpointCommand(*command_line, stdout, stderr);
+  return client::RunPlanCommand(*command_line, stdout, stderr);
 }

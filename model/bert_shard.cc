@@ -72,7 +72,17 @@ class BertShard::Impl {
     *param_bytes = 0;
     for (const v1::TensorShard& t : mine->tensors()) {
       std::vector<std::string> aliases(t.aliases().begin(), t.aliases().end());
-      ASSIGN_OR_RETURN(checkpoint::TensorLocation where, ckpt.Find(t.name(), aliases));
+      // As HF's from_pretrained, accept a base-model checkpoint for a model with heads and the
+      // other way round: the trunk's names differ only by the "bert." prefix.
+      std::vector<std::string> candidates = aliases;
+      for (const std::string& name : std::vector<std::string>{t.name()}) {
+        if (name.rfind("bert.", 0) == 0) {
+          candidates.push_back(name.substr(5));
+        } else if (plan_.variant() == v1::BERT_MODEL) {
+          candidates.push_back("bert." + name);
+        }
+      }
+      ASSIGN_OR_RETURN(checkpoint::TensorLocation where, ckpt.Find(t.name(), candidates));
       const std::vector<int64_t> global(t.global_shape().begin(), t.global_shape().end());
       if (where.info->shape != global) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -90,6 +100,9 @@ class BertShard::Impl {
         RETURN_IF_ERROR(where.file->ReadSlice(*where.info, slice, local.data_ptr<float>()));
       }
       *param_bytes += t.bytes();
+      int64_t row_elements = 1;
+      for (int i = 1; i < t.local_shape_size(); ++i) row_elements *= t.local_shape(i);
+      padding_bytes_ += t.padding() * row_elements * 4;
       params_[t.name()] = local;
       for (const auto& a : aliases) params_[a] = local;
       shards_[t.name()] = &t;
@@ -98,6 +111,7 @@ class BertShard::Impl {
   }
 
   bool holds_heads() const { return stage_ == head_stage_; }
+  int64_t padding_bytes() const { return padding_bytes_; }
 
   absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& in, int micro_batches,
                                                             Collectives* comm) {
@@ -381,6 +395,7 @@ class BertShard::Impl {
   std::map<std::string, at::Tensor> params_;  // by state-dict name and alias
   std::map<std::string, const v1::TensorShard*> shards_;  // points into plan_
   Collectives* comm_ = nullptr;  // set for the duration of Forward
+  int64_t padding_bytes_ = 0;
 };
 
 BertShard::BertShard(std::unique_ptr<Impl> impl, int stage, int64_t param_bytes)
@@ -389,6 +404,7 @@ BertShard::BertShard(std::unique_ptr<Impl> impl, int stage, int64_t param_bytes)
 BertShard::~BertShard() = default;
 
 bool BertShard::holds_heads() const { return impl_->holds_heads(); }
+int64_t BertShard::padding_bytes() const { return impl_->padding_bytes(); }
 
 absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& plan, int rank,
                                                            const checkpoint::Checkpoint& checkpoint) {

@@ -51,6 +51,8 @@ class BertShard {
 
   // fp32 bytes of the tensors this rank holds.
   int64_t param_bytes() const { return param_bytes_; }
+  // Of those, the zero rows that pad the vocabulary (never read from the checkpoint).
+  int64_t padding_bytes() const;
   int stage() const { return stage_; }
   // Whether this rank's stage ends the pipeline route (and so returns the outputs).
   bool holds_heads() const;

@@ -8,6 +8,9 @@ PACKAGES=(
   bazel-bootstrap bazel-rules-java bazel-platforms g++
   # gRPC, protobuf, Abseil (headers and libraries), and the standard protos (health, reflection).
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev grpc-proto
+  # The model: LibTorch (CPU) with c10d/Gloo, and OpenBLAS (Debian's LibTorch otherwise falls
+  # back to the reference BLAS, ~20x slower).
+  libtorch-dev libgloo-dev libopenblas0-pthread
   # Tests and benchmarks.
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   # `git clone` of this repository on a fresh machine, and TLS for apt mirrors.

@@ -1,0 +1,388 @@
+#include "client/run_command.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "checkpoint/safetensors.h"
+#include "client/plan_command.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "planner/plan_format.h"
+#include "planner/planner.h"
+
+extern char** environ;
+
+namespace bertshard::client {
+namespace {
+
+using nlohmann::json;
+
+absl::Status Invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
+
+absl::StatusOr<std::string> ReadText(const std::string& path, absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Invalid(absl::StrCat("cannot read ", what, " ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Flattens a nested array of `depth` levels, checking it is rectangular and integral.
+absl::Status Flatten(const json& value, const std::string& key, int depth, std::vector<int64_t>* shape,
+                     std::vector<int64_t>* out, size_t level = 0) {
+  if (level == static_cast<size_t>(depth)) {
+    if (!value.is_number_integer()) {
+      return Invalid(absl::StrCat(key, " must hold integers, found ", value.dump()));
+    }
+    out->push_back(value.get<int64_t>());
+    return absl::OkStatus();
+  }
+  if (!value.is_array() || value.empty()) {
+    return Invalid(absl::StrCat(key, " must be a non-empty ", depth, "-level nested array"));
+  }
+  if (shape->size() == level) shape->push_back(static_cast<int64_t>(value.size()));
+  if ((*shape)[level] != static_cast<int64_t>(value.size())) {
+    return Invalid(absl::StrCat(key, " is ragged: rows of different lengths"));
+  }
+  for (const auto& v : value) RETURN_IF_ERROR(Flatten(v, key, depth, shape, out, level + 1));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::UnavailableError("cannot create a socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  close(fd);
+  if (!ok) return absl::UnavailableError("cannot find a free loopback port");
+  return static_cast<int>(ntohs(addr.sin_port));
+}
+
+// The rank binary: --rank-binary, $BERTSHARD_RANK_BINARY, or next to this executable (installed
+// side by side, or bazel-bin/client/../worker).
+std::string FindRankBinary(const std::map<std::string, std::string>& flags) {
+  if (auto it = flags.find("rank-binary"); it != flags.end()) return it->second;
+  if (const char* env = std::getenv("BERTSHARD_RANK_BINARY")) return env;
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  std::string dir = n > 0 ? std::string(self, static_cast<size_t>(n)) : std::string();
+  dir = dir.substr(0, dir.rfind('/'));
+  for (const std::string& candidate : {dir + "/shard-rank", dir + "/../worker/shard-rank"}) {
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return dir + "/shard-rank";
+}
+
+std::string Tail(const std::string& path, size_t bytes = 2000) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string s = text.str();
+  return s.size() > bytes ? s.substr(s.size() - bytes) : s;
+}
+
+struct RankProcess {
+  int rank = 0;
+  pid_t pid = -1;
+  bool done = false;
+  int exit_code = 0;
+  std::string log;
+};
+
+// Waits for every rank; the first failure (or the deadline) stops all the others.
+absl::Status WaitForRanks(std::vector<RankProcess>& ranks, std::chrono::seconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  size_t remaining = ranks.size();
+  std::string failure;
+  while (remaining > 0) {
+    bool progressed = false;
+    for (RankProcess& r : ranks) {
+      if (r.done) continue;
+      int status = 0;
+      const pid_t got = waitpid(r.pid, &status, WNOHANG);
+      if (got != r.pid) continue;
+      r.done = true;
+      --remaining;
+      progressed = true;
+      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (r.exit_code != 0 && failure.empty()) {
+        failure = absl::StrCat("rank ", r.rank, " failed (exit ", r.exit_code, "):\n", Tail(r.log));
+      }
+    }
+    if (failure.empty() && std::chrono::steady_clock::now() > deadline) {
+      failure = absl::StrCat("ranks did not finish within ", timeout.count(), " s");
+    }
+    if (!failure.empty()) break;
+    if (!progressed) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (failure.empty()) return absl::OkStatus();
+  for (RankProcess& r : ranks) {
+    if (!r.done) kill(r.pid, SIGTERM);
+  }
+  const auto grace = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  for (RankProcess& r : ranks) {
+    while (!r.done) {
+      int status = 0;
+      if (waitpid(r.pid, &status, WNOHANG) == r.pid) {
+        r.done = true;
+      } else if (std::chrono::steady_clock::now() > grace) {
+        kill(r.pid, SIGKILL);
+        waitpid(r.pid, &status, 0);
+        r.done = true;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  }
+  return absl::AbortedError(failure);
+}
+
+void PrintError(std::FILE* err, const absl::Status& status) {
+  std::fprintf(err, "shardctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
+               std::string(status.message()).c_str());
+}
+
+absl::Status Run(const CommandLine& cl, std::FILE* out) {
+  const auto& v = cl.values;
+  if (!cl.switches.count("local")) {
+    return Invalid("run needs --local (ranks on this machine); running on workers is `shardctl submit`");
+  }
+  for (const char* required : {"checkpoint", "input", "output"}) {
+    if (!v.count(required)) return Invalid(absl::StrCat("run needs --", required));
+  }
+  const std::string backend = v.count("backend") ? v.at("backend") : "gloo";
+  if (backend == "nccl") {
+    return Invalid("--backend nccl needs a CUDA build (bazel build --config=cuda), which this shardctl is not");
+  }
+  if (backend != "gloo") return Invalid(absl::StrCat("--backend '", backend, "' is not one of gloo, nccl"));
+  int64_t micro_batches = 1, threads = 0, timeout_s = 600;
+  if (v.count("micro-batches") && (!absl::SimpleAtoi(v.at("micro-batches"), &micro_batches) || micro_batches < 1)) {
+    return Invalid("--micro-batches needs a positive integer");
+  }
+  if (v.count("threads") && (!absl::SimpleAtoi(v.at("threads"), &threads) || threads < 1)) {
+    return Invalid("--threads needs a positive integer (LibTorch threads per rank)");
+  }
+  if (v.count("timeout") && (!absl::SimpleAtoi(v.at("timeout"), &timeout_s) || timeout_s < 1)) {
+    return Invalid("--timeout needs a positive number of seconds");
+  }
+
+  v1::PlanRequest request;
+  RETURN_IF_ERROR(ApplyPlanFlags(cl, &request));
+  ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(request));
+  ASSIGN_OR_RETURN(std::string input_text, ReadText(v.at("input"), "input file"));
+  ASSIGN_OR_RETURN(RunInputs inputs, ParseRunInputs(input_text, plan));
+  if (micro_batches > inputs.batch) {
+    return Invalid(absl::StrCat("--micro-batches ", micro_batches, " exceeds the batch size ", inputs.batch));
+  }
+  if (plan.shard_config().sp_mode() == v1::SPLIT_GATHER && inputs.seq % plan.shard_config().tensor_parallel_size() != 0) {
+    return Invalid(absl::StrCat("split_gather sequence parallelism needs the sequence length (", inputs.seq,
+                                ") to be a multiple of tp_size ", plan.shard_config().tensor_parallel_size()));
+  }
+  const int world = plan.world_size();
+  if (threads == 0) threads = std::max<int64_t>(1, std::thread::hardware_concurrency() / world);
+
+  char dir_template[] = "/tmp/shardctl-run-XXXXXX";
+  const char* tmp = mkdtemp(dir_template);
+  if (tmp == nullptr) return absl::InternalError("cannot create a temporary directory");
+  const std::string dir = tmp;
+  // The plan, inputs, logs and reports live here for the run only.
+  struct RemoveDir {
+    std::string path;
+    ~RemoveDir() {
+      std::error_code ignored;
+      std::filesystem::remove_all(path, ignored);
+    }
+  } cleanup{dir};
+  {
+    std::ofstream plan_out(dir + "/plan.pb", std::ios::binary);
+    plan.SerializeToOstream(&plan_out);
+    json normalised = {{"rows", inputs.batch * inputs.choices}, {"seq", inputs.seq}, {"choices", inputs.choices},
+                       {"input_ids", inputs.input_ids}, {"attention_mask", inputs.attention_mask},
+                       {"token_type_ids", inputs.token_type_ids}};
+    std::ofstream(dir + "/inputs.json") << normalised.dump();
+  }
+  ASSIGN_OR_RETURN(int port, FreePort());
+  const std::string binary = FindRankBinary(v);
+  if (access(binary.c_str(), X_OK) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("rank binary ", binary,
+                                                      " not found; build //worker:shard-rank or pass --rank-binary"));
+  }
+  std::string checkpoint = request.checkpoint();
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (entry.rfind("OMP_NUM_THREADS=", 0) == 0 || entry.rfind("OPENBLAS_NUM_THREADS=", 0) == 0) continue;
+    env_strings.push_back(entry);
+  }
+  env_strings.push_back(absl::StrCat("OMP_NUM_THREADS=", threads));
+  env_strings.push_back(absl::StrCat("OPENBLAS_NUM_THREADS=", threads));
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  std::vector<RankProcess> ranks;
+  for (int rank = 0; rank < world; ++rank) {
+    RankProcess r;
+    r.rank = rank;
+    r.log = absl::StrCat(dir, "/rank_", rank, ".log");
+    std::vector<std::string> args = {
+        binary,
+        absl::StrCat("--plan=", dir, "/plan.pb"),
+        absl::StrCat("--rank=", rank),
+        "--master_addr=127.0.0.1",
+        absl::StrCat("--master_port=", port),
+        absl::StrCat("--checkpoint=", checkpoint),
+        absl::StrCat("--inputs=", dir, "/inputs.json"),
+        absl::StrCat("--micro_batches=", micro_batches),
+        absl::StrCat("--output=", v.at("output")),
+        absl::StrCat("--report=", dir, "/rank_", rank, ".json"),
+        absl::StrCat("--threads=", threads),
+        absl::StrCat("--timeout_s=", std::min<int64_t>(timeout_s, 600)),
+    };
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_addopen(&actions, 1, r.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+    const int rc = posix_spawn(&r.pid, binary.c_str(), &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    if (rc != 0) {
+      for (RankProcess& started : ranks) kill(started.pid, SIGKILL);
+      for (RankProcess& started : ranks) waitpid(started.pid, nullptr, 0);
+      return absl::InternalError(absl::StrCat("cannot start ", binary, ": ", strerror(rc)));
+    }
+    ranks.push_back(r);
+  }
+  RETURN_IF_ERROR(WaitForRanks(ranks, std::chrono::seconds(timeout_s)));
+
+  std::string table = absl::StrFormat("%-5s %-6s %-3s %9s %9s %10s %12s %12s\n", "RANK", "STAGE", "TP",
+                                      "LOAD s", "FORWARD s", "PEAK RSS", "CKPT READ", "PARAM BYTES");
+  json reports = json::array();
+  for (int rank = 0; rank < world; ++rank) {
+    ASSIGN_OR_RETURN(std::string text, ReadText(absl::StrCat(dir, "/rank_", rank, ".json"), "rank report"));
+    const json report = json::parse(text, nullptr, false);
+    if (report.is_discarded()) return absl::InternalError(absl::StrCat("rank ", rank, " wrote a bad report"));
+    reports.push_back(report);
+    absl::StrAppend(&table, absl::StrFormat("%-5d %-6d %-3d %9.3f %9.3f %10s %12d %12d\n", rank,
+                                            report.value("stage", 0), report.value("tp_rank", 0),
+                                            report.value("load_seconds", 0.0), report.value("forward_seconds", 0.0),
+                                            planner::HumanBytes(report.value("peak_rss_bytes", int64_t{0})),
+                                            report.value("checkpoint_bytes_read", int64_t{0}),
+                                            report.value("param_bytes", int64_t{0})));
+  }
+  ASSIGN_OR_RETURN(auto written, checkpoint::SafetensorsFile::Open(v.at("output")));
+  std::vector<std::string> shapes;
+  for (const auto& [name, info] : written->tensors()) {
+    shapes.push_back(absl::StrCat(name, " [", absl::StrJoin(info.shape, ", "), "]"));
+  }
+  absl::StrAppend(&table, "outputs -> ", v.at("output"), ": ", absl::StrJoin(shapes, ", "), "\n");
+  if (auto it = v.find("report"); it != v.end()) {
+    std::ofstream report_out(it->second);
+    report_out << reports.dump(2) << "\n";
+    if (!report_out) return absl::InternalError(absl::StrCat("cannot write report ", it->second));
+  }
+  std::fputs(table.c_str(), out);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+const std::set<std::string>& RunValueFlags() {
+  static const auto* flags = [] {
+    auto* f = new std::set<std::string>(PlanValueFlags());
+    for (const char* drop : {"request", "server", "output", "batch"}) f->erase(drop);
+    for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout", "report"}) {
+      f->insert(add);
+    }
+    return f;
+  }();
+  return *flags;
+}
+
+const std::set<std::string>& RunSwitchFlags() { return PlanSwitchFlags(); }
+
+absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::ShardPlan& plan) {
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Invalid("input is not a JSON object");
+  for (const auto& [key, value] : j.items()) {
+    if (key != "input_ids" && key != "attention_mask" && key != "token_type_ids") {
+      return Invalid(absl::StrCat("unknown input field '", key, "'; valid: input_ids, attention_mask, token_type_ids"));
+    }
+  }
+  if (!j.contains("input_ids")) return Invalid("input needs input_ids");
+  const bool multiple_choice = plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE;
+  const int depth = multiple_choice ? 3 : 2;
+  const char* layout = multiple_choice ? "[batch, choices, seq]" : "[batch, seq]";
+  RunInputs in;
+  std::vector<int64_t> shape;
+  if (absl::Status s = Flatten(j["input_ids"], "input_ids", depth, &shape, &in.input_ids); !s.ok()) {
+    return Invalid(absl::StrCat(s.message(), " (input_ids is ", layout, " for this model)"));
+  }
+  in.batch = shape[0];
+  in.choices = multiple_choice ? shape[1] : 1;
+  in.seq = shape.back();
+  const v1::BertConfig& c = plan.config();
+  auto other = [&](const char* key, int64_t fill, std::vector<int64_t>* out) -> absl::Status {
+    if (!j.contains(key)) {
+      out->assign(in.input_ids.size(), fill);
+      return absl::OkStatus();
+    }
+    std::vector<int64_t> other_shape;
+    RETURN_IF_ERROR(Flatten(j[key], key, depth, &other_shape, out));
+    if (other_shape != shape) return Invalid(absl::StrCat(key, " must have the shape of input_ids"));
+    return absl::OkStatus();
+  };
+  RETURN_IF_ERROR(other("attention_mask", 1, &in.attention_mask));
+  RETURN_IF_ERROR(other("token_type_ids", 0, &in.token_type_ids));
+  if (in.seq > c.max_position_embeddings()) {
+    return Invalid(absl::StrCat("sequence length ", in.seq, " exceeds max_position_embeddings ",
+                                c.max_position_embeddings()));
+  }
+  for (int64_t id : in.input_ids) {
+    if (id < 0 || id >= c.vocab_size()) {
+      return Invalid(absl::StrCat("input_ids holds ", id, "; ids must be in [0, vocab_size ", c.vocab_size(), ")"));
+    }
+  }
+  for (int64_t t : in.token_type_ids) {
+    if (t < 0 || t >= c.type_vocab_size()) {
+      return Invalid(absl::StrCat("token_type_ids holds ", t, "; it must be in [0, type_vocab_size ",
+                                  c.type_vocab_size(), ")"));
+    }
+  }
+  for (int64_t m : in.attention_mask) {
+    if (m != 0 && m != 1) return Invalid(absl::StrCat("attention_mask holds ", m, "; it must be 0 or 1"));
+  }
+  return in;
+}
+
+int RunRunCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
+  const absl::Status status = Run(cl, out);
+  if (status.ok()) return kExitOk;
+  PrintError(err, status);
+  return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
+}
+
+}  // namespace bertshard::client

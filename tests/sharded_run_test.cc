@@ -1,0 +1,228 @@
+// `shardctl run --local` end to end: sharded runs against the independent reference outputs
+// (tests/testdata/model, gen_reference.py), one launch per variant, chosen so that together they
+// cover every path: TP 1/2/4, PP 2 (1F1B), interleaved (PP 2 x 2 chunks), ZBV, split_gather (also
+// with pipelines, and RING run as split_gather), tied and untied LM heads, a vocabulary that
+// needs padding (99 rows: 128 at TP 2, 256 at TP 4, where ranks hold only padding), padded
+// attention masks, micro-batches, and F16/BF16 checkpoints. Also: bad input is refused before any
+// rank starts, and a failing rank stops the others.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "checkpoint/safetensors.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+extern char** environ;
+
+namespace bertshard {
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string TempDir() { return std::getenv("TEST_TMPDIR"); }
+
+Result Shardctl(std::vector<std::string> args) {
+  static int counter = 0;
+  const std::string base = TempDir() + "/run_" + std::to_string(counter++);
+  args.insert(args.begin(), "client/shardctl");
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, (base + ".out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, 2, (base + ".err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid;
+  Result r;
+  if (posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) return r;
+  posix_spawn_file_actions_destroy(&actions);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.out = ReadAll(base + ".out");
+  r.err = ReadAll(base + ".err");
+  return r;
+}
+
+std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> ReadTensors(const std::string& path) {
+  std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> out;
+  auto file = checkpoint::SafetensorsFile::Open(path);
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return out;
+  for (const auto& [name, info] : (*file)->tensors()) {
+    std::vector<float> values(static_cast<size_t>(info.numel()));
+    EXPECT_TRUE((*file)->ReadSlice(info, {}, values.data()).ok());
+    out[name] = {info.shape, values};
+  }
+  return out;
+}
+
+struct Launch {
+  const char* model;
+  std::vector<std::string> flags;
+};
+
+class ShardedRun : public ::testing::TestWithParam<Launch> {};
+
+TEST_P(ShardedRun, EqualsUnshardedReference) {
+  const Launch& launch = GetParam();
+  const std::string dir = std::string("tests/testdata/model/") + launch.model;
+  const std::string output = TempDir() + "/" + launch.model + ".safetensors";
+  const std::string report = TempDir() + "/" + launch.model + ".report.json";
+  std::vector<std::string> args = {"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json",
+                                   "--output", output, "--report", report, "--threads", "1", "--timeout", "120"};
+  args.insert(args.end(), launch.flags.begin(), launch.flags.end());
+  Result r = Shardctl(args);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto got = ReadTensors(output);
+  const auto want = ReadTensors(dir + "/expected.safetensors");
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, expected] : want) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(got.count(name));
+    ASSERT_EQ(got.at(name).first, expected.first);
+    float max_diff = 0;
+    for (size_t i = 0; i < expected.second.size(); ++i) {
+      max_diff = std::max(max_diff, std::fabs(got.at(name).second[i] - expected.second[i]));
+    }
+    EXPECT_LE(max_diff, 1e-5f);
+  }
+  // A rank holds exactly its share and reads only that: its parameter bytes are the plan's, and
+  // the checkpoint bytes it reads are those less the zero padding (F16/BF16 store half).
+  const auto reports = nlohmann::json::parse(ReadAll(report));
+  const int64_t scale = absl::StrContains(launch.model, "f16") ? 2 : 1;
+  Result plan_json = Shardctl([&] {
+    std::vector<std::string> plan_args = {"plan", "--checkpoint", dir, "--output", "json"};
+    for (size_t i = 0; i < launch.flags.size(); i += 2) {
+      if (launch.flags[i] != "--micro-batches") {
+        plan_args.push_back(launch.flags[i]);
+        plan_args.push_back(launch.flags[i + 1]);
+      }
+    }
+    return plan_args;
+  }());
+  ASSERT_EQ(plan_json.exit_code, 0) << plan_json.err;
+  const auto plan = nlohmann::json::parse(plan_json.out);
+  ASSERT_EQ(reports.size(), plan["ranks"].size());
+  for (const auto& rank : reports) {
+    SCOPED_TRACE(rank.dump());
+    const int64_t param = rank["param_bytes"].get<int64_t>();
+    EXPECT_EQ(param, plan["ranks"][rank["rank"].get<size_t>()]["param_bytes"].get<int64_t>());
+    EXPECT_EQ(rank["checkpoint_bytes_read"].get<int64_t>() * scale, param - rank["padding_bytes"].get<int64_t>());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Matrix, ShardedRun,
+    ::testing::Values(
+        Launch{"bert_model", {"--tp", "4"}},
+        Launch{"pretraining_tied", {"--tp", "2", "--pp", "2", "--micro-batches", "2"}},
+        Launch{"lm_head_decoder", {"--pp", "2", "--pp-style", "interleaved", "--chunks", "2"}},
+        Launch{"masked_lm_untied", {"--tp", "2", "--pp", "2", "--pp-style", "zbv"}},
+        Launch{"next_sentence", {"--tp", "2", "--sp-mode", "split_gather"}},
+        Launch{"sequence_classification_f16", {"--tp", "2", "--pp", "2", "--sp-mode", "split_gather", "--micro-batches", "2"}},
+        Launch{"token_classification_bf16", {"--tp", "4", "--sp-mode", "split_gather"}},
+        Launch{"multiple_choice", {"--tp", "2", "--pp", "2", "--pp-style", "interleaved", "--micro-batches", "2"}},
+        Launch{"question_answering", {"--tp", "2", "--pp", "2", "--pp-style", "zbv", "--sp-mode", "ring"}}),
+    [](const ::testing::TestParamInfo<Launch>& info) { return std::string(info.param.model); });
+
+TEST(ShardedRunErrors, BadInputIsRefusedBeforeAnyRankStarts) {
+  const std::string dir = "tests/testdata/model/masked_lm_untied";
+  struct Case {
+    const char* json;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {R"({"input_ids": [[1, 2, 99]]})", "ids must be in [0, vocab_size 99)"},
+      {R"({"input_ids": [[1, 2.5]]})", "must hold integers"},
+      {R"({"input_ids": [[1, 2], [3]]})", "ragged"},
+      {R"({"input_ids": [1, 2]})", "nested array"},
+      {R"({"input_ids": [[1, 2]], "attention_mask": [[1, 2]]})", "must be 0 or 1"},
+      {R"({"input_ids": [[1, 2]], "token_type_ids": [[0, 2]]})", "type_vocab_size 2"},
+      {R"({"input_ids": [[1, 2]], "attention_mask": [[1]]})", "shape of input_ids"},
+      {R"({"input_ids": [[1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]]})", "exceeds max_position_embeddings 16"},
+      {R"({"input_ids": [[1]], "labels": [1]})", "unknown input field 'labels'"},
+      {R"(not json)", "not a JSON object"},
+  };
+  for (const Case& c : cases) {
+    const std::string input = TempDir() + "/bad_input.json";
+    std::ofstream(input) << c.json;
+    Result r = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output",
+                         TempDir() + "/never.safetensors", "--tp", "2", "--rank-binary", "/nonexistent"});
+    EXPECT_EQ(r.exit_code, 2) << c.json;
+    EXPECT_TRUE(absl::StrContains(r.err, c.message)) << r.err;
+  }
+  const std::string input = TempDir() + "/odd.json";
+  std::ofstream(input) << R"({"input_ids": [[1, 2, 3]]})";
+  Result sp = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/x",
+                        "--tp", "2", "--sp-mode", "split_gather"});
+  EXPECT_EQ(sp.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(sp.err, "multiple of tp_size 2")) << sp.err;
+  Result mb = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/x",
+                        "--micro-batches", "2"});
+  EXPECT_EQ(mb.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(mb.err, "exceeds the batch size 1")) << mb.err;
+}
+
+TEST(ShardedRunErrors, AFailingRankStopsTheOthers) {
+  // The checkpoint has no pre-training heads: stage 1 fails to load, stage 0 would wait for it in
+  // the rendezvous; the launcher must stop it and report the missing tensor, not hang.
+  const std::string dir = "tests/testdata/model/bert_model";
+  Result r = Shardctl({"run", "--local", "--checkpoint", dir, "--variant", "BertForPreTraining", "--pp", "2",
+                       "--input", dir + "/input.json", "--output", TempDir() + "/fail.safetensors",
+                       "--timeout", "60"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r.err, "rank 1 failed")) << r.err;
+  EXPECT_TRUE(absl::StrContains(r.err, "has no tensor bert.pooler.dense.weight") ||
+              absl::StrContains(r.err, "has no tensor cls.")) << r.err;
+}
+
+TEST(InitCheckpoint, WritesAModelTheRunnerLoads) {
+  const std::string dir = TempDir() + "/random_ckpt";
+  Result init = Shardctl({"init-checkpoint", "--variant", "BertForMaskedLM", "--config",
+                          R"({"vocab_size": 120, "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
+                              "intermediate_size": 64, "max_position_embeddings": 16})",
+                          "--seed", "7", "--out", dir});
+  ASSERT_EQ(init.exit_code, 0) << init.err;
+  const auto tensors = ReadTensors(dir + "/model.safetensors");
+  EXPECT_FALSE(tensors.count("cls.predictions.decoder.weight"));  // tied: stored once
+  EXPECT_EQ(tensors.at("bert.embeddings.word_embeddings.weight").first, (std::vector<int64_t>{120, 32}));
+  const std::string input = TempDir() + "/random_input.json";
+  std::ofstream(input) << R"({"input_ids": [[101, 7, 8, 119], [5, 6, 0, 0]], "attention_mask": [[1, 1, 1, 1], [1, 1, 0, 0]]})";
+  Result one = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/r1.safetensors"});
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  Result two = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/r2.safetensors",
+                         "--tp", "2", "--sp-mode", "split_gather"});
+  ASSERT_EQ(two.exit_code, 0) << two.err;
+  const auto a = ReadTensors(TempDir() + "/r1.safetensors").at("logits");
+  const auto b = ReadTensors(TempDir() + "/r2.safetensors").at("logits");
+  ASSERT_EQ(a.first, (std::vector<int64_t>{2, 4, 120}));
+  float max_diff = 0;
+  for (size_t i = 0; i < a.second.size(); ++i) max_diff = std::max(max_diff, std::fabs(a.second[i] - b.second[i]));
+  EXPECT_LE(max_diff, 1e-5f);
+  Result bad = Shardctl({"init-checkpoint", "--variant", "BertModel", "--config", R"({"hidden_size": 30})", "--out", dir});
+  EXPECT_EQ(bad.exit_code, 2);
+}
+
+}  // namespace
+}  // namespace bertshard

@@ -1,0 +1,127 @@
+#include "worker/rank_runner.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "bertshard/v1/plan.pb.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
+#include "common/status_macros.h"
+#include "model/bert_shard.h"
+#include "nlohmann/json.hpp"
+#include "worker/gloo_collectives.h"
+
+namespace bertshard::worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// {"rows": R, "seq": L, "choices": C, "input_ids": [R*L], "attention_mask": [...], "token_type_ids": [...]}
+absl::StatusOr<model::ModelInputs> ReadInputs(const std::string& path) {
+  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, " is not JSON"));
+  const int64_t rows = j.value("rows", int64_t{0}), seq = j.value("seq", int64_t{0});
+  model::ModelInputs inputs;
+  inputs.choices = j.value("choices", int64_t{1});
+  auto tensor = [&](const char* key) -> absl::StatusOr<at::Tensor> {
+    if (!j.contains(key) || !j[key].is_array() || static_cast<int64_t>(j[key].size()) != rows * seq) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " must hold rows x seq integers"));
+    }
+    return at::tensor(j[key].get<std::vector<int64_t>>(), at::kLong).view({rows, seq});
+  };
+  ASSIGN_OR_RETURN(inputs.input_ids, tensor("input_ids"));
+  ASSIGN_OR_RETURN(inputs.attention_mask, tensor("attention_mask"));
+  ASSIGN_OR_RETURN(inputs.token_type_ids, tensor("token_type_ids"));
+  return inputs;
+}
+
+int64_t PeakRssBytes() {
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+absl::Status WriteOutputs(const std::string& path, const std::map<std::string, at::Tensor>& outputs) {
+  std::vector<checkpoint::TensorData> tensors;
+  for (const auto& [name, t] : outputs) {
+    const at::Tensor c = t.contiguous().to(at::kFloat);
+    checkpoint::TensorData data;
+    data.name = name;
+    data.shape.assign(c.sizes().begin(), c.sizes().end());
+    data.values.assign(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+    tensors.push_back(std::move(data));
+  }
+  return checkpoint::WriteSafetensors(path, tensors, {{"format", "pt"}});
+}
+
+}  // namespace
+
+absl::Status RunRank(const RankOptions& o) {
+  at::set_num_threads(std::max(1, o.threads));
+  const auto start = Clock::now();
+  ASSIGN_OR_RETURN(std::string plan_bytes, ReadFile(o.plan_path));
+  v1::ShardPlan plan;
+  if (!plan.ParseFromString(plan_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(o.plan_path, " is not a ShardPlan"));
+  }
+  ASSIGN_OR_RETURN(model::ModelInputs inputs, ReadInputs(o.inputs_path));
+  ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(o.checkpoint));
+  ASSIGN_OR_RETURN(auto shard, model::BertShard::Load(plan, o.rank, *ckpt));
+  const double load_seconds = Seconds(start);
+
+  const auto connect_start = Clock::now();
+  GlooOptions gloo;
+  gloo.master_addr = o.master_addr;
+  gloo.master_port = o.master_port;
+  gloo.rank = o.rank;
+  gloo.world_size = plan.world_size();
+  gloo.tp_size = std::max(1, plan.shard_config().tensor_parallel_size());
+  gloo.timeout = std::chrono::seconds(o.timeout_seconds);
+  ASSIGN_OR_RETURN(auto comm, GlooCollectives::Connect(gloo));
+  const double connect_seconds = Seconds(connect_start);
+
+  const auto forward_start = Clock::now();
+  ASSIGN_OR_RETURN(auto outputs, shard->Forward(inputs, o.micro_batches, comm.get()));
+  const double forward_seconds = Seconds(forward_start);
+  const bool writes_outputs = shard->holds_heads() && comm->tp_rank() == 0;
+  if (writes_outputs) RETURN_IF_ERROR(WriteOutputs(o.output_path, outputs));
+
+  nlohmann::json report = {
+      {"rank", o.rank},
+      {"stage", shard->stage()},
+      {"tp_rank", comm->tp_rank()},
+      {"load_seconds", load_seconds},
+      {"connect_seconds", connect_seconds},
+      {"forward_seconds", forward_seconds},
+      {"peak_rss_bytes", PeakRssBytes()},
+      {"checkpoint_bytes_read", ckpt->bytes_read()},
+      {"param_bytes", shard->param_bytes()},
+      {"padding_bytes", shard->padding_bytes()},
+      {"wrote_outputs", writes_outputs},
+  };
+  std::ofstream out(o.report_path);
+  out << report.dump() << "\n";
+  if (!out) return absl::InternalError(absl::StrCat("cannot write report ", o.report_path));
+  return absl::OkStatus();
+}
+
+}  // namespace bertshard::worker

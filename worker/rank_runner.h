@@ -1,0 +1,36 @@
+// File: worker/rank_runner.h
+// -----------------------------------------------------------------------------
+// One rank process of `shardctl run --local`: loads its shard of the checkpoint as its plan says,
+// joins the Gloo groups, runs one forward over the inputs, and writes the outputs (the head
+// stage's TP rank 0) and a report of what it cost (timings, peak RSS, checkpoint bytes read).
+//
+// Thread safety: not thread-safe (one run per process).
+#ifndef BERTSHARD_WORKER_RANK_RUNNER_H_
+#define BERTSHARD_WORKER_RANK_RUNNER_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace bertshard::worker {
+
+struct RankOptions {
+  std::string plan_path;        // ShardPlan, binary protobuf
+  int rank = -1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  std::string checkpoint;       // HF model directory
+  std::string inputs_path;      // normalised inputs written by shardctl (see run_command.h)
+  int micro_batches = 1;
+  std::string output_path;      // safetensors written by the head stage's TP rank 0
+  std::string report_path;      // JSON report of this rank
+  int threads = 1;              // LibTorch intra-op threads
+  int timeout_seconds = 120;    // rendezvous and collectives
+};
+
+// Errors name what failed; a collective failure is UNAVAILABLE.
+absl::Status RunRank(const RankOptions& options);
+
+}  // namespace bertshard::worker
+
+#endif  // BERTSHARD_WORKER_RANK_RUNNER_H_

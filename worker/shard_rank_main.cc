@@ -1,0 +1,42 @@
+// shard-rank: one rank process of a sharded BERT forward, started by `shardctl run --local`
+// (spawn + exec, one per rank). Exits 0 on success; otherwise prints the error and exits 1, and
+// the launcher stops the other ranks.
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "worker/rank_runner.h"
+
+ABSL_FLAG(std::string, plan, "", "ShardPlan (binary protobuf)");
+ABSL_FLAG(int, rank, -1, "global rank = stage * tp_size + tp_rank");
+ABSL_FLAG(std::string, master_addr, "127.0.0.1", "rendezvous host (rank 0 hosts the TCPStore)");
+ABSL_FLAG(int, master_port, 0, "rendezvous port");
+ABSL_FLAG(std::string, checkpoint, "", "HuggingFace model directory");
+ABSL_FLAG(std::string, inputs, "", "normalised inputs JSON");
+ABSL_FLAG(int, micro_batches, 1, "micro-batches per forward");
+ABSL_FLAG(std::string, output, "", "outputs safetensors (written by the head stage's TP rank 0)");
+ABSL_FLAG(std::string, report, "", "JSON report of this rank");
+ABSL_FLAG(int, threads, 1, "LibTorch intra-op threads");
+ABSL_FLAG(int, timeout_s, 120, "rendezvous and collective timeout, seconds");
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  bertshard::worker::RankOptions options;
+  options.plan_path = absl::GetFlag(FLAGS_plan);
+  options.rank = absl::GetFlag(FLAGS_rank);
+  options.master_addr = absl::GetFlag(FLAGS_master_addr);
+  options.master_port = absl::GetFlag(FLAGS_master_port);
+  options.checkpoint = absl::GetFlag(FLAGS_checkpoint);
+  options.inputs_path = absl::GetFlag(FLAGS_inputs);
+  options.micro_batches = absl::GetFlag(FLAGS_micro_batches);
+  options.output_path = absl::GetFlag(FLAGS_output);
+  options.report_path = absl::GetFlag(FLAGS_report);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.timeout_seconds = absl::GetFlag(FLAGS_timeout_s);
+  const absl::Status status = bertshard::worker::RunRank(options);
+  if (!status.ok()) {
+    std::fprintf(stderr, "shard-rank %d: %s\n", options.rank, status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
