@@ -191,6 +191,19 @@ const TensorInfo* SafetensorsFile::Find(absl::string_view name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+namespace {
+
+// Copied bytes are not needed in the mapping any more: dropping its pages keeps them out of the
+// rank's resident set (they stay in the page cache, shared).
+void ReleasePages(const uint8_t* begin, size_t length) {
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  uintptr_t start = reinterpret_cast<uintptr_t>(begin) & ~(page - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(begin) + length;
+  if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_DONTNEED);
+}
+
+}  // namespace
+
 absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice, float* out) const {
   if (slice.dim >= 0 && t.shape.size() > 2) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.shape.size(),
@@ -201,6 +214,7 @@ absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice,
   if (slice.dim < 0) {
     Convert(base, t.dtype, t.numel(), out);
     bytes_read_ += static_cast<uint64_t>(t.numel() * esize);
+    ReleasePages(base, static_cast<size_t>(t.numel() * esize));
     return absl::OkStatus();
   }
   if (slice.dim >= static_cast<int>(t.shape.size()) || slice.start < 0 || slice.end < slice.start ||
@@ -213,6 +227,7 @@ absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice,
     const int64_t count = (slice.end - slice.start) * cols;
     Convert(base + slice.start * cols * esize, t.dtype, count, out);
     bytes_read_ += static_cast<uint64_t>(count * esize);
+    ReleasePages(base + slice.start * cols * esize, static_cast<size_t>(count * esize));
     return absl::OkStatus();
   }
   const int64_t width = slice.end - slice.start;
@@ -220,6 +235,7 @@ absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice,
     Convert(base + (row * cols + slice.start) * esize, t.dtype, width, out + row * width);
   }
   bytes_read_ += static_cast<uint64_t>(t.shape[0] * width * esize);
+  ReleasePages(base, static_cast<size_t>(t.shape[0] * cols * esize));
   return absl::OkStatus();
 }
 

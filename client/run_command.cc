@@ -176,7 +176,11 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
     return Invalid("--backend nccl needs a CUDA build (bazel build --config=cuda), which this shardctl is not");
   }
   if (backend != "gloo") return Invalid(absl::StrCat("--backend '", backend, "' is not one of gloo, nccl"));
-  int64_t micro_batches = 1, threads = 0, timeout_s = 600;
+  int64_t micro_batches = 1, threads = 0, timeout_s = 600, iterations = 1;
+  if (v.count("iterations") && (!absl::SimpleAtoi(v.at("iterations"), &iterations) || iterations < 1 ||
+                                iterations > 1000)) {
+    return Invalid("--iterations needs an integer in 1..1000");
+  }
   if (v.count("micro-batches") && (!absl::SimpleAtoi(v.at("micro-batches"), &micro_batches) || micro_batches < 1)) {
     return Invalid("--micro-batches needs a positive integer");
   }
@@ -259,6 +263,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
         absl::StrCat("--report=", dir, "/rank_", rank, ".json"),
         absl::StrCat("--threads=", threads),
         absl::StrCat("--timeout_s=", std::min<int64_t>(timeout_s, 600)),
+        absl::StrCat("--iterations=", iterations),
     };
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -314,7 +319,7 @@ const std::set<std::string>& RunValueFlags() {
   static const auto* flags = [] {
     auto* f = new std::set<std::string>(PlanValueFlags());
     for (const char* drop : {"request", "server", "output", "batch"}) f->erase(drop);
-    for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout", "report"}) {
+    for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout", "report", "iterations"}) {
       f->insert(add);
     }
     return f;

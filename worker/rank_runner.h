@@ -26,6 +26,7 @@ struct RankOptions {
   std::string report_path;      // JSON report of this rank
   int threads = 1;              // LibTorch intra-op threads
   int timeout_seconds = 120;    // rendezvous and collectives
+  int iterations = 1;           // forwards to run (benchmarks); the outputs are the last one's
 };
 
 // Errors name what failed; a collective failure is UNAVAILABLE.

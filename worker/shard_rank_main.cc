@@ -18,6 +18,7 @@ ABSL_FLAG(std::string, output, "", "outputs safetensors (written by the head sta
 ABSL_FLAG(std::string, report, "", "JSON report of this rank");
 ABSL_FLAG(int, threads, 1, "LibTorch intra-op threads");
 ABSL_FLAG(int, timeout_s, 120, "rendezvous and collective timeout, seconds");
+ABSL_FLAG(int, iterations, 1, "forwards to run (benchmarks)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
   options.report_path = absl::GetFlag(FLAGS_report);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_s);
+  options.iterations = absl::GetFlag(FLAGS_iterations);
   const absl::Status status = bertshard::worker::RunRank(options);
   if (!status.ok()) {
     std::fprintf(stderr, "shard-rank %d: %s\n", options.rank, status.ToString().c_str());
