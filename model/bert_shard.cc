@@ -37,7 +37,7 @@ struct Slot {
 
 class BertShard::Impl {
  public:
-  Impl(const v1::ShardPlan& plan, int rank) : plan_(plan), rank_(rank) {
+  Impl(const v1::ShardPlan& plan, int rank, c10::Device device) : plan_(plan), rank_(rank), device_(device) {
     const auto& sc = plan.shard_config();
     tp_ = std::max(1, sc.tensor_parallel_size());
     stage_ = rank / tp_;
@@ -103,6 +103,7 @@ class BertShard::Impl {
       int64_t row_elements = 1;
       for (int i = 1; i < t.local_shape_size(); ++i) row_elements *= t.local_shape(i);
       padding_bytes_ += t.padding() * row_elements * 4;
+      local = local.to(device_);
       params_[t.name()] = local;
       for (const auto& a : aliases) params_[a] = local;
       shards_[t.name()] = &t;
@@ -125,13 +126,14 @@ class BertShard::Impl {
       const int64_t size = batch / micro_batches + (m < batch % micro_batches ? 1 : 0);
       const int64_t r0 = batch_start * in.choices, nrows = size * in.choices;
       batch_start += size;
-      ModelInputs mb{in.input_ids.narrow(0, r0, nrows), in.attention_mask.narrow(0, r0, nrows),
-                     in.token_type_ids.narrow(0, r0, nrows), in.choices};
+      ModelInputs mb{in.input_ids.narrow(0, r0, nrows).to(device_),
+                     in.attention_mask.narrow(0, r0, nrows).to(device_),
+                     in.token_type_ids.narrow(0, r0, nrows).to(device_), in.choices};
       ASSIGN_OR_RETURN(auto outputs, RunMicroBatch(mb, m));
       for (auto& [name, t] : outputs) pieces[name].push_back(t);
     }
     std::map<std::string, at::Tensor> outputs;
-    for (auto& [name, list] : pieces) outputs[name] = at::cat(list, 0);
+    for (auto& [name, list] : pieces) outputs[name] = at::cat(list, 0).to(at::kCPU);
     return outputs;
   }
 
@@ -227,7 +229,7 @@ class BertShard::Impl {
       words = at::embedding(word, in.input_ids);
     }
     const int64_t seq = in.input_ids.size(1);
-    const at::Tensor positions = at::arange(seq, at::kLong);
+    const at::Tensor positions = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device_));
     at::Tensor x = words + at::embedding(P(prefix_ + "embeddings.token_type_embeddings.weight"), in.token_type_ids);
     x = x + at::embedding(P(prefix_ + "embeddings.position_embeddings.weight"), positions).unsqueeze(0);
     return Norm(x, prefix_ + "embeddings.LayerNorm");
@@ -240,7 +242,7 @@ class BertShard::Impl {
     at::Tensor keep;
     if (plan_.variant() == v1::BERT_LM_HEAD_MODEL && plan_.config().is_decoder()) {
       const int64_t seq = m.size(1);
-      const at::Tensor ids = at::arange(seq, at::kLong);
+      const at::Tensor ids = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device_));
       const at::Tensor causal = (ids.unsqueeze(0) <= ids.unsqueeze(1)).to(at::kFloat);  // [q, k]
       keep = (causal.unsqueeze(0) * m.unsqueeze(1)).unsqueeze(1);
     } else {
@@ -373,7 +375,8 @@ class BertShard::Impl {
       if (k == 0) {
         ASSIGN_OR_RETURN(hidden, Embeddings(mb));
       } else if (route_[static_cast<size_t>(k) - 1].stage != stage_) {
-        hidden = at::empty({mb.input_ids.size(0), mb.input_ids.size(1), plan_.config().hidden_size()}, at::kFloat);
+        hidden = at::empty({mb.input_ids.size(0), mb.input_ids.size(1), plan_.config().hidden_size()},
+                           at::TensorOptions().dtype(at::kFloat).device(device_));
         RETURN_IF_ERROR(comm_->Recv(hidden, peer(route_[static_cast<size_t>(k) - 1].stage), tag(k)));
       }
       ASSIGN_OR_RETURN(hidden, RunSlot(slot, hidden, ext_mask));
@@ -388,6 +391,7 @@ class BertShard::Impl {
 
   const v1::ShardPlan plan_;
   const int rank_;
+  const c10::Device device_;
   int tp_ = 1, stage_ = 0, tp_rank_ = 0, head_stage_ = 0;
   bool sp_ = false;
   std::string prefix_;
@@ -407,13 +411,14 @@ bool BertShard::holds_heads() const { return impl_->holds_heads(); }
 int64_t BertShard::padding_bytes() const { return impl_->padding_bytes(); }
 
 absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& plan, int rank,
-                                                           const checkpoint::Checkpoint& checkpoint) {
+                                                           const checkpoint::Checkpoint& checkpoint,
+                                                           c10::Device device) {
   if (rank < 0 || rank >= plan.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside the plan's world of ",
                                                    plan.world_size()));
   }
   try {
-    auto impl = std::make_unique<Impl>(plan, rank);
+    auto impl = std::make_unique<Impl>(plan, rank, device);
     int64_t bytes = 0;
     RETURN_IF_ERROR(impl->LoadTensors(checkpoint, &bytes));
     const int tp = std::max(1, plan.shard_config().tensor_parallel_size());

@@ -17,6 +17,7 @@
 #define BERTSHARD_MODEL_BERT_SHARD_H_
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <map>
 #include <memory>
@@ -44,8 +45,11 @@ class BertShard {
   // Reads the tensors rank `rank` holds in `plan` from `checkpoint` (only the byte ranges of its
   // slices). Errors: INVALID_ARGUMENT for a rank outside the plan, NOT_FOUND / INVALID_ARGUMENT
   // naming a tensor that is missing or misshaped in the checkpoint.
+  // `device` is where the parameters live and the forward runs (CPU, or a CUDA device with a
+  // CUDA-enabled LibTorch).
   static absl::StatusOr<std::unique_ptr<BertShard>> Load(const v1::ShardPlan& plan, int rank,
-                                                         const checkpoint::Checkpoint& checkpoint);
+                                                         const checkpoint::Checkpoint& checkpoint,
+                                                         c10::Device device = c10::Device(c10::kCPU));
 
   ~BertShard();
 
@@ -58,8 +62,8 @@ class BertShard {
   bool holds_heads() const;
 
   // Runs the forward over `micro_batches` slices of the batch (1 <= micro_batches <= rows), taking
-  // part in every pipeline slot of this rank's stage. Returns the outputs with HF names on ranks
-  // of the head stage, {} elsewhere. INVALID_ARGUMENT for inputs the plan cannot run (shapes,
+  // part in every pipeline slot of this rank's stage. Inputs are CPU tensors. Returns the outputs
+  // (CPU, float32) with HF names on ranks of the head stage, {} elsewhere. INVALID_ARGUMENT for inputs the plan cannot run (shapes,
   // ids, lengths); a collective failure is UNAVAILABLE.
   absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& inputs,
                                                             int micro_batches,
