@@ -172,10 +172,9 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
     if (!v.count(required)) return Invalid(absl::StrCat("run needs --", required));
   }
   const std::string backend = v.count("backend") ? v.at("backend") : "gloo";
-  if (backend == "nccl") {
-    return Invalid("--backend nccl needs a CUDA build (bazel build --config=cuda), which this shardctl is not");
+  if (backend != "gloo" && backend != "nccl") {
+    return Invalid(absl::StrCat("--backend '", backend, "' is not one of gloo, nccl"));
   }
-  if (backend != "gloo") return Invalid(absl::StrCat("--backend '", backend, "' is not one of gloo, nccl"));
   int64_t micro_batches = 1, threads = 0, timeout_s = 600, iterations = 1;
   if (v.count("iterations") && (!absl::SimpleAtoi(v.at("iterations"), &iterations) || iterations < 1 ||
                                 iterations > 1000)) {
@@ -264,6 +263,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
         absl::StrCat("--threads=", threads),
         absl::StrCat("--timeout_s=", std::min<int64_t>(timeout_s, 600)),
         absl::StrCat("--iterations=", iterations),
+        absl::StrCat("--backend=", backend),
     };
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());

@@ -197,6 +197,20 @@ TEST(ShardedRunErrors, AFailingRankStopsTheOthers) {
               absl::StrContains(r.err, "has no tensor cls.")) << r.err;
 }
 
+TEST(ShardedRunErrors, NcclBackendWithoutCudaFailsClearly) {
+  const std::string dir = "tests/testdata/model/bert_model";
+  Result r = Shardctl({"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json", "--output",
+                       TempDir() + "/nccl.safetensors", "--backend", "nccl", "--timeout", "60"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(absl::StrContains(r.err, "built without NCCL: bazel build --config=cuda") ||
+              absl::StrContains(r.err, "needs a CUDA-enabled LibTorch") ||
+              absl::StrContains(r.err, "no usable CUDA device"))
+      << r.err;
+  Result bad = Shardctl({"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json", "--output",
+                         TempDir() + "/x.safetensors", "--backend", "mpi"});
+  EXPECT_EQ(bad.exit_code, 2);
+}
+
 TEST(InitCheckpoint, WritesAModelTheRunnerLoads) {
   const std::string dir = TempDir() + "/random_ckpt";
   Result init = Shardctl({"init-checkpoint", "--variant", "BertForMaskedLM", "--config",

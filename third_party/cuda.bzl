@@ -23,7 +23,7 @@ cc_library(
         ctx.file("BUILD", """
 cc_library(
     name = "cuda",
-    target_compatible_with = ["@platforms//:incompatible"],
+    target_compatible_with = ["@bertshard//third_party:incompatible"],
     visibility = ["//visibility:public"],
 )
 """)

@@ -16,6 +16,11 @@
 #include "model/bert_shard.h"
 #include "nlohmann/json.hpp"
 #include "worker/gloo_collectives.h"
+#ifdef BERTSHARD_WITH_NCCL
+#include <ATen/Context.h>
+
+#include "worker/nccl_collectives.h"
+#endif
 
 namespace bertshard::worker {
 namespace {
@@ -84,8 +89,23 @@ absl::Status RunRank(const RankOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(o.plan_path, " is not a ShardPlan"));
   }
   ASSIGN_OR_RETURN(model::ModelInputs inputs, ReadInputs(o.inputs_path));
+  c10::Device device(c10::kCPU);
+  if (o.backend == "nccl") {
+#ifdef BERTSHARD_WITH_NCCL
+    if (!at::hasCUDA()) {
+      return absl::FailedPreconditionError(
+          "the nccl backend needs a CUDA-enabled LibTorch (build with BERTSHARD_LIBTORCH set; see README)");
+    }
+    ASSIGN_OR_RETURN(int gpu, NcclCollectives::DeviceForRank(o.rank));
+    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(gpu));
+#else
+    return absl::FailedPreconditionError("this shard-rank was built without NCCL: bazel build --config=cuda");
+#endif
+  } else if (o.backend != "gloo") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown backend ", o.backend, "; valid: gloo, nccl"));
+  }
   ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(o.checkpoint));
-  ASSIGN_OR_RETURN(auto shard, model::BertShard::Load(plan, o.rank, *ckpt));
+  ASSIGN_OR_RETURN(auto shard, model::BertShard::Load(plan, o.rank, *ckpt, device));
   const double load_seconds = Seconds(start);
 
   const auto connect_start = Clock::now();
@@ -96,7 +116,14 @@ absl::Status RunRank(const RankOptions& o) {
   gloo.world_size = plan.world_size();
   gloo.tp_size = std::max(1, plan.shard_config().tensor_parallel_size());
   gloo.timeout = std::chrono::seconds(o.timeout_seconds);
-  ASSIGN_OR_RETURN(auto comm, GlooCollectives::Connect(gloo));
+  std::unique_ptr<model::Collectives> comm;
+  if (o.backend == "nccl") {
+#ifdef BERTSHARD_WITH_NCCL
+    ASSIGN_OR_RETURN(comm, NcclCollectives::Connect(gloo));
+#endif
+  } else {
+    ASSIGN_OR_RETURN(comm, GlooCollectives::Connect(gloo));
+  }
   const double connect_seconds = Seconds(connect_start);
 
   std::map<std::string, at::Tensor> outputs;

@@ -27,6 +27,7 @@ struct RankOptions {
   int threads = 1;              // LibTorch intra-op threads
   int timeout_seconds = 120;    // rendezvous and collectives
   int iterations = 1;           // forwards to run (benchmarks); the outputs are the last one's
+  std::string backend = "gloo"; // "gloo" (CPU) or "nccl" (CUDA; a --config=cuda build)
 };
 
 // Errors name what failed; a collective failure is UNAVAILABLE.

@@ -19,6 +19,7 @@ ABSL_FLAG(std::string, report, "", "JSON report of this rank");
 ABSL_FLAG(int, threads, 1, "LibTorch intra-op threads");
 ABSL_FLAG(int, timeout_s, 120, "rendezvous and collective timeout, seconds");
 ABSL_FLAG(int, iterations, 1, "forwards to run (benchmarks)");
+ABSL_FLAG(std::string, backend, "gloo", "gloo (CPU) or nccl (CUDA, --config=cuda builds)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
   options.threads = absl::GetFlag(FLAGS_threads);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_s);
   options.iterations = absl::GetFlag(FLAGS_iterations);
+  options.backend = absl::GetFlag(FLAGS_backend);
   const absl::Status status = bertshard::worker::RunRank(options);
   if (!status.ok()) {
     std::fprintf(stderr, "shard-rank %d: %s\n", options.rank, status.ToString().c_str());
