@@ -54,6 +54,13 @@ float BFloatToFloat(uint16_t b) {
 
 void Convert(const uint8_t* src, DType dtype, int64_t count, float* out) {
   switch (dtype) {
+    case DType::kF64:
+      for (int64_t i = 0; i < count; ++i) {
+        double d;
+        std::memcpy(&d, src + 8 * i, 8);
+        out[i] = static_cast<float>(d);
+      }
+      break;
     case DType::kF32:
       std::memcpy(out, src, static_cast<size_t>(count) * 4);
       break;
@@ -71,6 +78,8 @@ void Convert(const uint8_t* src, DType dtype, int64_t count, float* out) {
         out[i] = BFloatToFloat(b);
       }
       break;
+    default:
+      break;  // callers check IsFloating first
   }
 }
 
@@ -80,15 +89,50 @@ absl::Status Bad(const std::string& path, absl::string_view what) {
 
 }  // namespace
 
-absl::StatusOr<DType> ParseDType(absl::string_view name) {
-  if (name == "F32") return DType::kF32;
-  if (name == "F16") return DType::kF16;
-  if (name == "BF16") return DType::kBF16;
-  return absl::InvalidArgumentError(
-      absl::StrCat("dtype ", name, " is not supported; valid: F32, F16, BF16"));
+namespace {
+
+struct DTypeName {
+  absl::string_view name;
+  DType dtype;
+  int size;
+};
+
+constexpr DTypeName kDTypes[] = {
+    {"F64", DType::kF64, 8},   {"F32", DType::kF32, 4},   {"F16", DType::kF16, 2},
+    {"BF16", DType::kBF16, 2}, {"I64", DType::kI64, 8},   {"I32", DType::kI32, 4},
+    {"I16", DType::kI16, 2},   {"I8", DType::kI8, 1},     {"U64", DType::kU64, 8},
+    {"U32", DType::kU32, 4},   {"U16", DType::kU16, 2},   {"U8", DType::kU8, 1},
+    {"BOOL", DType::kBool, 1}, {"F8_E4M3", DType::kF8E4M3, 1}, {"F8_E5M2", DType::kF8E5M2, 1},
+};
+
+absl::string_view DTypeString(DType dtype) {
+  for (const auto& d : kDTypes) {
+    if (d.dtype == dtype) return d.name;
+  }
+  return "?";
 }
 
-int DTypeSize(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+}  // namespace
+
+absl::StatusOr<DType> ParseDType(absl::string_view name) {
+  for (const auto& d : kDTypes) {
+    if (d.name == name) return d.dtype;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "dtype ", name, " is not a safetensors dtype (F64, F32, F16, BF16, I64, I32, I16, I8, U64, U32, "
+      "U16, U8, BOOL, F8_E4M3, F8_E5M2)"));
+}
+
+int DTypeSize(DType dtype) {
+  for (const auto& d : kDTypes) {
+    if (d.dtype == dtype) return d.size;
+  }
+  return 1;
+}
+
+bool IsFloating(DType dtype) {
+  return dtype == DType::kF64 || dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16;
+}
 
 int64_t TensorInfo::numel() const {
   int64_t n = 1;
@@ -205,6 +249,10 @@ void ReleasePages(const uint8_t* begin, size_t length) {
 }  // namespace
 
 absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice, float* out) const {
+  if (!IsFloating(t.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has dtype ", DTypeString(t.dtype),
+                                                   "; model weights must be F32, F16, BF16 or F64"));
+  }
   if (slice.dim >= 0 && t.shape.size() > 2) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.shape.size(),
                                                    " dims; slices of at most 2 are supported"));

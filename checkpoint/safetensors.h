@@ -30,11 +30,14 @@
 
 namespace bertshard::checkpoint {
 
-enum class DType { kF32, kF16, kBF16 };
+// Every dtype the format defines is accepted in a header (checkpoints carry e.g. I64 position_ids
+// buffers); ReadSlice converts the floating ones (F64, F32, F16, BF16) to float32.
+enum class DType { kF64, kF32, kF16, kBF16, kI64, kI32, kI16, kI8, kU64, kU32, kU16, kU8, kBool, kF8E4M3, kF8E5M2 };
 
-// "F32" / "F16" / "BF16"; INVALID_ARGUMENT names any other.
+// The format's dtype names ("F32", "BF16", "I64", ...); INVALID_ARGUMENT names any other.
 absl::StatusOr<DType> ParseDType(absl::string_view name);
 int DTypeSize(DType dtype);
+bool IsFloating(DType dtype);  // F64, F32, F16, BF16: what ReadSlice reads
 
 struct TensorInfo {
   std::string name;
@@ -71,8 +74,8 @@ class SafetensorsFile {
   const TensorInfo* Find(absl::string_view name) const;
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
 
-  // Copies `slice` of a tensor into `out` (row-major, float32), converting F16/BF16. A whole
-  // tensor may have any rank; a slice needs rank <= 2.
+  // Copies `slice` of a tensor into `out` (row-major, float32), converting F64/F16/BF16. A whole
+  // tensor may have any rank; a slice needs rank <= 2. INVALID_ARGUMENT for a non-floating dtype.
   // For dim 1 of a matrix it reads each row's column range. INVALID_ARGUMENT if the slice is out
   // of the tensor's bounds. Bytes touched are added to bytes_read().
   absl::Status ReadSlice(const TensorInfo& tensor, const Slice& slice, float* out) const;

@@ -1,6 +1,7 @@
 #include "checkpoint/safetensors.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -104,8 +105,10 @@ TEST(Safetensors, RefusesCorruptFiles) {
                 "tensor b leaves a gap");
   ExpectRefused(RawFile("dtype_size", R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
                 "has 3 elements of 4 bytes but 8 bytes");
-  ExpectRefused(RawFile("dtype", R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", 8),
-                "dtype F64 is not supported; valid: F32, F16, BF16");
+  ExpectRefused(RawFile("dtype", R"({"a":{"dtype":"Q7","shape":[1],"data_offsets":[0,8]}})", 8),
+                "dtype Q7 is not a safetensors dtype");
+  ExpectRefused(RawFile("i64_size", R"({"a":{"dtype":"I64","shape":[2],"data_offsets":[0,8]}})", 8),
+                "has 2 elements of 8 bytes but 8 bytes");
   ExpectRefused(RawFile("fields", R"({"a":{"dtype":"F32"}})", 0), "needs dtype, shape and data_offsets");
   ExpectRefused(RawFile("shape", R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4), "bad shape");
   ExpectRefused(RawFile("reversed", R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,0]}})", 8), "lie outside");
@@ -113,6 +116,31 @@ TEST(Safetensors, RefusesCorruptFiles) {
   EXPECT_EQ(SafetensorsFile::Open(TempPath("absent")).status().code(), absl::StatusCode::kNotFound);
   // The good file itself opens (so the cases above fail for their own reason).
   EXPECT_TRUE(SafetensorsFile::Open(RawFile("good", "{" + a8 + R"(,"__metadata__":{"format":"pt"}})", 8)).ok());
+}
+
+TEST(Safetensors, AcceptsIntegerBuffersButReadsOnlyFloats) {
+  // Older HF checkpoints carry an I64 position_ids buffer next to the weights.
+  double d = 0.25;
+  std::string data(8, '\0');
+  std::memcpy(data.data(), &d, 8);
+  data += std::string(8, '\0');
+  const std::string header = R"({"w":{"dtype":"F64","shape":[1],"data_offsets":[0,8]},)"
+                             R"("bert.embeddings.position_ids":{"dtype":"I64","shape":[1,1],"data_offsets":[8,16]}})";
+  const std::string path = TempPath("mixed.safetensors");
+  {
+    std::ofstream out(path, std::ios::binary);
+    uint64_t len = header.size();
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((len >> (8 * i)) & 0xff));
+    out << header << data;
+  }
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  float w = 0;
+  ASSERT_TRUE((*file)->ReadSlice(*(*file)->Find("w"), {}, &w).ok());
+  EXPECT_EQ(w, 0.25f);
+  absl::Status ids = (*file)->ReadSlice(*(*file)->Find("bert.embeddings.position_ids"), {}, &w);
+  EXPECT_EQ(ids.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(ids.message(), "has dtype I64")) << ids;
 }
 
 TEST(Safetensors, WriterRejectsShapeMismatch) {

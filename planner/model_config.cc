@@ -137,6 +137,13 @@ absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json) {
     }
     c.set_hidden_act(it->second.string_value());
   }
+  if (auto it = f.find("position_embedding_type"); it != f.end()) {
+    if (it->second.kind_case() != Value::kStringValue || it->second.string_value() != "absolute") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json position_embedding_type ", common::ProtoToJson(it->second, {.indent = 0}),
+          " is not supported; bertshard runs absolute position embeddings"));
+    }
+  }
   if (auto it = f.find("layer_norm_eps"); it != f.end()) {
     if (it->second.kind_case() != Value::kNumberValue) {
       return absl::InvalidArgumentError("config.json field layer_norm_eps must be a number");

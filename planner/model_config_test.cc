@@ -33,6 +33,7 @@ TEST(HfConfig, RejectsWrongTypesAndUnknownArchitectures) {
   EXPECT_FALSE(ParseHfConfigJson(R"({"hidden_size": "768"})").ok());
   EXPECT_FALSE(ParseHfConfigJson(R"({"tie_word_embeddings": 1})").ok());
   EXPECT_FALSE(ParseHfConfigJson("[]").ok());
+  EXPECT_FALSE(ParseHfConfigJson(R"({"position_embedding_type": "relative_key"})").ok());
   auto gpt = ParseHfConfigJson(R"({"architectures": ["GPT2LMHeadModel"]})");
   EXPECT_EQ(gpt.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(gpt.status().message(), "GPT2LMHeadModel")) << gpt.status();

@@ -551,7 +551,7 @@ class TensorTable {
       if (m == "embeddings") {
         ParamSpec word{prefix_ + "embeddings.word_embeddings.weight", r_.vocab, r_.hidden,
                        Split::kVocabEmbed};
-        if (r_.tie_weight && HoldsLmHead(modules)) word.aliases.push_back("cls.predictions.decoder.weight");
+        if (r_.tie_weight) word.aliases.push_back("cls.predictions.decoder.weight");
         params.push_back(std::move(word));
         Add(&params, prefix_ + "embeddings.position_embeddings.weight",
             r_.config.max_position_embeddings(), r_.hidden);
@@ -660,13 +660,6 @@ class TensorTable {
   }
 
  private:
-  static bool HoldsLmHead(const std::vector<std::string>& modules) {
-    for (const std::string& m : modules) {
-      if (m == "cls") return true;
-    }
-    return false;
-  }
-
   static void SetSlice(v1::TensorShard* t, int dim, int64_t start, int64_t end, int64_t real) {
     t->set_split_dim(dim);
     t->set_start(start);
