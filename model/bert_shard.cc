@@ -82,7 +82,12 @@ class BertShard::Impl {
           candidates.push_back("bert." + name);
         }
       }
-      ASSIGN_OR_RETURN(checkpoint::TensorLocation where, ckpt.Find(t.name(), candidates));
+      std::string primary = t.name();
+      if (plan_.tie_weight() && t.name() == "cls.predictions.decoder.weight" && !aliases.empty()) {
+        // Tied: HF overwrites the decoder with the word embeddings, whatever the file stores.
+        std::swap(primary, candidates.front());
+      }
+      ASSIGN_OR_RETURN(checkpoint::TensorLocation where, ckpt.Find(primary, candidates));
       const std::vector<int64_t> global(t.global_shape().begin(), t.global_shape().end());
       if (where.info->shape != global) {
         return absl::InvalidArgumentError(absl::StrCat(
