@@ -11,6 +11,8 @@ PACKAGES=(
   # The model: LibTorch (CPU) with c10d/Gloo, and OpenBLAS (Debian's LibTorch otherwise falls
   # back to the reference BLAS, ~20x slower).
   libtorch-dev libgloo-dev libopenblas0-pthread
+  # The tokenizer: Unicode categories, NFD and case mapping.
+  libicu-dev
   # Tests and benchmarks.
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   # `git clone` of this repository on a fresh machine, and TLS for apt mirrors.
