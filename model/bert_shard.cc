@@ -13,10 +13,6 @@
 namespace bertshard::model {
 namespace {
 
-bool IsLm(v1::ModelVariant v) {
-  return v == v1::BERT_FOR_PRE_TRAINING || v == v1::BERT_LM_HEAD_MODEL || v == v1::BERT_FOR_MASKED_LM;
-}
-
 bool HasPooler(v1::ModelVariant v) {
   return v == v1::BERT_MODEL || v == v1::BERT_FOR_PRE_TRAINING ||
          v == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION || v == v1::BERT_FOR_SEQUENCE_CLASSIFICATION ||

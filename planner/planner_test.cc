@@ -347,7 +347,9 @@ TEST(TensorTable, TpSlicesPartitionEverySplitTensor) {
       real_rows += tensor.end() - tensor.start() - tensor.padding();
       next = tensor.end();
     }
-    if (first.split_dim() >= 0) EXPECT_EQ(real_rows, first.global_shape(first.split_dim()));
+    if (first.split_dim() >= 0) {
+      EXPECT_EQ(real_rows, first.global_shape(first.split_dim()));
+    }
   }
   // Attention heads: rank 1 owns query rows 192..383 = heads 3..5, and the matching columns of
   // attention.output.dense.
