@@ -29,6 +29,10 @@ def cc_proto(name, src, grpc = False, imports = [], deps = [], visibility = None
         srcs = [o for o in outs if o.endswith(".cc")],
         hdrs = [o for o in outs if o.endswith(".h")],
         includes = ["."],
+        # Descriptors register themselves from static initialisers; a server that references no
+        # symbol of a .pb.o (coordinator.pb: just the service) would otherwise drop it, and
+        # reflection could not describe the service.
+        alwayslink = True,
         deps = deps + ["//third_party:protobuf"] + (["//third_party:grpc"] if grpc else []),
         visibility = visibility,
     )
@@ -58,6 +62,7 @@ def cc_system_proto(name, path, grpc = False, headers_only = False, visibility =
         srcs = [o for o in gen_outs if o.endswith(".cc")],
         hdrs = [o for o in gen_outs if o.endswith(".h")],
         includes = ["gen"],
+        alwayslink = True,
         deps = ["//third_party:protobuf"] + (["//third_party:grpc"] if grpc else []),
         visibility = visibility,
     )

@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "common/grpc_status.h"
-#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -48,8 +47,6 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     return absl::InvalidArgumentError(absl::StrCat("listen address '", options.listen_address,
                                                    "' is not host:port (e.g. 0.0.0.0:50051)"));
   }
-  // Linking health.pb registers grpc.health.v1's descriptor, so reflection can describe it.
-  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   auto service = std::make_unique<Service>();
