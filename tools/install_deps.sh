@@ -13,6 +13,8 @@ PACKAGES=(
   libtorch-dev libgloo-dev libopenblas0-pthread
   # The tokenizer: Unicode categories, NFD and case mapping.
   libicu-dev
+  # The coordinator's durable job table.
+  libsqlite3-dev
   # Tests and benchmarks.
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   # A gRPC client we did not write (tests/python_client_test.sh).

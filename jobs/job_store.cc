@@ -1,0 +1,215 @@
+#include "jobs/job_store.h"
+
+#include <sqlite3.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+
+namespace bertshard::jobs {
+namespace {
+
+constexpr int kSchemaVersion = 1;
+
+bool Terminal(v1::JobState s) { return s == v1::FAILED || s == v1::CANCELLED; }
+
+// A prepared statement, finalised on scope exit.
+class Statement {
+ public:
+  Statement(sqlite3* db, const char* sql) : db_(db) { rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr); }
+  ~Statement() { sqlite3_finalize(stmt_); }
+  absl::Status status() const {
+    return rc_ == SQLITE_OK ? absl::OkStatus()
+                            : absl::InternalError(absl::StrCat("sqlite prepare: ", sqlite3_errmsg(db_)));
+  }
+  sqlite3_stmt* get() { return stmt_; }
+
+ private:
+  sqlite3* db_;
+  sqlite3_stmt* stmt_ = nullptr;
+  int rc_ = SQLITE_OK;
+};
+
+absl::Status Exec(sqlite3* db, const char* sql) {
+  char* error = nullptr;
+  if (sqlite3_exec(db, sql, nullptr, nullptr, &error) != SQLITE_OK) {
+    const std::string message = error != nullptr ? error : "unknown error";
+    sqlite3_free(error);
+    return absl::InternalError(absl::StrCat("sqlite: ", message, " (in: ", sql, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool TransitionAllowed(v1::JobState from, v1::JobState to) {
+  if (Terminal(from) || from == to) return false;
+  if (to == v1::FAILED || to == v1::CANCELLED) return true;
+  switch (from) {
+    case v1::PENDING: return to == v1::PLANNED;
+    case v1::PLANNED: return to == v1::LOADING || to == v1::PENDING;
+    case v1::LOADING: return to == v1::READY;
+    default: return false;
+  }
+}
+
+JobStore::JobStore(sqlite3* db, JobStoreOptions options) : db_(db), options_(std::move(options)) {}
+
+JobStore::~JobStore() {
+  absl::MutexLock lock(&mu_);
+  sqlite3_close_v2(db_);
+}
+
+absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path, JobStoreOptions options) {
+  if (!options.now_millis) options.now_millis = [] { return absl::ToUnixMillis(absl::Now()); };
+  sqlite3* db = nullptr;
+  const int rc = sqlite3_open_v2(path.c_str(), &db,
+                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr);
+  if (rc != SQLITE_OK) {
+    const std::string message = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
+    sqlite3_close_v2(db);
+    return absl::UnavailableError(absl::StrCat("cannot open job database ", path, ": ", message));
+  }
+  auto store = std::unique_ptr<JobStore>(new JobStore(db, std::move(options)));
+  absl::MutexLock lock(&store->mu_);
+  sqlite3_busy_timeout(db, 5000);
+  // WAL: readers never block the writer, and a crash never leaves a half-written job.
+  absl::Status s = Exec(db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
+  if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(path, " is not a usable job database: ", s.message()));
+  RETURN_IF_ERROR(Exec(db,
+                       "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+                       "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, state INTEGER NOT NULL,"
+                       " created_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, job BLOB NOT NULL);"
+                       "CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_ms, id);"));
+  Statement version(db, "SELECT value FROM meta WHERE key = 'schema_version'");
+  RETURN_IF_ERROR(version.status());
+  if (sqlite3_step(version.get()) == SQLITE_ROW) {
+    const std::string v = reinterpret_cast<const char*>(sqlite3_column_text(version.get(), 0));
+    if (v != std::to_string(kSchemaVersion)) {
+      return absl::InvalidArgumentError(absl::StrCat(path, " has job schema version ", v, "; this coordinator reads ",
+                                                     kSchemaVersion));
+    }
+  } else {
+    RETURN_IF_ERROR(Exec(db, "INSERT INTO meta (key, value) VALUES ('schema_version', '1')"));
+  }
+  return store;
+}
+
+absl::Status JobStore::PutLocked(const v1::Job& job, bool insert) {
+  Statement stmt(db_, insert ? "INSERT INTO jobs (id, state, created_ms, updated_ms, job) VALUES (?1, ?2, ?3, ?4, ?5)"
+                             : "UPDATE jobs SET state = ?2, created_ms = ?3, updated_ms = ?4, job = ?5 WHERE id = ?1");
+  RETURN_IF_ERROR(stmt.status());
+  const std::string blob = job.SerializeAsString();
+  sqlite3_bind_text(stmt.get(), 1, job.id().c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_int(stmt.get(), 2, job.state());
+  sqlite3_bind_int64(stmt.get(), 3, job.created_unix_millis());
+  sqlite3_bind_int64(stmt.get(), 4, job.updated_unix_millis());
+  sqlite3_bind_blob(stmt.get(), 5, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
+  const int rc = sqlite3_step(stmt.get());
+  if (rc == SQLITE_CONSTRAINT) return absl::AlreadyExistsError(absl::StrCat("job ", job.id(), " already exists"));
+  if (rc != SQLITE_DONE) return absl::InternalError(absl::StrCat("sqlite write: ", sqlite3_errmsg(db_)));
+  return absl::OkStatus();
+}
+
+absl::Status JobStore::Create(v1::Job job) {
+  if (job.id().empty()) return absl::InvalidArgumentError("a job needs an id");
+  const int64_t now = options_.now_millis();
+  if (job.state() == v1::JOB_STATE_UNSPECIFIED) job.set_state(v1::PENDING);
+  job.set_created_unix_millis(now);
+  job.set_updated_unix_millis(now);
+  v1::StateChange* first = job.add_history();
+  first->set_state(job.state());
+  first->set_unix_millis(now);
+  absl::MutexLock lock(&mu_);
+  return PutLocked(job, /*insert=*/true);
+}
+
+absl::StatusOr<v1::Job> JobStore::GetLocked(const std::string& id) {
+  Statement stmt(db_, "SELECT job FROM jobs WHERE id = ?1");
+  RETURN_IF_ERROR(stmt.status());
+  sqlite3_bind_text(stmt.get(), 1, id.c_str(), -1, SQLITE_TRANSIENT);
+  if (sqlite3_step(stmt.get()) != SQLITE_ROW) return absl::NotFoundError(absl::StrCat("no job ", id));
+  v1::Job job;
+  const void* blob = sqlite3_column_blob(stmt.get(), 0);
+  if (!job.ParseFromArray(blob, sqlite3_column_bytes(stmt.get(), 0))) {
+    return absl::DataLossError(absl::StrCat("job ", id, " is corrupt in the database"));
+  }
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobStore::Get(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  return GetLocked(id);
+}
+
+absl::StatusOr<v1::Job> JobStore::TransitionLocked(const std::string& id, v1::JobState state,
+                                                   const std::string& reason) {
+  ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
+  if (!TransitionAllowed(job.state(), state)) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state()),
+                                                      " and cannot become ", v1::JobState_Name(state)));
+  }
+  const int64_t now = options_.now_millis();
+  job.set_state(state);
+  job.set_updated_unix_millis(now);
+  if (state == v1::FAILED) job.set_failure_cause(reason);
+  job.set_pending_reason(state == v1::PENDING ? reason : "");
+  v1::StateChange* change = job.add_history();
+  change->set_state(state);
+  change->set_unix_millis(now);
+  change->set_reason(reason);
+  RETURN_IF_ERROR(PutLocked(job, /*insert=*/false));
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobStore::Transition(const std::string& id, v1::JobState state, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  return TransitionLocked(id, state, reason);
+}
+
+absl::StatusOr<v1::Job> JobStore::SetRanks(const std::string& id, const std::vector<v1::RankAssignment>& ranks) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
+  job.clear_ranks();
+  for (const auto& r : ranks) *job.add_ranks() = r;
+  job.set_updated_unix_millis(options_.now_millis());
+  RETURN_IF_ERROR(PutLocked(job, /*insert=*/false));
+  return job;
+}
+
+absl::StatusOr<std::vector<v1::Job>> JobStore::List() {
+  absl::MutexLock lock(&mu_);
+  Statement stmt(db_, "SELECT job FROM jobs ORDER BY created_ms, id");
+  RETURN_IF_ERROR(stmt.status());
+  std::vector<v1::Job> jobs;
+  while (sqlite3_step(stmt.get()) == SQLITE_ROW) {
+    v1::Job job;
+    if (!job.ParseFromArray(sqlite3_column_blob(stmt.get(), 0), sqlite3_column_bytes(stmt.get(), 0))) {
+      return absl::DataLossError("a job is corrupt in the database");
+    }
+    jobs.push_back(std::move(job));
+  }
+  return jobs;
+}
+
+absl::StatusOr<std::vector<v1::Job>> JobStore::FailJobsWithWorkers(const std::string& reason) {
+  ASSIGN_OR_RETURN(std::vector<v1::Job> all, List());
+  absl::MutexLock lock(&mu_);
+  RETURN_IF_ERROR(Exec(db_, "BEGIN IMMEDIATE"));
+  std::vector<v1::Job> failed;
+  for (const v1::Job& job : all) {
+    if (job.state() != v1::PLANNED && job.state() != v1::LOADING && job.state() != v1::READY) continue;
+    auto updated = TransitionLocked(job.id(), v1::FAILED, reason);
+    if (!updated.ok()) {
+      (void)Exec(db_, "ROLLBACK");
+      return updated.status();
+    }
+    failed.push_back(*std::move(updated));
+  }
+  RETURN_IF_ERROR(Exec(db_, "COMMIT"));
+  return failed;
+}
+
+}  // namespace bertshard::jobs

@@ -1,0 +1,86 @@
+// File: jobs/job_store.h
+// -----------------------------------------------------------------------------
+// The coordinator's durable job table: an embedded SQLite database in WAL mode holding every
+// bertshard.v1.Job (request, state, state history with timestamps, failure cause, rank
+// assignments), so a restarted coordinator still knows every job. State changes follow the job
+// life cycle and are atomic; terminal states (FAILED, CANCELLED) are final.
+//
+//   PENDING -> PLANNED -> LOADING -> READY        any non-terminal -> FAILED | CANCELLED
+//   PLANNED -> PENDING (workers lost before loading)
+//
+// Example:
+//   ASSIGN_OR_RETURN(auto store, JobStore::Open("/var/lib/bertshard/jobs.db"));
+//   RETURN_IF_ERROR(store->Create(job));                       // state PENDING
+//   ASSIGN_OR_RETURN(v1::Job j, store->Transition(id, v1::PLANNED, "4 workers assigned"));
+//
+// Thread safety: thread-safe (one connection, serialised by a mutex).
+#ifndef BERTSHARD_JOBS_JOB_STORE_H_
+#define BERTSHARD_JOBS_JOB_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "bertshard/v1/job.pb.h"
+
+struct sqlite3;
+
+namespace bertshard::jobs {
+
+struct JobStoreOptions {
+  // Clock for timestamps (unix milliseconds); tests pin it.
+  std::function<int64_t()> now_millis;
+};
+
+class JobStore {
+ public:
+  // Opens or creates the database at `path` (":memory:" for a private one). INVALID_ARGUMENT if
+  // the file is not a bertshard job database; UNAVAILABLE if it cannot be opened.
+  static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path,
+                                                        JobStoreOptions options = {});
+  ~JobStore();
+  JobStore(const JobStore&) = delete;
+  JobStore& operator=(const JobStore&) = delete;
+
+  // Stores a new job; its state becomes PENDING when unset, with a first history entry.
+  // ALREADY_EXISTS for a duplicate id, INVALID_ARGUMENT for an empty id.
+  absl::Status Create(v1::Job job);
+
+  // Moves job `id` to `state`, recording `reason` (the failure cause for FAILED, the pending
+  // reason for PENDING). NOT_FOUND for an unknown id; FAILED_PRECONDITION for a transition the
+  // life cycle does not allow (e.g. out of a terminal state). Returns the updated job.
+  absl::StatusOr<v1::Job> Transition(const std::string& id, v1::JobState state, const std::string& reason);
+
+  // Replaces the rank assignments of job `id`. NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::Job> SetRanks(const std::string& id, const std::vector<v1::RankAssignment>& ranks);
+
+  absl::StatusOr<v1::Job> Get(const std::string& id);
+  // Every job, oldest first.
+  absl::StatusOr<std::vector<v1::Job>> List();
+
+  // After a coordinator restart: marks every job that had workers (PLANNED, LOADING, READY) as
+  // FAILED with `reason` and returns them; PENDING jobs stay pending.
+  absl::StatusOr<std::vector<v1::Job>> FailJobsWithWorkers(const std::string& reason);
+
+ private:
+  JobStore(sqlite3* db, JobStoreOptions options);
+  absl::StatusOr<v1::Job> GetLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PutLocked(const v1::Job& job, bool insert) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<v1::Job> TransitionLocked(const std::string& id, v1::JobState state, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  sqlite3* const db_ ABSL_GUARDED_BY(mu_);
+  const JobStoreOptions options_;
+};
+
+// Whether the life cycle allows `from` -> `to`.
+bool TransitionAllowed(v1::JobState from, v1::JobState to);
+
+}  // namespace bertshard::jobs
+
+#endif  // BERTSHARD_JOBS_JOB_STORE_H_
