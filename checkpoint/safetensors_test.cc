@@ -16,15 +16,20 @@ std::string TempPath(const std::string& name) {
   return std::string(std::getenv("TEST_TMPDIR")) + "/" + name;
 }
 
-// A file with an arbitrary header text and `data_bytes` bytes of data, for malformed cases.
-std::string RawFile(const std::string& name, const std::string& header, size_t data_bytes,
+// A file with an arbitrary header text and data bytes (or `data_bytes` zeros).
+std::string RawFile(const std::string& name, const std::string& header, const std::string& data,
                     uint64_t header_len_override = 0) {
   const std::string path = TempPath(name);
   std::ofstream out(path, std::ios::binary);
   const uint64_t len = header_len_override ? header_len_override : header.size();
   for (int i = 0; i < 8; ++i) out.put(static_cast<char>((len >> (8 * i)) & 0xff));
-  out << header << std::string(data_bytes, '\0');
+  out << header << data;
   return path;
+}
+
+std::string RawFile(const std::string& name, const std::string& header, size_t data_bytes,
+                    uint64_t header_len_override = 0) {
+  return RawFile(name, header, std::string(data_bytes, '\0'), header_len_override);
 }
 
 void ExpectRefused(const std::string& path, const std::string& fragment) {
@@ -69,14 +74,7 @@ TEST(Safetensors, ConvertsHalfAndBfloat16) {
   }
   const std::string header = R"({"h":{"dtype":"F16","shape":[3],"data_offsets":[0,6]},)"
                              R"("b":{"dtype":"BF16","shape":[2],"data_offsets":[6,10]}})";
-  const std::string path = TempPath("half.safetensors");
-  {
-    std::ofstream out(path, std::ios::binary);
-    uint64_t len = header.size();
-    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((len >> (8 * i)) & 0xff));
-    out << header << data;
-  }
-  auto file = SafetensorsFile::Open(path);
+  auto file = SafetensorsFile::Open(RawFile("half.safetensors", header, data));
   ASSERT_TRUE(file.ok()) << file.status();
   std::vector<float> h(3), b(2);
   ASSERT_TRUE((*file)->ReadSlice(*(*file)->Find("h"), {}, h.data()).ok());
@@ -126,14 +124,7 @@ TEST(Safetensors, AcceptsIntegerBuffersButReadsOnlyFloats) {
   data += std::string(8, '\0');
   const std::string header = R"({"w":{"dtype":"F64","shape":[1],"data_offsets":[0,8]},)"
                              R"("bert.embeddings.position_ids":{"dtype":"I64","shape":[1,1],"data_offsets":[8,16]}})";
-  const std::string path = TempPath("mixed.safetensors");
-  {
-    std::ofstream out(path, std::ios::binary);
-    uint64_t len = header.size();
-    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((len >> (8 * i)) & 0xff));
-    out << header << data;
-  }
-  auto file = SafetensorsFile::Open(path);
+  auto file = SafetensorsFile::Open(RawFile("mixed.safetensors", header, data));
   ASSERT_TRUE(file.ok()) << file.status();
   float w = 0;
   ASSERT_TRUE((*file)->ReadSlice(*(*file)->Find("w"), {}, &w).ok());

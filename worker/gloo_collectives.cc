@@ -3,12 +3,12 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "worker/rendezvous.h"
 
 namespace bertshard::worker {
 namespace {
@@ -46,14 +46,10 @@ absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const 
   auto groups = std::make_unique<Groups>();
   groups->options = o;
   groups->tp_rank = o.rank % o.tp_size;
+  auto store = ConnectStore(o);
+  if (!store.ok()) return store.status();
+  groups->store = *store;
   absl::Status status = Guard("rendezvous", [&]() {
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<uint16_t>(o.master_port);
-    store_options.isServer = o.rank == 0;
-    store_options.numWorkers = static_cast<size_t>(o.world_size);
-    store_options.waitWorkers = false;
-    store_options.timeout = o.timeout;
-    groups->store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
     auto make_options = [&]() {
       auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(o.master_addr));

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
 #include <cstring>
@@ -12,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/rendezvous.h"
 
 namespace bertshard::worker {
 namespace {
@@ -135,17 +135,7 @@ absl::StatusOr<std::unique_ptr<NcclCollectives>> NcclCollectives::Connect(const 
   ASSIGN_OR_RETURN(state->device, DeviceForRank(o.rank));
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(state->device), "cudaSetDevice"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-  try {
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<uint16_t>(o.master_port);
-    store_options.isServer = o.rank == 0;
-    store_options.numWorkers = static_cast<size_t>(o.world_size);
-    store_options.waitWorkers = false;
-    store_options.timeout = o.timeout;
-    state->store = c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("rendezvous: ", e.what()));
-  }
+  ASSIGN_OR_RETURN(state->store, ConnectStore(o));
   ASSIGN_OR_RETURN(state->world, state->InitComm("nccl/world", o.world_size, o.rank));
   if (o.tp_size > 1) {
     ASSIGN_OR_RETURN(state->tp, state->InitComm(absl::StrCat("nccl/tp", o.rank / o.tp_size), o.tp_size,
