@@ -56,7 +56,8 @@ class BertShard::Impl {
     }
   }
 
-  absl::Status LoadTensors(const checkpoint::Checkpoint& ckpt, int64_t* param_bytes) {
+  absl::Status LoadTensors(const checkpoint::Checkpoint& ckpt, const BertShard::Progress& progress,
+                           int64_t* param_bytes) {
     const v1::RankShard* mine = nullptr;
     for (const auto& r : plan_.ranks()) {
       if (r.rank() == rank_) mine = &r;
@@ -108,6 +109,10 @@ class BertShard::Impl {
       params_[t.name()] = local;
       for (const auto& a : aliases) params_[a] = local;
       shards_[t.name()] = &t;
+      if (progress && !progress(static_cast<int>(shards_.size()), mine->tensors_size(), *param_bytes,
+                                mine->param_bytes())) {
+        return absl::CancelledError(absl::StrCat("loading rank ", rank_, " was cancelled"));
+      }
     }
     return absl::OkStatus();
   }
@@ -413,7 +418,7 @@ int64_t BertShard::padding_bytes() const { return impl_->padding_bytes(); }
 
 absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& plan, int rank,
                                                            const checkpoint::Checkpoint& checkpoint,
-                                                           c10::Device device) {
+                                                           c10::Device device, const Progress& progress) {
   if (rank < 0 || rank >= plan.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside the plan's world of ",
                                                    plan.world_size()));
@@ -421,7 +426,7 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
   try {
     auto impl = std::make_unique<Impl>(plan, rank, device);
     int64_t bytes = 0;
-    RETURN_IF_ERROR(impl->LoadTensors(checkpoint, &bytes));
+    RETURN_IF_ERROR(impl->LoadTensors(checkpoint, progress, &bytes));
     const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
     return std::unique_ptr<BertShard>(new BertShard(std::move(impl), rank / tp, bytes));
   } catch (const std::exception& e) {

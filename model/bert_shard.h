@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -47,9 +48,14 @@ class BertShard {
   // naming a tensor that is missing or misshaped in the checkpoint.
   // `device` is where the parameters live and the forward runs (CPU, or a CUDA device with a
   // CUDA-enabled LibTorch).
+  //
+  // `progress`, if set, is called after each tensor with (tensors loaded, tensors in total, fp32
+  // bytes loaded, param_bytes); returning false stops the load with CANCELLED.
+  using Progress = std::function<bool(int loaded, int total, int64_t bytes, int64_t total_bytes)>;
   static absl::StatusOr<std::unique_ptr<BertShard>> Load(const v1::ShardPlan& plan, int rank,
                                                          const checkpoint::Checkpoint& checkpoint,
-                                                         c10::Device device = c10::Device(c10::kCPU));
+                                                         c10::Device device = c10::Device(c10::kCPU),
+                                                         const Progress& progress = nullptr);
 
   ~BertShard();
 

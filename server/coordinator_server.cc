@@ -2,13 +2,11 @@
 
 #include <utility>
 
-#include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
+#include "common/grpc_serving.h"
 #include "common/grpc_status.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "planner/planner.h"
 
 namespace bertshard::server {
@@ -43,30 +41,11 @@ CoordinatorServer::~CoordinatorServer() { Shutdown(absl::ZeroDuration()); }
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const CoordinatorOptions& options) {
-  if (options.listen_address.empty() || !absl::StrContains(options.listen_address, ':')) {
-    return absl::InvalidArgumentError(absl::StrCat("listen address '", options.listen_address,
-                                                   "' is not host:port (e.g. 0.0.0.0:50051)"));
-  }
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   auto service = std::make_unique<Service>();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &port);
-  // gRPC sets SO_REUSEPORT by default: a second coordinator would silently share the port.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  builder.SetMaxSendMessageSize(options.max_message_bytes);
-  builder.RegisterService(service.get());
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", options.listen_address,
-                     " (address in use, or not an address of this machine)"));
-  }
-  server->GetHealthCheckService()->SetServingStatus(true);
+  ASSIGN_OR_RETURN(common::StartedServer started,
+                   common::StartServer(options.listen_address, {service.get()}, options.max_message_bytes));
   return std::unique_ptr<CoordinatorServer>(
-      new CoordinatorServer(std::move(service), std::move(server), port));
+      new CoordinatorServer(std::move(service), std::move(started.server), started.port));
 }
 
 void CoordinatorServer::Shutdown(absl::Duration drain) {
@@ -75,8 +54,7 @@ void CoordinatorServer::Shutdown(absl::Duration drain) {
     if (shut_down_) return;
     shut_down_ = true;
   }
-  server_->GetHealthCheckService()->SetServingStatus(false);
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + drain));
+  common::DrainAndShutdown(server_.get(), drain);
 }
 
 void CoordinatorServer::Wait() { server_->Wait(); }

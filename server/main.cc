@@ -13,6 +13,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
+#include "common/grpc_serving.h"
 #include "server/coordinator_server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve on (port 0: any free port)");
@@ -26,12 +27,7 @@ int main(int argc, char** argv) {
   options.listen_address = absl::GetFlag(FLAGS_listen);
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
 
-  // Block the signals before gRPC starts its threads, so only the waiter below receives them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  bertshard::common::InstallShutdownHandlers();
 
   auto server = bertshard::server::CoordinatorServer::Start(options);
   if (!server.ok()) {
@@ -40,11 +36,8 @@ int main(int argc, char** argv) {
   }
   std::printf("bertshard-coordinator listening on port %d\n", (*server)->port());
   std::fflush(stdout);
-  std::thread waiter([&signals, &server, drain]() {
-    int received = 0;
-    sigwait(&signals, &received);
-    std::fprintf(stderr, "bertshard-coordinator: signal %d, draining for %s\n", received,
-                 absl::FormatDuration(drain).c_str());
+  std::thread waiter([&server, drain]() {
+    bertshard::common::WaitForShutdownSignal("bertshard-coordinator");
     (*server)->Shutdown(drain);
   });
   (*server)->Wait();

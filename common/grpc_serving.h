@@ -1,0 +1,49 @@
+// File: common/grpc_serving.h
+// -----------------------------------------------------------------------------
+// What every bertshard server does the same way: listen on host:port (port 0 picks one, and the
+// port is never shared with another process), serve the standard grpc.health.v1 health service
+// and server reflection, and on SIGTERM/SIGINT go NOT_SERVING and drain in-flight calls for a
+// deadline before exiting.
+//
+// Example:
+//   InstallShutdownHandlers();              // early in main
+//   ASSIGN_OR_RETURN(auto server, StartServer("0.0.0.0:50051", {&service}));
+//   WaitForShutdownSignal("my-server");     // returns on SIGTERM/SIGINT
+//   DrainAndShutdown(server.server.get(), absl::Seconds(10));
+//
+// Thread safety: StartServer is thread-safe; the signal helpers are for main().
+#ifndef BERTSHARD_COMMON_GRPC_SERVING_H_
+#define BERTSHARD_COMMON_GRPC_SERVING_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/server.h"
+
+namespace bertshard::common {
+
+struct StartedServer {
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+};
+
+// INVALID_ARGUMENT for an address that is not host:port; UNAVAILABLE when it cannot be bound.
+absl::StatusOr<StartedServer> StartServer(const std::string& address, const std::vector<grpc::Service*>& services,
+                                          int max_message_bytes = 64 << 20);
+
+// Health NOT_SERVING, then stop accepting calls and give in-flight ones `drain` to finish.
+void DrainAndShutdown(grpc::Server* server, absl::Duration drain);
+
+// Catches SIGTERM and SIGINT from now on, in whatever thread they arrive (libraries such as
+// LibTorch start threads before main, so blocking the signals in main would not be enough).
+void InstallShutdownHandlers();
+
+// Waits for SIGTERM/SIGINT (caught by InstallShutdownHandlers) and says so on stderr.
+void WaitForShutdownSignal(const char* program);
+
+}  // namespace bertshard::common
+
+#endif  // BERTSHARD_COMMON_GRPC_SERVING_H_

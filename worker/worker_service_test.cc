@@ -1,0 +1,211 @@
+// Two Worker services (each its own gRPC server on loopback) load the two TP ranks of a job,
+// run forwards in sequence and unload -- driven over gRPC as the coordinator will drive them.
+#include "worker/worker_service.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "checkpoint/safetensors.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "planner/planner.h"
+
+namespace bertshard::worker {
+namespace {
+
+constexpr char kModel[] = "tests/testdata/model/masked_lm_untied";
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+struct RunningWorker {
+  std::unique_ptr<WorkerService> service;
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::Worker::Stub> stub;
+};
+
+RunningWorker StartWorker() {
+  RunningWorker w;
+  w.service = std::make_unique<WorkerService>(WorkerServiceOptions{});
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(w.service.get());
+  w.server = builder.BuildAndStart();
+  w.stub = v1::Worker::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  return w;
+}
+
+std::unique_ptr<grpc::ClientContext> Context() {
+  auto c = std::make_unique<grpc::ClientContext>();
+  c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  return c;
+}
+
+v1::TokenInputs Inputs() {
+  std::ifstream in(std::string(kModel) + "/input.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  const auto j = nlohmann::json::parse(text.str());
+  v1::TokenInputs t;
+  t.set_rows(static_cast<int64_t>(j["input_ids"].size()));
+  t.set_seq(static_cast<int64_t>(j["input_ids"][0].size()));
+  for (const char* key : {"input_ids", "attention_mask", "token_type_ids"}) {
+    auto* field = std::string(key) == "input_ids" ? t.mutable_input_ids()
+                  : std::string(key) == "attention_mask" ? t.mutable_attention_mask() : t.mutable_token_type_ids();
+    for (const auto& row : j[key]) for (const auto& v : row) field->Add(v.get<int64_t>());
+  }
+  return t;
+}
+
+TEST(WorkerService, LoadsForwardsInOrderAndUnloads) {
+  v1::PlanRequest request;
+  request.set_checkpoint(kModel);
+  request.mutable_parallel()->set_tp_size(2);
+  auto plan = planner::Plan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  RunningWorker workers[2] = {StartWorker(), StartWorker()};
+  const int port = FreePort();
+
+  std::vector<v1::LoadProgress> last(2);
+  std::vector<int> updates(2, 0);
+  std::vector<grpc::Status> load_status(2);
+  std::vector<std::thread> loads;
+  for (int rank = 0; rank < 2; ++rank) {
+    loads.emplace_back([&, rank] {
+      v1::LoadShardRequest load;
+      load.set_job_id("job-1");
+      *load.mutable_plan() = *plan;
+      load.set_rank(rank);
+      load.set_checkpoint(kModel);
+      load.set_master_port(port);
+      load.set_timeout_seconds(30);
+      auto context = Context();
+      auto reader = workers[rank].stub->LoadShard(context.get(), load);
+      v1::LoadProgress p;
+      while (reader->Read(&p)) {
+        EXPECT_GE(p.bytes_loaded(), last[rank].bytes_loaded());
+        last[rank] = p;
+        ++updates[rank];
+      }
+      load_status[rank] = reader->Finish();
+    });
+  }
+  for (auto& t : loads) t.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(load_status[rank].ok()) << load_status[rank].error_message();
+    EXPECT_EQ(last[rank].phase(), v1::LoadProgress::READY);
+    EXPECT_EQ(last[rank].bytes_loaded(), plan->ranks(rank).param_bytes());
+    EXPECT_GT(updates[rank], plan->ranks(rank).tensors_size());  // one per tensor, then connect/ready
+  }
+
+  auto expected_file = checkpoint::SafetensorsFile::Open(std::string(kModel) + "/expected.safetensors");
+  ASSERT_TRUE(expected_file.ok());
+  const checkpoint::TensorInfo* logits = (*expected_file)->Find("logits");
+  std::vector<float> expected(static_cast<size_t>(logits->numel()));
+  ASSERT_TRUE((*expected_file)->ReadSlice(*logits, {}, expected.data()).ok());
+
+  for (int sequence = 0; sequence < 2; ++sequence) {
+    std::vector<v1::ForwardResponse> responses(2);
+    std::vector<grpc::Status> status(2);
+    std::vector<std::thread> forwards;
+    for (int rank = 0; rank < 2; ++rank) {
+      forwards.emplace_back([&, rank] {
+        v1::ForwardRequest forward;
+        forward.set_job_id("job-1");
+        forward.set_sequence(sequence);
+        *forward.mutable_inputs() = Inputs();
+        auto context = Context();
+        status[rank] = workers[rank].stub->Forward(context.get(), forward, &responses[rank]);
+      });
+    }
+    for (auto& t : forwards) t.join();
+    ASSERT_TRUE(status[0].ok()) << status[0].error_message();
+    ASSERT_TRUE(status[1].ok()) << status[1].error_message();
+    ASSERT_EQ(responses[0].outputs_size(), 1);
+    EXPECT_EQ(responses[1].outputs_size(), 0);  // TP rank 1 returns nothing
+    const v1::NamedTensor& out = responses[0].outputs(0);
+    EXPECT_EQ(out.name(), "logits");
+    ASSERT_EQ(out.values_size(), static_cast<int>(expected.size()));
+    float max_diff = 0;
+    for (int i = 0; i < out.values_size(); ++i) max_diff = std::max(max_diff, std::fabs(out.values(i) - expected[i]));
+    EXPECT_LE(max_diff, 1e-5f);
+  }
+
+  v1::ForwardRequest stale;
+  stale.set_job_id("job-1");
+  stale.set_sequence(0);
+  *stale.mutable_inputs() = Inputs();
+  v1::ForwardResponse response;
+  EXPECT_EQ(workers[0].stub->Forward(Context().get(), stale, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  v1::ForwardRequest malformed = stale;
+  malformed.set_sequence(2);
+  malformed.mutable_inputs()->mutable_input_ids()->RemoveLast();
+  EXPECT_EQ(workers[0].stub->Forward(Context().get(), malformed, &response).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  for (int rank = 0; rank < 2; ++rank) {
+    v1::UnloadRequest unload;
+    unload.set_job_id("job-1");
+    v1::UnloadResponse unloaded;
+    ASSERT_TRUE(workers[rank].stub->Unload(Context().get(), unload, &unloaded).ok());
+    EXPECT_TRUE(unloaded.was_loaded());
+    EXPECT_EQ(workers[rank].service->loaded_jobs(), 0);
+  }
+  EXPECT_EQ(workers[0].stub->Forward(Context().get(), stale, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST(WorkerService, RefusesBadLoadRequests) {
+  RunningWorker worker = StartWorker();
+  v1::PlanRequest request;
+  request.set_checkpoint(kModel);
+  auto plan = planner::Plan(request);
+  ASSERT_TRUE(plan.ok());
+  v1::LoadShardRequest load;
+  load.set_job_id("j");
+  *load.mutable_plan() = *plan;
+  load.set_checkpoint("/nonexistent/checkpoint");
+  load.set_master_port(FreePort());
+  auto read_all = [&](const v1::LoadShardRequest& r) {
+    auto context = Context();
+    auto reader = worker.stub->LoadShard(context.get(), r);
+    v1::LoadProgress p;
+    while (reader->Read(&p)) {
+    }
+    return reader->Finish();
+  };
+  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  load.set_checkpoint(kModel);
+  load.set_rank(3);
+  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  load.set_rank(0);
+  load.set_job_id("");
+  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  load.set_job_id("j");
+  load.set_backend("mpi");
+  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  load.clear_backend();
+  ASSERT_TRUE(read_all(load).ok());  // world of 1
+  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+}
+
+}  // namespace
+}  // namespace bertshard::worker
