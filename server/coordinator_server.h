@@ -1,8 +1,8 @@
 // File: server/coordinator_server.h
 // -----------------------------------------------------------------------------
-// The coordinator's gRPC server: the Coordinator service (a thin layer over the planner), the
-// standard grpc.health.v1 health service and server reflection, so that grpcurl-style clients
-// can list and describe everything.
+// The coordinator's gRPC server: the Coordinator service (a thin layer over the planner and the
+// Cluster), the standard grpc.health.v1 health service and server reflection, so that
+// grpcurl-style clients can list and describe everything.
 //
 // Example:
 //   auto server = CoordinatorServer::Start({.listen_address = "127.0.0.1:0"});
@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
+#include "server/cluster.h"
 
 namespace bertshard::server {
 
@@ -29,13 +30,14 @@ struct CoordinatorOptions {
   // host:port; port 0 picks a free port.
   std::string listen_address = "0.0.0.0:50051";
   // Largest request or response message accepted; plans of big models are a few MiB.
-  int max_message_bytes = 64 << 20;
+  int max_message_bytes = 256 << 20;
+  ClusterOptions cluster;
 };
 
 class CoordinatorServer {
  public:
   // Builds and starts the server. UNAVAILABLE if the address cannot be bound;
-  // INVALID_ARGUMENT if it is malformed.
+  // INVALID_ARGUMENT if it is malformed or the job database is not one.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorOptions& options);
 
   ~CoordinatorServer();
@@ -53,8 +55,10 @@ class CoordinatorServer {
 
  private:
   class Service;
-  CoordinatorServer(std::unique_ptr<Service> service, std::unique_ptr<grpc::Server> server, int port);
+  CoordinatorServer(std::unique_ptr<Cluster> cluster, std::unique_ptr<Service> service,
+                    std::unique_ptr<grpc::Server> server, int port);
 
+  std::unique_ptr<Cluster> cluster_;
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   const int port_;

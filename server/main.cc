@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -19,12 +20,30 @@
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve on (port 0: any free port)");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
           "how long in-flight calls may run after SIGTERM/SIGINT");
+ABSL_FLAG(std::string, data_dir, "bertshard-data", "directory for the coordinator's state");
+ABSL_FLAG(std::string, database, "", "job database (SQLite); default <data_dir>/jobs.db");
+ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
+          "workers' heartbeat interval; a worker silent for two intervals is dead");
+ABSL_FLAG(int, collective_timeout_s, 60, "rendezvous and collective timeout on the workers, seconds");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
   absl::ParseCommandLine(argc, argv);
   bertshard::server::CoordinatorOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen);
+  options.cluster.database_path = absl::GetFlag(FLAGS_database);
+  if (options.cluster.database_path.empty()) {
+    const std::string dir = absl::GetFlag(FLAGS_data_dir);
+    std::error_code error;
+    std::filesystem::create_directories(dir, error);
+    if (error) {
+      std::fprintf(stderr, "bertshard-coordinator: cannot create %s: %s\n", dir.c_str(), error.message().c_str());
+      return 1;
+    }
+    options.cluster.database_path = dir + "/jobs.db";
+  }
+  options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
+  options.cluster.collective_timeout_seconds = absl::GetFlag(FLAGS_collective_timeout_s);
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
 
   bertshard::common::InstallShutdownHandlers();

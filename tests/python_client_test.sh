@@ -8,9 +8,10 @@ mkdir -p "$gen/stdproto"
 cp /usr/share/grpc-proto/grpc/health/v1/health.proto "$gen/stdproto/health.proto"
 cp /usr/share/grpc-proto/grpc/reflection/v1alpha/reflection.proto "$gen/stdproto/reflection.proto"
 /usr/bin/python3 -m grpc_tools.protoc -Iproto -I"$gen" --python_out="$gen" --grpc_python_out="$gen" \
-  proto/bertshard/v1/model_config.proto proto/bertshard/v1/plan.proto proto/bertshard/v1/coordinator.proto \
+  proto/bertshard/v1/model_config.proto proto/bertshard/v1/plan.proto proto/bertshard/v1/job.proto \
+  proto/bertshard/v1/worker.proto proto/bertshard/v1/coordinator.proto \
   "$gen/stdproto/health.proto" "$gen/stdproto/reflection.proto"
-server/bertshard-coordinator --listen=127.0.0.1:0 >"$TEST_TMPDIR/coordinator.out" 2>&1 &
+server/bertshard-coordinator --listen=127.0.0.1:0 --data_dir="$TEST_TMPDIR/coordinator" >"$TEST_TMPDIR/coordinator.out" 2>&1 &
 coordinator=$!
 trap 'kill "$coordinator" 2>/dev/null || true' EXIT
 port=""

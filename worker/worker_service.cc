@@ -3,6 +3,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <utility>
 
@@ -85,6 +89,10 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   auto comm = GlooCollectives::Connect(gloo);
   if (!comm.ok()) return common::ToGrpcStatus(comm.status());
   job->comm = *std::move(comm);
+  if (context->IsCancelled()) {
+    // The coordinator gave up on this job while we joined its groups: do not keep it.
+    return {grpc::StatusCode::CANCELLED, absl::StrCat("loading job ", request->job_id(), " was cancelled")};
+  }
   {
     absl::MutexLock lock(&mu_);
     if (!jobs_.emplace(request->job_id(), job).second) {
@@ -152,6 +160,22 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
       out->mutable_values()->Add(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
     }
   }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerService::ReservePort(grpc::ServerContext*, const v1::ReservePortRequest*,
+                                        v1::ReservePortResponse* response) {
+  // Bind port 0 to learn a free port, then release it for the job's rank 0 to host the store.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof(addr);
+  const bool ok = fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  if (fd >= 0) close(fd);
+  if (!ok) return {grpc::StatusCode::UNAVAILABLE, "no free port on this worker"};
+  response->set_port(ntohs(addr.sin_port));
   return grpc::Status::OK;
 }
 

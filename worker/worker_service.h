@@ -36,6 +36,8 @@ class WorkerService final : public v1::Worker::Service {
                        v1::ForwardResponse* response) override;
   grpc::Status Unload(grpc::ServerContext* context, const v1::UnloadRequest* request,
                       v1::UnloadResponse* response) override;
+  grpc::Status ReservePort(grpc::ServerContext* context, const v1::ReservePortRequest* request,
+                           v1::ReservePortResponse* response) override;
 
   // Jobs loaded now.
   int loaded_jobs();

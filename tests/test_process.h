@@ -1,0 +1,72 @@
+// File: tests/test_process.h
+// -----------------------------------------------------------------------------
+// Helpers for end-to-end tests that run the built binaries as a user would: spawn + exec with
+// output to files, wait, read, and find the port a server printed ("listening on port N").
+//
+// Thread safety: thread-compatible.
+#ifndef BERTSHARD_TESTS_TEST_PROCESS_H_
+#define BERTSHARD_TESTS_TEST_PROCESS_H_
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace bertshard::testing {
+
+inline std::string TempDir() {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return dir != nullptr ? dir : "/tmp";
+}
+
+inline std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Starts `args` (args[0] is the binary) with stdout and stderr appended to `log`; returns the pid.
+inline pid_t Spawn(const std::vector<std::string>& args, const std::string& log) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) pid = -1;
+  posix_spawn_file_actions_destroy(&actions);
+  return pid;
+}
+
+inline int WaitExit(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// The port from the first "listening on port N" line of `log`, waiting up to ~10 s; 0 if none.
+inline int WaitForPort(const std::string& log) {
+  for (int i = 0; i < 200; ++i) {
+    const std::string out = ReadAll(log);
+    const size_t at = out.find("listening on port ");
+    if (at != std::string::npos && out.find('\n', at) != std::string::npos) return std::atoi(out.c_str() + at + 18);
+    usleep(50 * 1000);
+  }
+  return 0;
+}
+
+}  // namespace bertshard::testing
+
+#endif  // BERTSHARD_TESTS_TEST_PROCESS_H_
