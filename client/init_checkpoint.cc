@@ -61,7 +61,7 @@ absl::Status InitCheckpoint(v1::ModelVariant variant, const v1::BertConfig& conf
 }
 
 const std::set<std::string>& InitCheckpointValueFlags() {
-  static const auto* flags = new std::set<std::string>{"variant", "config", "seed", "out"};
+  static const auto* flags = new std::set<std::string>{"variant", "config", "seed", "out", "vocab"};
   return *flags;
 }
 
@@ -80,8 +80,27 @@ int RunInitCheckpointCommand(const CommandLine& cl, std::FILE* out, std::FILE* e
   }
   v1::PlanRequest request;
   if (absl::Status s = ApplyPlanFlags(cl, &request); !s.ok()) return fail(s);
+  // --vocab: a WordPiece vocab.txt to ship with the model (text inference); it sets vocab_size.
+  std::vector<std::string> vocab;
+  if (auto it = cl.values.find("vocab"); it != cl.values.end()) {
+    std::ifstream in(it->second);
+    if (!in) return fail(absl::InvalidArgumentError(absl::StrCat("cannot read vocabulary ", it->second)));
+    for (std::string line; std::getline(in, line);) vocab.push_back(line);
+    if (vocab.empty()) return fail(absl::InvalidArgumentError("the vocabulary is empty"));
+    const int64_t size = static_cast<int64_t>(vocab.size());
+    if (request.config().has_vocab_size() && request.config().vocab_size() != size) {
+      return fail(absl::InvalidArgumentError(absl::StrCat("config vocab_size ", request.config().vocab_size(),
+                                                          " disagrees with the ", size, "-token vocabulary")));
+    }
+    request.mutable_config()->set_vocab_size(size);
+  }
   if (absl::Status s = InitCheckpoint(request.variant(), request.config(), seed, cl.values.at("out")); !s.ok()) {
     return fail(s);
+  }
+  if (!vocab.empty()) {
+    std::ofstream v(cl.values.at("out") + "/vocab.txt");
+    for (const std::string& token : vocab) v << token << "\n";
+    std::ofstream(cl.values.at("out") + "/tokenizer_config.json") << "{\"do_lower_case\": true}\n";
   }
   std::fprintf(out, "wrote %s/config.json and %s/model.safetensors\n", cl.values.at("out").c_str(),
                cl.values.at("out").c_str());

@@ -329,7 +329,7 @@ const std::set<std::string>& RunValueFlags() {
 
 const std::set<std::string>& RunSwitchFlags() { return PlanSwitchFlags(); }
 
-absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::ShardPlan& plan) {
+absl::StatusOr<RunInputs> ParseTokenJson(const std::string& text, int depth) {
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return Invalid("input is not a JSON object");
   for (const auto& [key, value] : j.items()) {
@@ -338,18 +338,19 @@ absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::Shar
     }
   }
   if (!j.contains("input_ids")) return Invalid("input needs input_ids");
-  const bool multiple_choice = plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE;
-  const int depth = multiple_choice ? 3 : 2;
-  const char* layout = multiple_choice ? "[batch, choices, seq]" : "[batch, seq]";
+  if (depth == 0) depth = j["input_ids"].is_array() && !j["input_ids"].empty() && j["input_ids"][0].is_array() &&
+                                  !j["input_ids"][0].empty() && j["input_ids"][0][0].is_array()
+                              ? 3
+                              : 2;
+  const char* layout = depth == 3 ? "[batch, choices, seq]" : "[batch, seq]";
   RunInputs in;
   std::vector<int64_t> shape;
   if (absl::Status s = Flatten(j["input_ids"], "input_ids", depth, &shape, &in.input_ids); !s.ok()) {
     return Invalid(absl::StrCat(s.message(), " (input_ids is ", layout, " for this model)"));
   }
   in.batch = shape[0];
-  in.choices = multiple_choice ? shape[1] : 1;
+  in.choices = depth == 3 ? shape[1] : 1;
   in.seq = shape.back();
-  const v1::BertConfig& c = plan.config();
   auto other = [&](const char* key, int64_t fill, std::vector<int64_t>* out) -> absl::Status {
     if (!j.contains(key)) {
       out->assign(in.input_ids.size(), fill);
@@ -362,6 +363,12 @@ absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::Shar
   };
   RETURN_IF_ERROR(other("attention_mask", 1, &in.attention_mask));
   RETURN_IF_ERROR(other("token_type_ids", 0, &in.token_type_ids));
+  return in;
+}
+
+absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::ShardPlan& plan) {
+  ASSIGN_OR_RETURN(RunInputs in, ParseTokenJson(text, plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE ? 3 : 2));
+  const v1::BertConfig& c = plan.config();
   if (in.seq > c.max_position_embeddings()) {
     return Invalid(absl::StrCat("sequence length ", in.seq, " exceeds max_position_embeddings ",
                                 c.max_position_embeddings()));

@@ -38,6 +38,10 @@ struct RunInputs {
 // type_vocab_size, mask of 0/1, seq <= max_position_embeddings. INVALID_ARGUMENT says which.
 absl::StatusOr<RunInputs> ParseRunInputs(const std::string& json, const v1::ShardPlan& plan);
 
+// The structural part of that: known fields, integers, rectangular, `depth` 2 ([batch, seq]) or
+// 3 ([batch, choices, seq]); 0 reads the depth off input_ids.
+absl::StatusOr<RunInputs> ParseTokenJson(const std::string& json, int depth);
+
 int RunRunCommand(const CommandLine& command_line, std::FILE* out, std::FILE* err);
 
 }  // namespace bertshard::client

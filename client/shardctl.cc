@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "client/command_line.h"
+#include "client/cluster_commands.h"
 #include "client/init_checkpoint.h"
 #include "client/plan_command.h"
 #include "client/run_command.h"
@@ -27,6 +28,11 @@ run: the sharded forward, one process per rank on this machine (Gloo on loopback
   --backend gloo, --timeout SECONDS, --rank-binary PATH. Prints per-rank load/forward time, peak
   RSS and checkpoint bytes read; writes the outputs (float32, HF names).
 init-checkpoint: a randomly initialised HF model directory (config.json + model.safetensors).
+
+On a coordinator (--server HOST:PORT, default $BERTSHARD_SERVER or 127.0.0.1:50051):
+  shardctl submit --checkpoint DIR [--tp N --pp N ...] [--watch] [--no-wait]   prints the job id
+  shardctl jobs | job ID | watch ID | cancel ID | workers
+  shardctl infer ID --text "..." [--text-pair "..."] | --input FILE.json [--output FILE.safetensors]
 
 Request (a JSON file in the plan contract's format, and/or flags; flags win):
   --request FILE            PlanRequest JSON (same as the positional REQUEST.json)
@@ -53,7 +59,8 @@ Where and how:
   --batch FILE.jsonl        with --output json: one request per line ('-' for stdin), one JSON
                             line per request: the plan or {"error": {"code", "message"}}
 
-Exit status: 0 ok, 1 coordinator unreachable or output error, 2 invalid request or usage.
+Exit status: 0 ok, 1 coordinator unreachable, job failed or output error, 2 invalid request or
+usage, 3 unknown job.
 )";
 
 }  // namespace
@@ -77,9 +84,13 @@ int main(int argc, char** argv) {
   } else if (args[0] == "init-checkpoint") {
     value_flags = &client::InitCheckpointValueFlags();
     switch_flags = &no_switches;
+  } else if (client::IsClusterCommand(args[0])) {
+    value_flags = &client::ClusterValueFlags(args[0]);
+    switch_flags = &client::ClusterSwitchFlags(args[0]);
   } else {
     std::fprintf(stderr,
-                 "shardctl: unknown command '%s'; commands: plan, run, init-checkpoint (see shardctl --help)\n",
+                 "shardctl: unknown command '%s'; commands: plan, run, init-checkpoint, submit, jobs, job, "
+                 "watch, cancel, workers, infer (see shardctl --help)\n",
                  args[0].c_str());
     return client::kExitInvalidInput;
   }
@@ -95,5 +106,6 @@ int main(int argc, char** argv) {
   }
   if (args[0] == "run") return client::RunRunCommand(*command_line, stdout, stderr);
   if (args[0] == "init-checkpoint") return client::RunInitCheckpointCommand(*command_line, stdout, stderr);
+  if (client::IsClusterCommand(args[0])) return client::RunClusterCommand(*command_line, stdout, stderr);
   return client::RunPlanCommand(*command_line, stdout, stderr);
 }
