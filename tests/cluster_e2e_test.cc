@@ -2,6 +2,7 @@
 // watch to READY, infer (equal to the reference), concurrent infers, text input, cancel; a worker
 // killed with SIGKILL fails its job with a cause naming it, and a restarted coordinator still
 // lists its jobs and takes the workers back.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -58,7 +59,7 @@ class Cluster : public ::testing::Test {
     const std::string log = data_dir_ + ".log";
     std::ofstream(log, std::ios::trunc).close();
     coordinator_ = Spawn({"server/bertshard-coordinator", "--listen=127.0.0.1:" + std::to_string(port_),
-                          "--data_dir=" + data_dir_, "--heartbeat_interval=300ms", "--collective_timeout_s=20"},
+                          "--data_dir=" + data_dir_, "--heartbeat_interval=300ms", "--collective_timeout_s=8"},
                          log);
     const int port = WaitForPort(log);
     ASSERT_GT(port, 0) << ReadAll(log);
@@ -318,6 +319,79 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   EXPECT_EQ(jobs.jobs(0).id(), job.id());
   EXPECT_EQ(jobs.jobs(0).state(), v1::FAILED);
   EXPECT_EQ(jobs.jobs(1).state(), v1::PENDING);
+  EXPECT_TRUE(WaitForWorkers(3));
+}
+
+struct Cli {
+  int exit_code;
+  std::string output;
+};
+
+Cli Shardctl(std::vector<std::string> args) {
+  static int counter = 0;
+  const std::string log = TempDir() + "/shardctl_" + std::to_string(counter++) + ".log";
+  args.insert(args.begin(), "client/shardctl");
+  const int code = WaitExit(Spawn(args, log));
+  return {code, ReadAll(log)};
+}
+
+TEST_F(Cluster, ShardctlDrivesTheCluster) {
+  const std::string server = "--server=127.0.0.1:" + std::to_string(port_);
+  const std::string model = std::filesystem::absolute(kModel).string();
+  Cli submit = Shardctl({"submit", server, "--checkpoint", model, "--tp", "2", "--pp", "2"});
+  ASSERT_EQ(submit.exit_code, 0) << submit.output;
+  const std::string id = submit.output.substr(0, submit.output.find('\n'));
+  Cli watch = Shardctl({"watch", id, server});
+  EXPECT_EQ(watch.exit_code, 0) << watch.output;
+  EXPECT_NE(watch.output.find("READY"), std::string::npos) << watch.output;
+  const std::string out = TempDir() + "/cli_out.safetensors";
+  Cli infer = Shardctl({"infer", id, server, "--input", model + "/input.json", "--output", out});
+  ASSERT_EQ(infer.exit_code, 0) << infer.output;
+  auto file = checkpoint::SafetensorsFile::Open(out);
+  ASSERT_TRUE(file.ok()) << file.status();
+  std::vector<float> got(static_cast<size_t>((*file)->Find("logits")->numel()));
+  ASSERT_TRUE((*file)->ReadSlice(*(*file)->Find("logits"), {}, got.data()).ok());
+  const std::vector<float> want = Expected();
+  ASSERT_EQ(got.size(), want.size());
+  float max_diff = 0;
+  for (size_t i = 0; i < got.size(); ++i) max_diff = std::max(max_diff, std::fabs(got[i] - want[i]));
+  EXPECT_LE(max_diff, 1e-5f);
+  Cli jobs = Shardctl({"jobs", server});
+  EXPECT_NE(jobs.output.find(id), std::string::npos) << jobs.output;
+  Cli workers = Shardctl({"workers", server});
+  EXPECT_EQ(std::count(workers.output.begin(), workers.output.end(), '\n'), 5) << workers.output;
+  EXPECT_EQ(Shardctl({"job", "no-such-job", server}).exit_code, 3);
+  Cli text = Shardctl({"infer", id, server, "--text", "hello"});  // this checkpoint has no vocab.txt
+  EXPECT_EQ(text.exit_code, 1);
+  EXPECT_NE(text.output.find("vocab.txt"), std::string::npos) << text.output;
+  EXPECT_EQ(Shardctl({"infer", id, server}).exit_code, 2);
+  Cli cancel = Shardctl({"cancel", id, server});
+  EXPECT_EQ(cancel.exit_code, 0);
+  EXPECT_NE(cancel.output.find("CANCELLED"), std::string::npos) << cancel.output;
+  EXPECT_EQ(Shardctl({"cancel", id, server}).exit_code, 1);  // already cancelled
+}
+
+TEST_F(Cluster, WorkerKilledWhileLoadingFailsTheJobWithoutHanging) {
+  const v1::Job job = Submit(kModel);
+  // Ranks are assigned when SubmitJob returns: kill rank 3's worker before it can finish.
+  v1::ListWorkersResponse workers;
+  ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
+  std::string victim_id;
+  for (const auto& w : workers.workers()) {
+    if (w.job_id() == job.id() && w.rank() == 3) victim_id = w.worker_id();
+  }
+  ASSERT_FALSE(victim_id.empty());
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (ReadAll(WorkerLog(i)).find("as " + victim_id + "\n") != std::string::npos) {
+      kill(workers_[i], SIGKILL);
+      WaitExit(workers_[i]);
+      workers_.erase(workers_.begin() + static_cast<long>(i));
+      break;
+    }
+  }
+  const v1::JobEvent last = Watch(job.id());  // returns: the job settles, nothing hangs
+  EXPECT_EQ(last.job().state(), v1::FAILED);
+  EXPECT_NE(last.job().failure_cause().find(victim_id), std::string::npos) << last.job().failure_cause();
   EXPECT_TRUE(WaitForWorkers(3));
 }
 

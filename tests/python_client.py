@@ -1,13 +1,68 @@
 #!/usr/bin/python3
 """A client bertshard did not write: Debian's python3-grpcio with stubs that python3-grpc-tools
-generated from our protos (see python_client_test.sh). Talks to a running coordinator:
-Plan (valid and invalid), the standard health service, and server reflection."""
+generated from our protos (see python_client_test.sh). Talks to a running coordinator with two
+workers: Plan (valid and invalid), the standard health service, server reflection, and a job
+submitted, watched to READY and asked for an inference, checked against the reference outputs."""
+import json
+import os
+import struct
 import sys
+import time
 
 import grpc
 
-from bertshard.v1 import coordinator_pb2_grpc, plan_pb2
+from bertshard.v1 import coordinator_pb2, coordinator_pb2_grpc, job_pb2, plan_pb2, worker_pb2
 from stdproto import health_pb2, health_pb2_grpc, reflection_pb2, reflection_pb2_grpc
+
+MODEL = os.path.abspath("tests/testdata/model/masked_lm_untied")
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        out[name] = (info["shape"], struct.unpack("<%df" % ((end - begin) // 4), data[begin:end]))
+    return out
+
+
+def submit_and_infer(coordinator):
+    deadline = time.time() + 30
+    while len([w for w in coordinator.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=10).workers
+               if w.healthy]) < 2:
+        assert time.time() < deadline, "workers did not register"
+        time.sleep(0.1)
+    submit = coordinator_pb2.SubmitJobRequest()
+    submit.request.checkpoint = MODEL
+    submit.request.parallel.tp_size = 2
+    job = coordinator.SubmitJob(submit, timeout=30)
+    last = None
+    for event in coordinator.WatchJob(coordinator_pb2.GetJobRequest(job_id=job.id), timeout=120):
+        last = event
+    assert last.job.state == job_pb2.READY, last.job.failure_cause
+
+    inputs = json.load(open(os.path.join(MODEL, "input.json")))
+    tokens = worker_pb2.TokenInputs(rows=len(inputs["input_ids"]), seq=len(inputs["input_ids"][0]), choices=1)
+    for key in ("input_ids", "attention_mask", "token_type_ids"):
+        getattr(tokens, key).extend(v for row in inputs[key] for v in row)
+    answer = coordinator.Infer(coordinator_pb2.InferRequest(job_id=job.id, tokens=tokens), timeout=120)
+    shape, expected = read_safetensors(os.path.join(MODEL, "expected.safetensors"))["logits"]
+    (logits,) = answer.outputs
+    assert logits.name == "logits" and list(logits.shape) == shape, (logits.name, logits.shape)
+    worst = max(abs(a - b) for a, b in zip(logits.values, expected))
+    assert worst <= 1e-5, worst
+
+    try:
+        coordinator.Infer(coordinator_pb2.InferRequest(job_id="no-such-job", tokens=tokens), timeout=10)
+        raise AssertionError("an unknown job was served")
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.NOT_FOUND, e.code()
+    coordinator.CancelJob(coordinator_pb2.GetJobRequest(job_id=job.id), timeout=30)
 
 
 def main(address):
@@ -49,7 +104,8 @@ def main(address):
     assert {"bertshard.v1.Coordinator", "grpc.health.v1.Health"} <= names, names
     for d in described:  # grpcurl-style clients can describe both services
         assert len(d.file_descriptor_response.file_descriptor_proto) > 0, d
-    print("python client: plan, invalid argument, health, reflection ok")
+    submit_and_infer(coordinator)
+    print("python client: plan, invalid argument, health, reflection, submit, infer ok")
 
 
 if __name__ == "__main__":

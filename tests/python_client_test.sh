@@ -21,6 +21,12 @@ for _ in $(seq 200); do
   sleep 0.05
 done
 [ -n "$port" ] || { cat "$TEST_TMPDIR/coordinator.out"; exit 1; }
+workers=()
+for i in 1 2; do
+  worker/shard-worker --listen=127.0.0.1:0 --coordinator="127.0.0.1:$port" >"$TEST_TMPDIR/worker$i.out" 2>&1 &
+  workers+=($!)
+done
+trap 'kill "$coordinator" "${workers[@]}" 2>/dev/null || true' EXIT
 PYTHONPATH="$gen" /usr/bin/python3 tests/python_client.py "127.0.0.1:$port"
-kill -TERM "$coordinator"
+kill -TERM "${workers[@]}" "$coordinator"
 wait "$coordinator"

@@ -30,7 +30,12 @@ Registration::~Registration() {
 }
 
 void Registration::Run() {
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(coordinator_, grpc::InsecureChannelCredentials()));
+  // Reconnect quickly after the coordinator restarts (gRPC's default backoff grows to 2 minutes).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(coordinator_, grpc::InsecureChannelCredentials(), args));
   std::string worker_id;
   absl::Duration interval = absl::Seconds(1);
   auto stopped_after = [&](absl::Duration wait) {
