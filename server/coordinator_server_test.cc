@@ -126,3 +126,37 @@ TEST(CoordinatorServerStart, RejectsMalformedAndBusyAddresses) {
 
 }  // namespace
 }  // namespace bertshard::server
+
+namespace bertshard::server {
+namespace {
+
+TEST(CoordinatorServerLimits, OversizedMessagesAndUnknownJobsAreRefused) {
+  auto server = CoordinatorServer::Start({.listen_address = "127.0.0.1:0", .max_message_bytes = 1 << 20});
+  ASSERT_TRUE(server.ok()) << server.status();
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(64 << 20);
+  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(
+      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials(), args));
+  v1::InferRequest infer;
+  infer.set_job_id("job-x");
+  infer.mutable_tokens()->mutable_input_ids()->Resize(1 << 21, 1);  // 2 MiB of varints > 1 MiB
+  v1::InferResponse response;
+  grpc::ClientContext big;
+  big.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  EXPECT_EQ(stub->Infer(&big, infer, &response).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  infer.mutable_tokens()->Clear();
+  grpc::ClientContext small;
+  small.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  EXPECT_EQ(stub->Infer(&small, infer, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  v1::GetJobRequest get;
+  get.set_job_id("job-x");
+  v1::Job job;
+  grpc::ClientContext get_context;
+  EXPECT_EQ(stub->GetJob(&get_context, get, &job).error_code(), grpc::StatusCode::NOT_FOUND);
+  v1::SubmitJobRequest submit;  // no checkpoint
+  grpc::ClientContext submit_context;
+  EXPECT_EQ(stub->SubmitJob(&submit_context, submit, &job).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+}  // namespace
+}  // namespace bertshard::server
