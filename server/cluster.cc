@@ -395,7 +395,8 @@ v1::JobEvent Cluster::EventLocked(const v1::Job& job) {
 }
 
 absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
-                               const std::function<bool(const v1::JobEvent&)>& emit) {
+                               const std::function<bool(const v1::JobEvent&)>& emit,
+                               const std::function<bool()>& cancelled) {
   std::string last;
   while (true) {
     v1::JobEvent event;
@@ -405,9 +406,11 @@ absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
       event = EventLocked(job);
       std::string now = event.SerializeAsString();
       if (now == last) {
-        if (changed_.WaitWithDeadline(&mu_, deadline)) {
+        if (absl::Now() >= deadline) {
           return absl::DeadlineExceededError(absl::StrCat("job ", id, " is still ", v1::JobState_Name(job.state())));
         }
+        if (cancelled && cancelled()) return absl::CancelledError("watcher went away");
+        changed_.WaitWithDeadline(&mu_, std::min(deadline, absl::Now() + absl::Milliseconds(500)));
         continue;
       }
       last = std::move(now);

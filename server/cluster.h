@@ -51,8 +51,10 @@ class Cluster {
   absl::StatusOr<std::vector<v1::Job>> ListJobs();
   absl::StatusOr<v1::Job> CancelJob(const std::string& id);
   // Calls `emit` with the job's state and load progress whenever they change, until the job is
-  // READY, FAILED or CANCELLED, `emit` returns false, or the deadline passes.
-  absl::Status WatchJob(const std::string& id, absl::Time deadline, const std::function<bool(const v1::JobEvent&)>& emit);
+  // READY, FAILED or CANCELLED, `emit` returns false, `cancelled` turns true (checked at least
+  // every half second), or the deadline passes.
+  absl::Status WatchJob(const std::string& id, absl::Time deadline, const std::function<bool(const v1::JobEvent&)>& emit,
+                        const std::function<bool()>& cancelled);
   absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline);
 
  private:

@@ -69,7 +69,8 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     return common::ToGrpcStatus(cluster_->WatchJob(request->job_id(), Deadline(context, absl::Hours(1)),
                                                    [&](const v1::JobEvent& e) {
                                                      return !context->IsCancelled() && writer->Write(e);
-                                                   }));
+                                                   },
+                                                   [context] { return context->IsCancelled(); }));
   }
   grpc::Status Infer(grpc::ServerContext* context, const v1::InferRequest* request, v1::InferResponse* response) override {
     return Reply(cluster_->Infer(*request, Deadline(context, absl::Minutes(10))), response);
