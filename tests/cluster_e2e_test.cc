@@ -59,7 +59,7 @@ class Cluster : public ::testing::Test {
     const std::string log = data_dir_ + ".log";
     std::ofstream(log, std::ios::trunc).close();
     coordinator_ = Spawn({"server/bertshard-coordinator", "--listen=127.0.0.1:" + std::to_string(port_),
-                          "--data_dir=" + data_dir_, "--heartbeat_interval=300ms", "--collective_timeout_s=8"},
+                          "--data_dir=" + data_dir_, "--heartbeat_interval=1s", "--collective_timeout_s=8"},
                          log);
     const int port = WaitForPort(log);
     ASSERT_GT(port, 0) << ReadAll(log);
@@ -83,8 +83,10 @@ class Cluster : public ::testing::Test {
     return n;
   }
 
+  // Heartbeats every second and death after two missed ones: slow enough that a loaded 2-core CI
+  // machine does not make healthy workers flap.
   bool WaitForWorkers(int n) {
-    for (int i = 0; i < 200; ++i) {
+    for (int i = 0; i < 400; ++i) {
       if (HealthyIdle() >= n) return true;
       usleep(50 * 1000);
     }
@@ -319,7 +321,12 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   EXPECT_EQ(jobs.jobs(0).id(), job.id());
   EXPECT_EQ(jobs.jobs(0).state(), v1::FAILED);
   EXPECT_EQ(jobs.jobs(1).state(), v1::PENDING);
-  EXPECT_TRUE(WaitForWorkers(3));
+  EXPECT_TRUE(WaitForWorkers(3)) << ReadAll(data_dir_ + ".log") << ReadAll(WorkerLog(0)) << ReadAll(WorkerLog(1))
+                                << ReadAll(WorkerLog(2)) << ReadAll(WorkerLog(3)) << [&] {
+                                     v1::ListWorkersResponse w;
+                                     stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &w);
+                                     return w.DebugString();
+                                   }();
 }
 
 struct Cli {
