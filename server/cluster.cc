@@ -99,7 +99,9 @@ struct Cluster::JobRuntime {
 };
 
 Cluster::Cluster(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> store)
-    : options_(options), store_(std::move(store)) {}
+    : options_(options),
+      store_(std::move(store)),
+      incarnation_(absl::StrCat(absl::Hex(absl::ToUnixMillis(absl::Now()) & 0xffffffffff))) {}
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const ClusterOptions& options) {
   ASSIGN_OR_RETURN(auto store, jobs::JobStore::Open(options.database_path));
@@ -143,8 +145,24 @@ Cluster::~Cluster() {
 
 v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerRequest& request) {
   absl::MutexLock lock(&mu_);
+  // A worker registering again from the same address lost touch with us: its old entry (and any
+  // job that relied on it) is gone.
+  for (auto it = workers_.begin(); it != workers_.end(); ++it) {
+    if (it->second->info.address() != request.address()) continue;
+    const std::string old_job = it->second->info.job_id();
+    const std::string old_id = it->first;
+    const int32_t old_rank = it->second->info.rank();
+    it->second->info.set_healthy(false);
+    if (!old_job.empty()) {
+      FailJobLocked(old_job, absl::StrCat("worker ", old_id, " (rank ", old_rank, ") registered again"));
+    }
+    workers_.erase(old_id);
+    break;
+  }
   std::string id = request.previous_worker_id();
-  if (id.empty() || workers_.count(id)) id = absl::StrCat("worker-", ++next_worker_);
+  // Ids carry this coordinator's incarnation: a worker still heartbeating with an id from before
+  // a restart must get NOT_FOUND (and register again), not someone else's entry.
+  if (id.empty() || workers_.count(id)) id = absl::StrCat("worker-", ++next_worker_, "-", incarnation_);
   auto worker = std::make_unique<Worker>();
   worker->info.set_worker_id(id);
   worker->info.set_address(request.address());
@@ -356,11 +374,13 @@ void Cluster::LoadJob(std::string job_id) {
 void Cluster::MonitorLoop() {
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
-    changed_.WaitWithTimeout(&mu_, options_.heartbeat_interval / 2);
+    // Checked every quarter interval against 1.5 intervals of silence: a dead worker's jobs fail
+    // within two heartbeat intervals of its last heartbeat.
+    changed_.WaitWithTimeout(&mu_, options_.heartbeat_interval / 4);
     if (stopping_) break;
     const absl::Time now = absl::Now();
     for (auto& [id, w] : workers_) {
-      if (!w->info.healthy() || now - w->last_heartbeat <= 2 * options_.heartbeat_interval) continue;
+      if (!w->info.healthy() || now - w->last_heartbeat <= options_.heartbeat_interval * 3 / 2) continue;
       w->info.set_healthy(false);
       if (!w->info.job_id().empty()) {
         FailJobLocked(w->info.job_id(), absl::StrCat("worker ", id, " (rank ", w->info.rank(), ") at ",

@@ -5,7 +5,8 @@
 // cancellation, failure). Jobs persist in a JobStore, so a restarted coordinator still lists
 // them; jobs that had workers when it stopped are marked FAILED, and workers register again.
 //
-// Failure model: a worker that misses two heartbeat intervals is dead; a dead worker or any rank
+// Failure model: a worker silent for 1.5 heartbeat intervals is dead (so its jobs fail within
+// two intervals of its last heartbeat); a dead worker or any rank
 // error fails its job with a cause naming the worker and rank, and the surviving ranks are told
 // to unload. Workers' collectives have timeouts, so no rank waits forever.
 //
@@ -71,6 +72,7 @@ class Cluster {
 
   const ClusterOptions options_;
   std::unique_ptr<jobs::JobStore> store_;
+  const std::string incarnation_;  // distinguishes worker ids across coordinator restarts
   absl::Mutex mu_;
   absl::CondVar changed_;  // any job state or progress change
   std::map<std::string, std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);

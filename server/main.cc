@@ -23,7 +23,7 @@ ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
 ABSL_FLAG(std::string, data_dir, "bertshard-data", "directory for the coordinator's state");
 ABSL_FLAG(std::string, database, "", "job database (SQLite); default <data_dir>/jobs.db");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
-          "workers' heartbeat interval; a worker silent for two intervals is dead");
+          "workers' heartbeat interval; a worker silent for 1.5 intervals is dead");
 ABSL_FLAG(int, collective_timeout_s, 60, "rendezvous and collective timeout on the workers, seconds");
 
 int main(int argc, char** argv) {

@@ -323,6 +323,14 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   EXPECT_EQ(jobs.jobs(1).state(), v1::PENDING);
   EXPECT_TRUE(WaitForWorkers(3)) << ReadAll(data_dir_ + ".log") << ReadAll(WorkerLog(0)) << ReadAll(WorkerLog(1))
                                 << ReadAll(WorkerLog(2)) << ReadAll(WorkerLog(3)) << [&] {
+                                     std::string alive;
+                                     for (pid_t p : workers_) {
+                                       int status = 0;
+                                       const pid_t r = waitpid(p, &status, WNOHANG);
+                                       alive += "pid " + std::to_string(p) + (r == 0 ? " alive; " : " exited with " + std::to_string(status) + "; ");
+                                     }
+                                     return alive;
+                                   }() << [&] {
                                      v1::ListWorkersResponse w;
                                      stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &w);
                                      return w.DebugString();

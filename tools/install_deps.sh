@@ -18,7 +18,7 @@ PACKAGES=(
   # Tests and benchmarks.
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   # A gRPC client we did not write (tests/python_client_test.sh).
-  python3 python3-grpcio python3-grpc-tools python3-protobuf
+  python3 python3-grpcio python3-grpc-tools python3-protobuf python3-pkg-resources
   # `git clone` of this repository on a fresh machine, and TLS for apt mirrors.
   ca-certificates git
 )

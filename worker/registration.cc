@@ -32,12 +32,12 @@ Registration::~Registration() {
 void Registration::Run() {
   // Reconnect quickly after the coordinator restarts (gRPC's default backoff grows to 2 minutes).
   grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(coordinator_, grpc::InsecureChannelCredentials(), args));
   std::string worker_id;
   absl::Duration interval = absl::Seconds(1);
+  int failed_heartbeats = 0;
   auto stopped_after = [&](absl::Duration wait) {
     absl::MutexLock lock(&mu_);
     return mu_.AwaitWithTimeout(absl::Condition(&stop_), wait);
@@ -63,7 +63,16 @@ void Registration::Run() {
       request.set_free_memory_bytes(FreeMemoryBytes());
       v1::HeartbeatResponse response;
       grpc::Status status = stub->Heartbeat(&context, request, &response);
-      if (status.error_code() == grpc::StatusCode::NOT_FOUND) worker_id.clear();  // coordinator restarted
+      failed_heartbeats = status.ok() ? 0 : failed_heartbeats + 1;
+      if (!status.ok() && failed_heartbeats == 1) {
+        std::fprintf(stderr, "shard-worker: heartbeat to %s failed (%d): %s\n", coordinator_.c_str(),
+                     static_cast<int>(status.error_code()), status.error_message().c_str());
+      }
+      // NOT_FOUND: the coordinator restarted. Long silence: it has declared us dead anyway.
+      if (status.error_code() == grpc::StatusCode::NOT_FOUND || failed_heartbeats >= 5) {
+        worker_id.clear();
+        failed_heartbeats = 0;
+      }
     }
     if (stopped_after(worker_id.empty() ? absl::Milliseconds(200) : interval)) return;
   }
