@@ -1,11 +1,9 @@
 #include "client/run_command.h"
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdlib.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "checkpoint/safetensors.h"
 #include "client/plan_command.h"
+#include "common/free_port.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "planner/plan_format.h"
@@ -63,20 +62,6 @@ absl::Status Flatten(const json& value, const std::string& key, int depth, std::
   }
   for (const auto& v : value) RETURN_IF_ERROR(Flatten(v, key, depth, shape, out, level + 1));
   return absl::OkStatus();
-}
-
-absl::StatusOr<int> FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::UnavailableError("cannot create a socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  close(fd);
-  if (!ok) return absl::UnavailableError("cannot find a free loopback port");
-  return static_cast<int>(ntohs(addr.sin_port));
 }
 
 // The rank binary: --rank-binary, $BERTSHARD_RANK_BINARY, or next to this executable (installed
@@ -225,7 +210,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
                        {"token_type_ids", inputs.token_type_ids}};
     std::ofstream(dir + "/inputs.json") << normalised.dump();
   }
-  ASSIGN_OR_RETURN(int port, FreePort());
+  ASSIGN_OR_RETURN(int port, common::FindFreePort(/*loopback=*/true));
   const std::string binary = FindRankBinary(v);
   if (access(binary.c_str(), X_OK) != 0) {
     return absl::FailedPreconditionError(absl::StrCat("rank binary ", binary,

@@ -3,29 +3,17 @@
 #include "worker/gloo_collectives.h"
 
 #include <ATen/ATen.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <thread>
 #include <vector>
 
+#include "common/free_port.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::worker {
 namespace {
 
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+int FreePort() { return *common::FindFreePort(/*loopback=*/true); }
 
 TEST(GlooCollectives, TensorParallelAndPipelineOpsOnFourRanks) {
   const int port = FreePort();

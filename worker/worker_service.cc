@@ -3,15 +3,12 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
+#include "common/free_port.h"
 #include "common/grpc_status.h"
 #include "model/bert_shard.h"
 #include "worker/gloo_collectives.h"
@@ -165,17 +162,9 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
 
 grpc::Status WorkerService::ReservePort(grpc::ServerContext*, const v1::ReservePortRequest*,
                                         v1::ReservePortResponse* response) {
-  // Bind port 0 to learn a free port, then release it for the job's rank 0 to host the store.
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof(addr);
-  const bool ok = fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  if (fd >= 0) close(fd);
-  if (!ok) return {grpc::StatusCode::UNAVAILABLE, "no free port on this worker"};
-  response->set_port(ntohs(addr.sin_port));
+  auto port = common::FindFreePort(/*loopback=*/false);
+  if (!port.ok()) return common::ToGrpcStatus(port.status());
+  response->set_port(*port);
   return grpc::Status::OK;
 }
 

@@ -2,9 +2,6 @@
 // run forwards in sequence and unload -- driven over gRPC as the coordinator will drive them.
 #include "worker/worker_service.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <fstream>
@@ -13,6 +10,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "grpcpp/grpcpp.h"
+#include "common/free_port.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
@@ -22,17 +20,7 @@ namespace {
 
 constexpr char kModel[] = "tests/testdata/model/masked_lm_untied";
 
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+int FreePort() { return *common::FindFreePort(/*loopback=*/true); }
 
 struct RunningWorker {
   std::unique_ptr<WorkerService> service;
