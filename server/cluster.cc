@@ -272,7 +272,7 @@ void Cluster::ScheduleLocked() {
   changed_.SignalAll();
 }
 
-void Cluster::FailJobLocked(const std::string& job_id, const std::string& cause, v1::JobState state) {
+void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state) {
   auto job = store_->Get(job_id);
   if (!job.ok() || Terminal(job->state())) return;
   (void)store_->Transition(job_id, state, cause);

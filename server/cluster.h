@@ -65,7 +65,8 @@ class Cluster {
 
   void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void LoadJob(std::string job_id);
-  void FailJobLocked(const std::string& job_id, const std::string& cause, v1::JobState state = v1::FAILED)
+  // `job_id` by value: callers pass fields this clears (a worker's job_id).
+  void FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state = v1::FAILED)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MonitorLoop();
   v1::JobEvent EventLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

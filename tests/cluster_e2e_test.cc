@@ -10,6 +10,7 @@
 
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "checkpoint/safetensors.h"
+#include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -408,6 +409,61 @@ TEST_F(Cluster, WorkerKilledWhileLoadingFailsTheJobWithoutHanging) {
   EXPECT_EQ(last.job().state(), v1::FAILED);
   EXPECT_NE(last.job().failure_cause().find(victim_id), std::string::npos) << last.job().failure_cause();
   EXPECT_TRUE(WaitForWorkers(3));
+}
+
+TEST_F(Cluster, WorkerKilledDuringAnInferenceFailsItWithoutHanging) {
+  // A model big enough that a forward takes a while on two cores.
+  const std::string dir = TempDir() + "/slow_model";
+  Cli init = Shardctl({"init-checkpoint", "--variant", "BertModel", "--seed", "3", "--out", dir, "--config",
+                       R"({"vocab_size": 1000, "hidden_size": 256, "num_attention_heads": 4,
+                           "intermediate_size": 1024, "num_hidden_layers": 8, "max_position_embeddings": 512})"});
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  const v1::Job job = Submit(dir);
+  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
+  v1::InferRequest infer;
+  infer.set_job_id(job.id());
+  v1::TokenInputs* t = infer.mutable_tokens();
+  t->set_rows(16);
+  t->set_seq(512);
+  for (int i = 0; i < 16 * 512; ++i) t->add_input_ids(1 + i % 997);
+  infer.set_micro_batches(8);
+  grpc::Status status;
+  absl::Time started;
+  std::thread client([&] {
+    v1::InferResponse response;
+    started = absl::Now();
+    status = stub_->Infer(Context().get(), infer, &response);
+  });
+  usleep(300 * 1000);  // the forward is under way
+  v1::ListWorkersResponse workers;
+  ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
+  std::string victim_id;
+  for (const auto& w : workers.workers()) {
+    if (w.job_id() == job.id() && w.rank() == 2) victim_id = w.worker_id();
+  }
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (ReadAll(WorkerLog(i)).find("as " + victim_id + "\n") != std::string::npos) {
+      kill(workers_[i], SIGKILL);
+      WaitExit(workers_[i]);
+      workers_.erase(workers_.begin() + static_cast<long>(i));
+      break;
+    }
+  }
+  client.join();
+  EXPECT_FALSE(status.ok()) << "the inference finished before the kill; make the model bigger";
+  EXPECT_LT(absl::Now() - started, absl::Seconds(30));  // bounded by the collective timeout, no hang
+  v1::GetJobRequest get;
+  get.set_job_id(job.id());
+  v1::Job failed;
+  ASSERT_TRUE(stub_->GetJob(Context().get(), get, &failed).ok());
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_NE(failed.failure_cause().find(victim_id), std::string::npos) << failed.failure_cause();
+  EXPECT_NE(failed.failure_cause().find("rank 2"), std::string::npos) << failed.failure_cause();
+  EXPECT_TRUE(WaitForWorkers(3)) << [&] {
+    v1::ListWorkersResponse w;
+    stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &w);
+    return w.DebugString() + ReadAll(WorkerLog(0)) + ReadAll(WorkerLog(1)) + ReadAll(WorkerLog(2)) + ReadAll(WorkerLog(3));
+  }();
 }
 
 }  // namespace
