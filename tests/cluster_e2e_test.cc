@@ -39,6 +39,7 @@ class Cluster : public ::testing::Test {
     data_dir_ = TempDir() + "/coordinator-" + std::to_string(++counter_);
     StartCoordinator();
     for (int i = 0; i < 4; ++i) {
+      spawn_index_.push_back(i);
       workers_.push_back(Spawn({"worker/shard-worker", "--listen=127.0.0.1:0", "--threads=1",
                                 "--coordinator=127.0.0.1:" + std::to_string(port_)},
                                WorkerLog(i)));
@@ -122,6 +123,27 @@ class Cluster : public ::testing::Test {
     return last;
   }
 
+  // SIGKILLs the worker process serving `rank` of `job`; returns its worker id ("" if none).
+  std::string KillWorkerServing(const std::string& job, int rank) {
+    v1::ListWorkersResponse workers;
+    if (!stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok()) return "";
+    std::string victim_id;
+    for (const auto& w : workers.workers()) {
+      if (w.job_id() == job && w.rank() == rank) victim_id = w.worker_id();
+    }
+    if (victim_id.empty()) return "";
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("as " + victim_id + "\n") != std::string::npos) {
+        kill(workers_[i], SIGKILL);
+        WaitExit(workers_[i]);
+        workers_.erase(workers_.begin() + static_cast<long>(i));
+        spawn_index_.erase(spawn_index_.begin() + static_cast<long>(i));
+        return victim_id;
+      }
+    }
+    return "";
+  }
+
   static v1::TokenInputs Tokens(int row = -1) {
     const auto j = nlohmann::json::parse(ReadAll(std::string(kModel) + "/input.json"));
     v1::TokenInputs t;
@@ -159,6 +181,7 @@ class Cluster : public ::testing::Test {
   int port_ = 0;
   pid_t coordinator_ = -1;
   std::vector<pid_t> workers_;
+  std::vector<int> spawn_index_;  // which log each entry of workers_ writes
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
 
@@ -253,29 +276,9 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   const v1::Job job = Submit(kModel);
   const v1::JobEvent ready = Watch(job.id());
   ASSERT_EQ(ready.job().state(), v1::READY) << ready.job().failure_cause();
-  // Kill the worker serving rank 3 mid-service.
-  v1::ListWorkersResponse workers;
-  ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
-  std::string victim_id;
-  std::string victim_address;
-  for (const auto& w : workers.workers()) {
-    if (w.job_id() == job.id() && w.rank() == 3) {
-      victim_id = w.worker_id();
-      victim_address = w.address();
-    }
-  }
+  // Kill the worker serving rank 3 between requests.
+  const std::string victim_id = KillWorkerServing(job.id(), 3);
   ASSERT_FALSE(victim_id.empty());
-  pid_t victim = -1;
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    if (ReadAll(WorkerLog(i)).find("as " + victim_id + "\n") != std::string::npos) {
-      victim = workers_[i];
-      workers_.erase(workers_.begin() + static_cast<long>(i));
-      break;
-    }
-  }
-  ASSERT_GT(victim, 0);
-  kill(victim, SIGKILL);
-  WaitExit(victim);
   v1::InferRequest infer;
   infer.set_job_id(job.id());
   *infer.mutable_tokens() = Tokens();
@@ -295,6 +298,7 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   EXPECT_TRUE(WaitForWorkers(3));  // the survivors are idle again
   // Within two heartbeat intervals the coordinator marks the killed worker dead.
   bool dead = false;
+  v1::ListWorkersResponse workers;
   for (int i = 0; i < 100 && !dead; ++i) {
     ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
     for (const auto& w : workers.workers()) dead |= (w.worker_id() == victim_id && !w.healthy());
@@ -325,7 +329,7 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   EXPECT_TRUE(WaitForWorkers(3)) << ReadAll(data_dir_ + ".log") << ReadAll(WorkerLog(0)) << ReadAll(WorkerLog(1))
                                 << ReadAll(WorkerLog(2)) << ReadAll(WorkerLog(3)) << [&] {
                                      std::string alive;
-                                     for (pid_t p : workers_) {
+                                     for (pid_t p : workers_) {  // survivors still running?
                                        int status = 0;
                                        const pid_t r = waitpid(p, &status, WNOHANG);
                                        alive += "pid " + std::to_string(p) + (r == 0 ? " alive; " : " exited with " + std::to_string(status) + "; ");
@@ -390,21 +394,8 @@ TEST_F(Cluster, ShardctlDrivesTheCluster) {
 TEST_F(Cluster, WorkerKilledWhileLoadingFailsTheJobWithoutHanging) {
   const v1::Job job = Submit(kModel);
   // Ranks are assigned when SubmitJob returns: kill rank 3's worker before it can finish.
-  v1::ListWorkersResponse workers;
-  ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
-  std::string victim_id;
-  for (const auto& w : workers.workers()) {
-    if (w.job_id() == job.id() && w.rank() == 3) victim_id = w.worker_id();
-  }
+  const std::string victim_id = KillWorkerServing(job.id(), 3);
   ASSERT_FALSE(victim_id.empty());
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    if (ReadAll(WorkerLog(i)).find("as " + victim_id + "\n") != std::string::npos) {
-      kill(workers_[i], SIGKILL);
-      WaitExit(workers_[i]);
-      workers_.erase(workers_.begin() + static_cast<long>(i));
-      break;
-    }
-  }
   const v1::JobEvent last = Watch(job.id());  // returns: the job settles, nothing hangs
   EXPECT_EQ(last.job().state(), v1::FAILED);
   EXPECT_NE(last.job().failure_cause().find(victim_id), std::string::npos) << last.job().failure_cause();
@@ -435,20 +426,8 @@ TEST_F(Cluster, WorkerKilledDuringAnInferenceFailsItWithoutHanging) {
     status = stub_->Infer(Context().get(), infer, &response);
   });
   usleep(300 * 1000);  // the forward is under way
-  v1::ListWorkersResponse workers;
-  ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
-  std::string victim_id;
-  for (const auto& w : workers.workers()) {
-    if (w.job_id() == job.id() && w.rank() == 2) victim_id = w.worker_id();
-  }
-  for (size_t i = 0; i < workers_.size(); ++i) {
-    if (ReadAll(WorkerLog(i)).find("as " + victim_id + "\n") != std::string::npos) {
-      kill(workers_[i], SIGKILL);
-      WaitExit(workers_[i]);
-      workers_.erase(workers_.begin() + static_cast<long>(i));
-      break;
-    }
-  }
+  const std::string victim_id = KillWorkerServing(job.id(), 2);
+  EXPECT_FALSE(victim_id.empty());  // not ASSERT: the client thread must be joined
   client.join();
   EXPECT_FALSE(status.ok()) << "the inference finished before the kill; make the model bigger";
   EXPECT_LT(absl::Now() - started, absl::Seconds(30));  // bounded by the collective timeout, no hang
