@@ -348,11 +348,9 @@ struct Cli {
 };
 
 Cli Shardctl(std::vector<std::string> args) {
-  static int counter = 0;
-  const std::string log = TempDir() + "/shardctl_" + std::to_string(counter++) + ".log";
   args.insert(args.begin(), "client/shardctl");
-  const int code = WaitExit(Spawn(args, log));
-  return {code, ReadAll(log)};
+  testing::Captured c = testing::Run(args);
+  return {c.exit_code, c.out + c.err};
 }
 
 TEST_F(Cluster, ShardctlDrivesTheCluster) {

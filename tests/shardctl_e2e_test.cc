@@ -1,11 +1,5 @@
 // shardctl end to end: the built binaries run as a user runs them (table, json, dot, batch,
 // errors, a checkpoint directory, and a real coordinator process on loopback).
-#include <signal.h>
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -16,65 +10,24 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-
-extern char** environ;
+#include "tests/test_process.h"
 
 namespace bertshard {
 namespace {
 
 using nlohmann::json;
 
-struct Result {
-  int exit_code = -1;
-  std::string out, err;
-};
+using testing::ReadAll;
+using testing::Spawn;
+using testing::TempDir;
+using testing::WaitExit;
+using Result = testing::Captured;
 
-std::string TempDir() {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return dir != nullptr ? dir : "/tmp";
-}
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-void WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream(path) << text;
-}
-
-// Starts `args` with stdout/stderr going to files; returns the pid.
-pid_t Spawn(const std::vector<std::string>& args, const std::string& out, const std::string& err) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  EXPECT_EQ(posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0) << args[0];
-  posix_spawn_file_actions_destroy(&actions);
-  return pid;
-}
-
-int WaitExit(pid_t pid) {
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
+void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
 
 Result Shardctl(std::vector<std::string> args) {
-  static int counter = 0;
-  const std::string base = TempDir() + "/shardctl_" + std::to_string(counter++);
   args.insert(args.begin(), "client/shardctl");
-  Result r;
-  r.exit_code = WaitExit(Spawn(args, base + ".out", base + ".err"));
-  r.out = ReadAll(base + ".out");
-  r.err = ReadAll(base + ".err");
-  return r;
+  return testing::Run(args);
 }
 
 TEST(ShardctlPlan, TableSummarisesStagesAndRanks) {

@@ -5,10 +5,6 @@
 // needs padding (99 rows: 128 at TP 2, 256 at TP 4, where ranks hold only padding), padded
 // attention masks, micro-batches, and F16/BF16 checkpoints. Also: bad input is refused before any
 // rank starts, and a failing rank stops the others.
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
-
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -21,47 +17,18 @@
 #include "checkpoint/safetensors.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-
-extern char** environ;
+#include "tests/test_process.h"
 
 namespace bertshard {
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  std::string out, err;
-};
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::string TempDir() { return std::getenv("TEST_TMPDIR"); }
+using testing::ReadAll;
+using testing::TempDir;
+using Result = testing::Captured;
 
 Result Shardctl(std::vector<std::string> args) {
-  static int counter = 0;
-  const std::string base = TempDir() + "/run_" + std::to_string(counter++);
   args.insert(args.begin(), "client/shardctl");
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, (base + ".out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, 2, (base + ".err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid;
-  Result r;
-  if (posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) return r;
-  posix_spawn_file_actions_destroy(&actions);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.out = ReadAll(base + ".out");
-  r.err = ReadAll(base + ".err");
-  return r;
+  return testing::Run(args);
 }
 
 std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> ReadTensors(const std::string& path) {

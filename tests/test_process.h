@@ -35,12 +35,17 @@ inline std::string ReadAll(const std::string& path) {
   return s.str();
 }
 
-// Starts `args` (args[0] is the binary) with stdout and stderr appended to `log`; returns the pid.
-inline pid_t Spawn(const std::vector<std::string>& args, const std::string& log) {
+// Starts `args` (args[0] is the binary) with stdout appended to `out` and stderr to `err` (the
+// same file when `err` is empty); returns the pid, or -1.
+inline pid_t Spawn(const std::vector<std::string>& args, const std::string& out, const std::string& err = "") {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (err.empty()) {
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  }
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
@@ -54,6 +59,23 @@ inline int WaitExit(pid_t pid) {
   int status = 0;
   waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+struct Captured {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+// Runs `args` to completion and returns its exit status, stdout and stderr.
+inline Captured Run(const std::vector<std::string>& args) {
+  static int counter = 0;
+  const std::string base = TempDir() + "/run_" + std::to_string(getpid()) + "_" + std::to_string(counter++);
+  std::ofstream(base + ".out", std::ios::trunc).close();
+  Captured c;
+  c.exit_code = WaitExit(Spawn(args, base + ".out", base + ".err"));
+  c.out = ReadAll(base + ".out");
+  c.err = ReadAll(base + ".err");
+  return c;
 }
 
 // The port from the first "listening on port N" line of `log`, waiting up to ~10 s; 0 if none.
