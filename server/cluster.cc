@@ -441,7 +441,8 @@ absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
   }
 }
 
-absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline) {
+absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
+                                                 const std::function<bool()>& cancelled) {
   std::shared_ptr<JobRuntime> runtime;
   std::vector<std::pair<std::string, std::shared_ptr<v1::Worker::Stub>>> ranks;
   {
@@ -519,6 +520,8 @@ absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request
     }
     for (const std::string& w : runtime->rank_workers) ranks.emplace_back(w, workers_.at(w)->stub);
   }
+  if (cancelled && cancelled()) return absl::CancelledError("the caller went away while the request was queued");
+  if (absl::Now() >= deadline) return absl::DeadlineExceededError("the deadline passed while the request was queued");
   const int64_t sequence = runtime->next_sequence++;
   std::vector<v1::ForwardResponse> responses(ranks.size());
   std::vector<grpc::Status> statuses(ranks.size());

@@ -56,7 +56,11 @@ class Cluster {
   // every half second), or the deadline passes.
   absl::Status WatchJob(const std::string& id, absl::Time deadline, const std::function<bool(const v1::JobEvent&)>& emit,
                         const std::function<bool()>& cancelled);
-  absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline);
+  // Requests on a job run one at a time in arrival order. A request whose caller went away
+  // (`cancelled`) while it waited is dropped; once its forward has started on the ranks it runs to
+  // the end (stopping some ranks mid-forward would desynchronise them).
+  absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline,
+                                          const std::function<bool()>& cancelled = nullptr);
 
  private:
   struct Worker;

@@ -73,7 +73,8 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
                                                    [context] { return context->IsCancelled(); }));
   }
   grpc::Status Infer(grpc::ServerContext* context, const v1::InferRequest* request, v1::InferResponse* response) override {
-    return Reply(cluster_->Infer(*request, Deadline(context, absl::Minutes(10))), response);
+    return Reply(cluster_->Infer(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
+                 response);
   }
 
  private:
