@@ -9,15 +9,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "planner/model_config.h"
+#include "planner/stage_layout.h"
 
 namespace bertshard::model {
 namespace {
-
-bool HasPooler(v1::ModelVariant v) {
-  return v == v1::BERT_MODEL || v == v1::BERT_FOR_PRE_TRAINING ||
-         v == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION || v == v1::BERT_FOR_SEQUENCE_CLASSIFICATION ||
-         v == v1::BERT_FOR_MULTIPLE_CHOICE;
-}
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -42,13 +38,11 @@ class BertShard::Impl {
     prefix_ = plan.variant() == v1::BERT_MODEL ? "" : "bert.";
     const int stages = plan.stages_size();
     const int slots = plan.layers_per_stage_size();
-    // The route over the slots (docs/plan-contract.md): slot k runs on stage k mod S (chunk
-    // k / S), or for ZBV down the stages and back up.
+    // The route over the slots, as the plan's stages hold them.
     std::vector<int64_t> prefix_sum(static_cast<size_t>(slots) + 1, 0);
     for (int k = 0; k < slots; ++k) prefix_sum[k + 1] = prefix_sum[k] + plan.layers_per_stage(k);
     for (int k = 0; k < slots; ++k) {
-      int stage = k % stages;
-      if (sc.pp_style() == v1::ZBV) stage = k < stages ? k : 2 * stages - 1 - k;
+      const int stage = static_cast<int>(planner::SlotStage(k, stages, sc.pp_style() == v1::ZBV));
       route_.push_back({stage, prefix_sum[k], prefix_sum[k + 1]});
     }
     for (int s = 0; s < stages; ++s) {
@@ -323,7 +317,7 @@ class BertShard::Impl {
     std::map<std::string, at::Tensor> out;
     const v1::ModelVariant v = plan_.variant();
     at::Tensor pooled;
-    if (HasPooler(v)) {
+    if (planner::HasPooler(v)) {
       pooled = at::tanh(Linear(hidden.select(1, 0), prefix_ + "pooler.dense"));
     }
     switch (v) {

@@ -50,6 +50,15 @@ absl::StatusOr<bool> BoolField(const Value& v, absl::string_view name) {
 
 }  // namespace
 
+bool IsLmVariant(v1::ModelVariant v) {
+  return v == v1::BERT_FOR_PRE_TRAINING || v == v1::BERT_LM_HEAD_MODEL || v == v1::BERT_FOR_MASKED_LM;
+}
+
+bool HasPooler(v1::ModelVariant v) {
+  return v == v1::BERT_MODEL || v == v1::BERT_FOR_PRE_TRAINING || v == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION ||
+         v == v1::BERT_FOR_SEQUENCE_CLASSIFICATION || v == v1::BERT_FOR_MULTIPLE_CHOICE;
+}
+
 absl::string_view HfClassName(v1::ModelVariant variant) {
   for (const auto& v : kVariants) {
     if (v.variant == variant) return v.hf_class;

@@ -24,6 +24,14 @@ namespace bertshard::planner {
 // The HuggingFace class name of a variant ("BertForMaskedLM"); "" for UNSPECIFIED/unknown.
 absl::string_view HfClassName(v1::ModelVariant variant);
 
+// BertForPreTraining, BertLMHeadModel and BertForMaskedLM: the variants with an LM head (whose
+// decoder HF ties to the word embeddings).
+bool IsLmVariant(v1::ModelVariant variant);
+
+// Whether HF builds the variant with a pooler (not the LM-head-only, token-classification and QA
+// models, which use add_pooling_layer=False).
+bool HasPooler(v1::ModelVariant variant);
+
 // Accepts the enum name ("BERT_FOR_MASKED_LM") or the HF class name ("BertForMaskedLM").
 // INVALID_ARGUMENT lists the valid names.
 absl::StatusOr<v1::ModelVariant> ParseVariant(absl::string_view name);

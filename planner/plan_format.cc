@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "common/proto_json.h"
 #include "planner/model_config.h"
+#include "planner/stage_layout.h"
 
 namespace bertshard::planner {
 namespace {
@@ -75,15 +76,10 @@ std::string DotEscape(absl::string_view text) {
 
 // The pipeline route: the stage that runs each slot, in execution order.
 std::vector<int> RouteStages(const v1::ShardPlan& plan) {
-  const int stages = plan.stages_size();
-  const int slots = plan.layers_per_stage_size();
   std::vector<int> route;
-  for (int k = 0; k < slots; ++k) {
-    if (plan.shard_config().pp_style() == v1::ZBV) {
-      route.push_back(k < stages ? k : 2 * stages - 1 - k);
-    } else {
-      route.push_back(k % std::max(stages, 1));
-    }
+  const int64_t stages = std::max(plan.stages_size(), 1);
+  for (int k = 0; k < plan.layers_per_stage_size(); ++k) {
+    route.push_back(static_cast<int>(SlotStage(k, stages, plan.shard_config().pp_style() == v1::ZBV)));
   }
   return route;
 }

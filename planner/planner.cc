@@ -24,17 +24,6 @@ constexpr char kRingWarning[] =
 constexpr absl::string_view kSupportedActivations[] = {"gelu", "gelu_new", "gelu_pytorch_tanh",
                                                        "relu"};
 
-bool IsLmVariant(v1::ModelVariant v) {
-  return v == v1::BERT_FOR_PRE_TRAINING || v == v1::BERT_LM_HEAD_MODEL ||
-         v == v1::BERT_FOR_MASKED_LM;
-}
-
-// HF builds these with add_pooling_layer=False.
-bool HasPooler(v1::ModelVariant v) {
-  return !(v == v1::BERT_LM_HEAD_MODEL || v == v1::BERT_FOR_MASKED_LM ||
-           v == v1::BERT_FOR_TOKEN_CLASSIFICATION || v == v1::BERT_FOR_QUESTION_ANSWERING);
-}
-
 // Modules the variant adds after the BERT trunk, as get_held_layers names them.
 std::vector<std::string> HeadModules(v1::ModelVariant v) {
   switch (v) {

@@ -36,4 +36,9 @@ std::vector<LayerSpan> StageLayerRanges(const std::vector<int64_t>& layers_per_s
   return ranges;
 }
 
+int64_t SlotStage(int64_t slot, int64_t num_stages, bool zbv) {
+  if (zbv) return slot < num_stages ? slot : 2 * num_stages - 1 - slot;
+  return slot % num_stages;
+}
+
 }  // namespace bertshard::planner

@@ -40,6 +40,10 @@ std::vector<LayerSpan> StageLayerRanges(const std::vector<int64_t>& layers_per_s
                                         int64_t stage, int64_t num_stages,
                                         int64_t num_model_chunks, bool zbv);
 
+// The stage that runs pipeline slot `slot` on the route: slot k goes to stage k mod S
+// (interleaved chunks come round again), or for the zero-bubble V down the stages and back up.
+int64_t SlotStage(int64_t slot, int64_t num_stages, bool zbv);
+
 }  // namespace bertshard::planner
 
 #endif  // BERTSHARD_PLANNER_STAGE_LAYOUT_H_
