@@ -25,6 +25,7 @@
 #include "nlohmann/json.hpp"
 #include "planner/plan_format.h"
 #include "planner/planner.h"
+#include "planner/token_check.h"
 
 extern char** environ;
 
@@ -182,10 +183,6 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   ASSIGN_OR_RETURN(RunInputs inputs, ParseRunInputs(input_text, plan));
   if (micro_batches > inputs.batch) {
     return Invalid(absl::StrCat("--micro-batches ", micro_batches, " exceeds the batch size ", inputs.batch));
-  }
-  if (plan.shard_config().sp_mode() == v1::SPLIT_GATHER && inputs.seq % plan.shard_config().tensor_parallel_size() != 0) {
-    return Invalid(absl::StrCat("split_gather sequence parallelism needs the sequence length (", inputs.seq,
-                                ") to be a multiple of tp_size ", plan.shard_config().tensor_parallel_size()));
   }
   const int world = plan.world_size();
   if (threads == 0) threads = std::max<int64_t>(1, std::thread::hardware_concurrency() / world);
@@ -353,25 +350,9 @@ absl::StatusOr<RunInputs> ParseTokenJson(const std::string& text, int depth) {
 
 absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::ShardPlan& plan) {
   ASSIGN_OR_RETURN(RunInputs in, ParseTokenJson(text, plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE ? 3 : 2));
-  const v1::BertConfig& c = plan.config();
-  if (in.seq > c.max_position_embeddings()) {
-    return Invalid(absl::StrCat("sequence length ", in.seq, " exceeds max_position_embeddings ",
-                                c.max_position_embeddings()));
-  }
-  for (int64_t id : in.input_ids) {
-    if (id < 0 || id >= c.vocab_size()) {
-      return Invalid(absl::StrCat("input_ids holds ", id, "; ids must be in [0, vocab_size ", c.vocab_size(), ")"));
-    }
-  }
-  for (int64_t t : in.token_type_ids) {
-    if (t < 0 || t >= c.type_vocab_size()) {
-      return Invalid(absl::StrCat("token_type_ids holds ", t, "; it must be in [0, type_vocab_size ",
-                                  c.type_vocab_size(), ")"));
-    }
-  }
-  for (int64_t m : in.attention_mask) {
-    if (m != 0 && m != 1) return Invalid(absl::StrCat("attention_mask holds ", m, "; it must be 0 or 1"));
-  }
+  RETURN_IF_ERROR(planner::CheckTokens({in.batch * in.choices, in.seq, in.choices, in.input_ids, in.attention_mask,
+                                        in.token_type_ids},
+                                       plan));
   return in;
 }
 

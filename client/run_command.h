@@ -33,9 +33,10 @@ struct RunInputs {
   std::vector<int64_t> input_ids, attention_mask, token_type_ids;
 };
 
-// Parses and checks input JSON against a plan's model: shape ([batch, seq], or [batch, choices,
-// seq] for BertForMultipleChoice), integers only, ids < vocab_size, token types <
-// type_vocab_size, mask of 0/1, seq <= max_position_embeddings. INVALID_ARGUMENT says which.
+// Parses input JSON and checks it against the plan (planner::CheckTokens): shape ([batch, seq],
+// or [batch, choices, seq] for BertForMultipleChoice), integers only, ids < vocab_size, token
+// types < type_vocab_size, mask of 0/1, seq <= max_position_embeddings, split_gather
+// divisibility. INVALID_ARGUMENT says which.
 absl::StatusOr<RunInputs> ParseRunInputs(const std::string& json, const v1::ShardPlan& plan);
 
 // The structural part of that: known fields, integers, rectangular, `depth` 2 ([batch, seq]) or

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "planner/stage_layout.h"
+#include "planner/token_check.h"
 
 namespace bertshard::planner {
 namespace {
@@ -403,6 +404,35 @@ TEST(PlanOutput, ShardConfigIsEffectiveValues) {
   EXPECT_EQ(plan->layers_per_stage_size(), 1);
   EXPECT_TRUE(plan->stages(0).is_first() && plan->stages(0).is_last());
   EXPECT_EQ(plan->module_policy_size(), 2);  // BertLayer, BertEmbeddings LayerNorms only
+}
+
+}  // namespace
+}  // namespace bertshard::planner
+
+namespace bertshard::planner {
+namespace {
+
+TEST(TokenCheck, RefusesWhatNoRankCouldRun) {
+  v1::PlanRequest r;
+  r.set_variant(v1::BERT_MODEL);
+  r.mutable_config()->set_vocab_size(10);
+  r.mutable_config()->set_max_position_embeddings(4);
+  r.mutable_parallel()->set_tp_size(2);
+  r.mutable_parallel()->set_sp_mode(v1::SPLIT_GATHER);
+  const v1::ShardPlan plan = *Plan(r);
+  const std::vector<int64_t> ids = {1, 2, 3, 4}, mask = {1, 1, 1, 0}, types = {0, 0, 1, 1};
+  EXPECT_TRUE(CheckTokens({1, 4, 1, ids, mask, types}, plan).ok());
+  auto message = [&](TokenView t) { return std::string(CheckTokens(t, plan).message()); };
+  const std::vector<int64_t> big = {1, 2, 3, 10}, bad_mask = {1, 2, 1, 1}, bad_types = {0, 0, 2, 0};
+  EXPECT_TRUE(absl::StrContains(message({1, 4, 1, big, mask, types}), "ids must be in [0, vocab_size 10)"));
+  EXPECT_TRUE(absl::StrContains(message({1, 4, 1, ids, bad_mask, types}), "must be 0 or 1"));
+  EXPECT_TRUE(absl::StrContains(message({1, 4, 1, ids, mask, bad_types}), "type_vocab_size 2"));
+  EXPECT_TRUE(absl::StrContains(message({1, 3, 1, {1, 2, 3}, {1, 1, 1}, {0, 0, 0}}), "multiple of tp_size 2"));
+  EXPECT_TRUE(absl::StrContains(message({2, 2, 2, ids, mask, types}), "choices are only for BertForMultipleChoice"));
+  EXPECT_TRUE(absl::StrContains(message({1, 3, 1, ids, mask, types}), "rows x seq values"));
+  const std::vector<int64_t> six(6, 1);
+  EXPECT_TRUE(absl::StrContains(message({1, 6, 1, six, six, std::vector<int64_t>(6, 0)}),
+                                "exceeds max_position_embeddings 4"));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "planner/planner.h"
+#include "planner/token_check.h"
 #include "tokenizer/wordpiece.h"
 
 namespace bertshard::server {
@@ -24,43 +25,10 @@ void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {
   context->set_deadline(absl::ToChronoTime(deadline));
 }
 
-// The checks `shardctl run` makes, on the wire format.
 absl::Status ValidateTokens(const v1::TokenInputs& in, const v1::ShardPlan& plan) {
-  const v1::BertConfig& c = plan.config();
-  const int64_t n = in.rows() * in.seq();
-  if (in.rows() < 1 || in.seq() < 1 || in.input_ids_size() != n || in.attention_mask_size() != n ||
-      in.token_type_ids_size() != n) {
-    return absl::InvalidArgumentError("tokens need rows x seq values in input_ids, attention_mask and token_type_ids");
-  }
-  const bool multiple_choice = plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE;
-  const int64_t choices = std::max<int64_t>(1, in.choices());
-  if (multiple_choice ? (choices < 2 || in.rows() % choices != 0) : choices != 1) {
-    return absl::InvalidArgumentError(multiple_choice ? "BertForMultipleChoice needs choices > 1 dividing rows"
-                                                      : "choices is only for BertForMultipleChoice");
-  }
-  if (in.seq() > c.max_position_embeddings()) {
-    return absl::InvalidArgumentError(absl::StrCat("sequence length ", in.seq(), " exceeds max_position_embeddings ",
-                                                   c.max_position_embeddings()));
-  }
-  for (int64_t id : in.input_ids()) {
-    if (id < 0 || id >= c.vocab_size()) {
-      return absl::InvalidArgumentError(absl::StrCat("input id ", id, " is outside [0, vocab_size ", c.vocab_size(), ")"));
-    }
-  }
-  for (int64_t t : in.token_type_ids()) {
-    if (t < 0 || t >= c.type_vocab_size()) {
-      return absl::InvalidArgumentError(absl::StrCat("token type ", t, " is outside [0, ", c.type_vocab_size(), ")"));
-    }
-  }
-  for (int64_t m : in.attention_mask()) {
-    if (m != 0 && m != 1) return absl::InvalidArgumentError("attention_mask values must be 0 or 1");
-  }
-  const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
-  if (plan.shard_config().sp_mode() == v1::SPLIT_GATHER && in.seq() % tp != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("split_gather needs the sequence length (", in.seq(),
-                                                   ") to be a multiple of tp_size ", tp));
-  }
-  return absl::OkStatus();
+  return planner::CheckTokens({in.rows(), in.seq(), std::max<int64_t>(1, in.choices()), in.input_ids(),
+                               in.attention_mask(), in.token_type_ids()},
+                              plan);
 }
 
 // When ranks fail together (a dead worker makes its peers' collectives fail too), the cause is
