@@ -25,8 +25,6 @@
 namespace bertshard::client {
 namespace {
 
-constexpr int kExitNotFound = 3;
-
 std::unique_ptr<v1::Coordinator::Stub> Connect(const CommandLine& cl) {
   std::string server = "127.0.0.1:50051";
   if (const char* env = std::getenv("BERTSHARD_SERVER")) server = env;
@@ -278,14 +276,7 @@ int RunClusterCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   } else {
     status = Infer(cl, out);
   }
-  if (status.ok()) return kExitOk;
-  std::fprintf(err, "shardctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
-               std::string(status.message()).c_str());
-  switch (status.code()) {
-    case absl::StatusCode::kInvalidArgument: return kExitInvalidInput;
-    case absl::StatusCode::kNotFound: return kExitNotFound;
-    default: return kExitFailure;
-  }
+  return status.ok() ? kExitOk : ReportError(err, status);
 }
 
 }  // namespace bertshard::client

@@ -66,11 +66,7 @@ const std::set<std::string>& InitCheckpointValueFlags() {
 }
 
 int RunInitCheckpointCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
-  auto fail = [&](const absl::Status& s) {
-    std::fprintf(err, "shardctl: %s: %s\n", absl::StatusCodeToString(s.code()).c_str(),
-                 std::string(s.message()).c_str());
-    return s.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
-  };
+  auto fail = [err](const absl::Status& s) { return ReportError(err, s); };
   if (!cl.values.count("variant") || !cl.values.count("out")) {
     return fail(absl::InvalidArgumentError("init-checkpoint needs --variant and --out"));
   }

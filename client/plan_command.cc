@@ -129,15 +129,6 @@ PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeo
   };
 }
 
-int ExitCodeFor(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
-}
-
-void PrintError(std::FILE* err, const absl::Status& status) {
-  std::fprintf(err, "shardctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
-               std::string(status.message()).c_str());
-}
-
 // One request per line; one output line per request, in order. Errors are data here, so the
 // command succeeds as long as it could read the file.
 int RunBatch(const std::string& path, const PlanFn& plan_fn, std::FILE* out, std::FILE* err) {
@@ -146,8 +137,7 @@ int RunBatch(const std::string& path, const PlanFn& plan_fn, std::FILE* out, std
   if (path != "-") {
     file.open(path, std::ios::binary);
     if (!file) {
-      PrintError(err, absl::InvalidArgumentError(absl::StrCat("cannot read batch file ", path)));
-      return kExitInvalidInput;
+      return ReportError(err, absl::InvalidArgumentError(absl::StrCat("cannot read batch file ", path)));
     }
     in = &file;
   }
@@ -177,6 +167,16 @@ int RunBatch(const std::string& path, const PlanFn& plan_fn, std::FILE* out, std
 }
 
 }  // namespace
+
+int ReportError(std::FILE* err, const absl::Status& status) {
+  std::fprintf(err, "shardctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
+               std::string(status.message()).c_str());
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument: return kExitInvalidInput;
+    case absl::StatusCode::kNotFound: return kExitNotFound;
+    default: return kExitFailure;
+  }
+}
 
 const std::set<std::string>& PlanValueFlags() {
   static const auto* flags = new std::set<std::string>{
@@ -276,19 +276,16 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   const auto& v = cl.values;
   const std::string output = v.count("output") ? v.at("output") : "table";
   if (output != "table" && output != "json" && output != "dot") {
-    PrintError(err, absl::InvalidArgumentError(
+    return ReportError(err, absl::InvalidArgumentError(
                         absl::StrCat("--output '", output, "' is not one of table, json, dot")));
-    return kExitInvalidInput;
   }
   if (cl.switches.count("local") && v.count("server")) {
-    PrintError(err, absl::InvalidArgumentError("give either --local or --server, not both"));
-    return kExitInvalidInput;
+    return ReportError(err, absl::InvalidArgumentError("give either --local or --server, not both"));
   }
   int64_t timeout_s = 30;
   if (auto it = v.find("timeout"); it != v.end()) {
     if (!absl::SimpleAtoi(it->second, &timeout_s) || timeout_s <= 0) {
-      PrintError(err, absl::InvalidArgumentError("--timeout needs a positive number of seconds"));
-      return kExitInvalidInput;
+      return ReportError(err, absl::InvalidArgumentError("--timeout needs a positive number of seconds"));
     }
   }
   const PlanFn plan_fn = v.count("server")
@@ -296,15 +293,13 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
                              : LocalPlanner();
   if (auto it = v.find("batch"); it != v.end()) {
     if (output != "json") {
-      PrintError(err, absl::InvalidArgumentError("--batch writes JSON lines: use it with --output json"));
-      return kExitInvalidInput;
+      return ReportError(err, absl::InvalidArgumentError("--batch writes JSON lines: use it with --output json"));
     }
     for (const char* flag : {"request", "variant", "config", "checkpoint", "tp", "pp", "pp-style",
                              "chunks", "layers-per-stage", "sp-mode", "vocab-multiple"}) {
       if (v.count(flag)) {
-        PrintError(err, absl::InvalidArgumentError(absl::StrCat(
-                            "--batch takes each request from its file; --", flag, " cannot be combined with it")));
-        return kExitInvalidInput;
+        return ReportError(err, absl::InvalidArgumentError(absl::StrCat(
+                                    "--batch takes each request from its file; --", flag, " cannot be combined with it")));
       }
     }
     return RunBatch(it->second, plan_fn, out, err);
@@ -313,13 +308,11 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   v1::PlanRequest request;
   std::string request_path = v.count("request") ? v.at("request") : "";
   if (cl.positional.size() > 2) {
-    PrintError(err, absl::InvalidArgumentError("plan takes at most one request file"));
-    return kExitInvalidInput;
+    return ReportError(err, absl::InvalidArgumentError("plan takes at most one request file"));
   }
   if (cl.positional.size() == 2) {
     if (!request_path.empty()) {
-      PrintError(err, absl::InvalidArgumentError("give the request file once (positional or --request)"));
-      return kExitInvalidInput;
+      return ReportError(err, absl::InvalidArgumentError("give the request file once (positional or --request)"));
     }
     request_path = cl.positional[1];
   }
@@ -328,19 +321,16 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
     absl::StatusOr<v1::PlanRequest> parsed =
         text.ok() ? ParsePlanRequestJson(*text) : absl::StatusOr<v1::PlanRequest>(text.status());
     if (!parsed.ok()) {
-      PrintError(err, absl::InvalidArgumentError(absl::StrCat(request_path, ": ", parsed.status().message())));
-      return kExitInvalidInput;
+      return ReportError(err, absl::InvalidArgumentError(absl::StrCat(request_path, ": ", parsed.status().message())));
     }
     request = *std::move(parsed);
   }
   if (absl::Status s = ApplyPlanFlags(cl, &request); !s.ok()) {
-    PrintError(err, s);
-    return kExitInvalidInput;
+    return ReportError(err, s);
   }
   auto plan = std::make_unique<v1::ShardPlan>();
   if (absl::Status status = plan_fn(request, plan.get()); !status.ok()) {
-    PrintError(err, status);
-    return ExitCodeFor(status);
+    return ReportError(err, status);
   }
   std::string text;
   if (output == "json") {

@@ -23,6 +23,10 @@ namespace bertshard::client {
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;     // the coordinator could not be reached, I/O errors
 inline constexpr int kExitInvalidInput = 2;  // invalid request or command line
+inline constexpr int kExitNotFound = 3;      // an unknown job
+
+// Prints "shardctl: CODE: message" to `err` and returns the exit status for `status`.
+int ReportError(std::FILE* err, const absl::Status& status);
 
 // Flags `shardctl plan` takes.
 const std::set<std::string>& PlanValueFlags();

@@ -144,10 +144,6 @@ absl::Status WaitForRanks(std::vector<RankProcess>& ranks, std::chrono::seconds 
   return absl::AbortedError(failure);
 }
 
-void PrintError(std::FILE* err, const absl::Status& status) {
-  std::fprintf(err, "shardctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
-               std::string(status.message()).c_str());
-}
 
 absl::Status Run(const CommandLine& cl, std::FILE* out) {
   const auto& v = cl.values;
@@ -358,9 +354,7 @@ absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::Shar
 
 int RunRunCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   const absl::Status status = Run(cl, out);
-  if (status.ok()) return kExitOk;
-  PrintError(err, status);
-  return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
+  return status.ok() ? kExitOk : ReportError(err, status);
 }
 
 }  // namespace bertshard::client
