@@ -8,14 +8,12 @@ cd "$(dirname "$0")/.."
 requests=${1:-8}
 bazel build -c opt //client:shardctl //server:bertshard-coordinator //worker:shard-worker //worker:shard-rank >/dev/null 2>&1
 shardctl=bazel-bin/client/shardctl
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+WORK=$(mktemp -d)
+work=$WORK
+COORDINATOR_BIN=bazel-bin/server/bertshard-coordinator
+WORKER_BIN=bazel-bin/worker/shard-worker
+source tools/local_cluster.sh
+trap 'stop_cluster; rm -rf "$WORK"' EXIT
 $shardctl init-checkpoint --variant BertModel --seed 1 --out "$work/model" \
   --config '{"hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024, "num_hidden_layers": 4}' >/dev/null
 /usr/bin/python3 -c "
@@ -34,16 +32,8 @@ steady = per_iter[1:]
 print(f"shardctl run --local      forward {1000 * sum(steady) / len(steady):7.1f} ms (mean of {len(steady)}, warm ranks)")
 PY
 
-bazel-bin/server/bertshard-coordinator --listen=127.0.0.1:0 --data_dir="$work/coordinator" >"$work/coordinator.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 100); do
-  port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$work/coordinator.log"); [ -n "${port:-}" ] && break; sleep 0.1
-done
-export BERTSHARD_SERVER="127.0.0.1:${port}"
-for i in 1 2 3 4; do
-  bazel-bin/worker/shard-worker --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads=1 >"$work/w$i.log" 2>&1 &
-  pids+=($!)
-done
+start_coordinator
+start_workers 4
 for _ in $(seq 100); do [ "$($shardctl workers | grep -c ' yes ')" -ge 4 ] && break; sleep 0.1; done
 job=$($shardctl submit --checkpoint "$work/model" --tp 2 --pp 2)
 $shardctl watch "$job" >/dev/null

@@ -10,32 +10,16 @@ bash tools/install_deps.sh
 targets="//client:shardctl //server:bertshard-coordinator //worker:shard-worker //worker:shard-rank"
 bazel build $targets >/dev/null 2>&1 || bazel build $targets
 
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+WORK=$(mktemp -d)
+COORDINATOR_BIN=bazel-bin/server/bertshard-coordinator
+WORKER_BIN=bazel-bin/worker/shard-worker
+source tools/local_cluster.sh
+trap 'stop_cluster; rm -rf "$WORK"' EXIT
 shardctl=bazel-bin/client/shardctl
 
-bazel-bin/server/bertshard-coordinator --listen=127.0.0.1:0 --data_dir="$work/coordinator" >"$work/coordinator.log" 2>&1 &
-pids+=($!)
-port=""
-for _ in $(seq 100); do
-  port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$work/coordinator.log")
-  [ -n "$port" ] && break
-  sleep 0.1
-done
-[ -n "$port" ] || { cat "$work/coordinator.log" >&2; exit 1; }
-export BERTSHARD_SERVER="127.0.0.1:${port}"
+start_coordinator
 echo "== coordinator on ${BERTSHARD_SERVER}; starting 4 workers"
-for i in 1 2 3 4; do
-  bazel-bin/worker/shard-worker --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads=1 \
-    >"$work/worker$i.log" 2>&1 &
-  pids+=($!)
-done
+start_workers 4
 for _ in $(seq 100); do
   [ "$($shardctl workers | grep -c ' yes ')" -ge 4 ] && break
   sleep 0.1
@@ -43,15 +27,15 @@ done
 $shardctl workers
 
 echo "== a small random BertForMaskedLM with the bert-base-uncased vocabulary"
-$shardctl init-checkpoint --variant BertForMaskedLM --seed 1 --out "$work/model" \
+$shardctl init-checkpoint --variant BertForMaskedLM --seed 1 --out "$WORK/model" \
   --vocab tests/testdata/vocab/bert-base-uncased-vocab.txt \
   --config '{"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 512, "num_hidden_layers": 4}'
 
 echo "== the plan: TP 2 x PP 2"
-$shardctl plan --checkpoint "$work/model" --tp 2 --pp 2 | sed -n '1,/^module policy/p'
+$shardctl plan --checkpoint "$WORK/model" --tp 2 --pp 2 | sed -n '1,/^module policy/p'
 
 echo "== submit and watch it load"
-job=$($shardctl submit --checkpoint "$work/model" --tp 2 --pp 2)
+job=$($shardctl submit --checkpoint "$WORK/model" --tp 2 --pp 2)
 echo "job $job"
 $shardctl watch "$job"
 
@@ -61,7 +45,5 @@ $shardctl jobs
 
 echo "== shutting down"
 $shardctl cancel "$job"
-for p in "${pids[@]}"; do kill -TERM "$p"; done
-for p in "${pids[@]}"; do wait "$p"; done
-pids=()
+stop_cluster
 echo "== coordinator and workers stopped cleanly"
