@@ -15,6 +15,7 @@
 #include "checkpoint/safetensors.h"
 #include "client/plan_command.h"
 #include "client/run_command.h"
+#include "common/file.h"
 #include "common/grpc_status.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
@@ -189,11 +190,8 @@ absl::Status Infer(const CommandLine& cl, std::FILE* out) {
     infer.mutable_text()->add_texts(it->second);
     if (auto pair = v.find("text-pair"); pair != v.end()) infer.mutable_text()->add_text_pairs(pair->second);
   } else {
-    std::ifstream in(v.at("input"), std::ios::binary);
-    if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read input file ", v.at("input")));
-    std::stringstream text;
-    text << in.rdbuf();
-    ASSIGN_OR_RETURN(RunInputs inputs, ParseTokenJson(text.str(), 0));
+    ASSIGN_OR_RETURN(std::string text, common::ReadFileToString(v.at("input"), "input file"));
+    ASSIGN_OR_RETURN(RunInputs inputs, ParseTokenJson(text, 0));
     v1::TokenInputs* t = infer.mutable_tokens();
     t->set_rows(inputs.batch * inputs.choices);
     t->set_seq(inputs.seq);

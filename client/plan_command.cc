@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
+#include "common/file.h"
 #include "common/grpc_status.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
@@ -30,14 +31,6 @@ namespace {
 
 // Plans a request into `*plan` (which may live on an arena).
 using PlanFn = std::function<absl::Status(const v1::PlanRequest&, v1::ShardPlan* plan)>;
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, " file ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 absl::StatusOr<v1::PipelineStyle> ParsePipelineStyle(absl::string_view text) {
   const std::string s = absl::AsciiStrToLower(text);
@@ -223,7 +216,7 @@ absl::Status ApplyPlanFlags(const CommandLine& cl, v1::PlanRequest* request) {
   if (auto it = v.find("config"); it != v.end()) {
     std::string text = it->second;
     if (absl::StripLeadingAsciiWhitespace(text).substr(0, 1) != "{") {
-      ASSIGN_OR_RETURN(text, ReadFile(it->second, "--config"));
+      ASSIGN_OR_RETURN(text, common::ReadFileToString(it->second, "--config file"));
     }
     auto hf = planner::ParseHfConfigJson(text);
     if (!hf.ok()) return absl::InvalidArgumentError(absl::StrCat("--config: ", hf.status().message()));
@@ -317,7 +310,7 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
     request_path = cl.positional[1];
   }
   if (!request_path.empty()) {
-    absl::StatusOr<std::string> text = ReadFile(request_path, "request");
+    absl::StatusOr<std::string> text = common::ReadFileToString(request_path, "request file");
     absl::StatusOr<v1::PlanRequest> parsed =
         text.ok() ? ParsePlanRequestJson(*text) : absl::StatusOr<v1::PlanRequest>(text.status());
     if (!parsed.ok()) {

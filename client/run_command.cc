@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "checkpoint/safetensors.h"
 #include "client/plan_command.h"
+#include "common/file.h"
 #include "common/free_port.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -35,14 +36,6 @@ namespace {
 using nlohmann::json;
 
 absl::Status Invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
-
-absl::StatusOr<std::string> ReadText(const std::string& path, absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Invalid(absl::StrCat("cannot read ", what, " ", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 // Flattens a nested array of `depth` levels, checking it is rectangular and integral.
 absl::Status Flatten(const json& value, const std::string& key, int depth, std::vector<int64_t>* shape,
@@ -175,7 +168,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   v1::PlanRequest request;
   RETURN_IF_ERROR(ApplyPlanFlags(cl, &request));
   ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(request));
-  ASSIGN_OR_RETURN(std::string input_text, ReadText(v.at("input"), "input file"));
+  ASSIGN_OR_RETURN(std::string input_text, common::ReadFileToString(v.at("input"), "input file"));
   ASSIGN_OR_RETURN(RunInputs inputs, ParseRunInputs(input_text, plan));
   if (micro_batches > inputs.batch) {
     return Invalid(absl::StrCat("--micro-batches ", micro_batches, " exceeds the batch size ", inputs.batch));
@@ -265,7 +258,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
                                       "LOAD s", "FORWARD s", "PEAK RSS", "CKPT READ", "PARAM BYTES");
   json reports = json::array();
   for (int rank = 0; rank < world; ++rank) {
-    ASSIGN_OR_RETURN(std::string text, ReadText(absl::StrCat(dir, "/rank_", rank, ".json"), "rank report"));
+    ASSIGN_OR_RETURN(std::string text, common::ReadFileToString(absl::StrCat(dir, "/rank_", rank, ".json"), "rank report"));
     const json report = json::parse(text, nullptr, false);
     if (report.is_discarded()) return absl::InternalError(absl::StrCat("rank ", rank, " wrote a bad report"));
     reports.push_back(report);

@@ -12,6 +12,7 @@
 #include "bertshard/v1/plan.pb.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/safetensors.h"
+#include "common/file.h"
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
 #include "nlohmann/json.hpp"
@@ -31,17 +32,9 @@ double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // {"rows": R, "seq": L, "choices": C, "input_ids": [R*L], "attention_mask": [...], "token_type_ids": [...]}
 absl::StatusOr<model::ModelInputs> ReadInputs(const std::string& path) {
-  ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  ASSIGN_OR_RETURN(std::string text, common::ReadFileToString(path, "inputs"));
   const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, " is not JSON"));
   const int64_t rows = j.value("rows", int64_t{0}), seq = j.value("seq", int64_t{0});
@@ -83,7 +76,7 @@ absl::Status WriteOutputs(const std::string& path, const std::map<std::string, a
 absl::Status RunRank(const RankOptions& o) {
   at::set_num_threads(std::max(1, o.threads));
   const auto start = Clock::now();
-  ASSIGN_OR_RETURN(std::string plan_bytes, ReadFile(o.plan_path));
+  ASSIGN_OR_RETURN(std::string plan_bytes, common::ReadFileToString(o.plan_path, "plan"));
   v1::ShardPlan plan;
   if (!plan.ParseFromString(plan_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(o.plan_path, " is not a ShardPlan"));
