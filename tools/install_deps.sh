@@ -15,13 +15,23 @@ PACKAGES=(
   libicu-dev
   # The coordinator's durable job table.
   libsqlite3-dev
+  # The metrics endpoints: a small embeddable HTTP server (Prometheus text format written by hand).
+  libcivetweb-dev
   # Tests and benchmarks.
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   # A gRPC client we did not write (tests/python_client_test.sh).
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-pkg-resources
+  # A virtual environment for the pinned PyPI test packages (tools/python_env.sh).
+  python3-venv python3-pip
+  # Deployment: rendering the Kubernetes manifests, making the container base image.
+  debootstrap
   # `git clone` of this repository on a fresh machine, and TLS for apt mirrors.
   ca-certificates git
 )
+
+# `kubectl kustomize` renders the Kubernetes manifests: Debian's kubernetes-client, unless a kubectl
+# is installed already (some images carry a newer one from another package that owns the path).
+command -v kubectl >/dev/null || PACKAGES+=(kubernetes-client)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
