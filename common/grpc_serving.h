@@ -3,7 +3,13 @@
 // What every bertshard server does the same way: listen on host:port (port 0 picks one, and the
 // port is never shared with another process), serve the standard grpc.health.v1 health service
 // and server reflection, and on SIGTERM/SIGINT go NOT_SERVING and drain in-flight calls for a
-// deadline before exiting.
+// deadline before exiting. Given a metrics registry, every call of every service on the server
+// (health and reflection included) is counted by method and status code and timed:
+//   bertshard_grpc_requests_total{method,code}            counter
+//   bertshard_grpc_request_duration_seconds{method}       histogram, seconds
+// `method` is gRPC's full name ("/bertshard.v1.Coordinator/Plan"; "unknown" for a method of no proto
+// linked into the binary), `code` the status code's name ("OK", "INVALID_ARGUMENT"). A call is
+// recorded just before its status is sent, so a client that has its answer finds it counted.
 //
 // Example:
 //   InstallShutdownHandlers();              // early in main
@@ -25,14 +31,18 @@
 
 namespace bertshard::common {
 
+class MetricsRegistry;
+
 struct StartedServer {
   std::unique_ptr<grpc::Server> server;
   int port = 0;
 };
 
 // INVALID_ARGUMENT for an address that is not host:port; UNAVAILABLE when it cannot be bound.
+// `metrics` (optional, must outlive the server): where the per-call metrics above are recorded;
+// its errors (INVALID_ARGUMENT, ALREADY_EXISTS) if they cannot be registered there.
 absl::StatusOr<StartedServer> StartServer(const std::string& address, const std::vector<grpc::Service*>& services,
-                                          int max_message_bytes = 64 << 20);
+                                          int max_message_bytes = 64 << 20, MetricsRegistry* metrics = nullptr);
 
 // Health NOT_SERVING, then stop accepting calls and give in-flight ones `drain` to finish.
 void DrainAndShutdown(grpc::Server* server, absl::Duration drain);

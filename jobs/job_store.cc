@@ -11,7 +11,8 @@
 namespace bertshard::jobs {
 namespace {
 
-constexpr int kSchemaVersion = 1;
+// 1: jobs (id, state, created_ms, updated_ms, job). 2: adds jobs.plan, the plan the workers load.
+constexpr int kSchemaVersion = 2;
 
 bool Terminal(v1::JobState s) { return s == v1::FAILED || s == v1::CANCELLED; }
 
@@ -81,18 +82,24 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   RETURN_IF_ERROR(Exec(db,
                        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
                        "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, state INTEGER NOT NULL,"
-                       " created_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, job BLOB NOT NULL);"
+                       " created_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, job BLOB NOT NULL, plan BLOB);"
                        "CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_ms, id);"));
-  Statement version(db, "SELECT value FROM meta WHERE key = 'schema_version'");
-  RETURN_IF_ERROR(version.status());
-  if (sqlite3_step(version.get()) == SQLITE_ROW) {
-    const std::string v = reinterpret_cast<const char*>(sqlite3_column_text(version.get(), 0));
-    if (v != std::to_string(kSchemaVersion)) {
-      return absl::InvalidArgumentError(absl::StrCat(path, " has job schema version ", v, "; this coordinator reads ",
-                                                     kSchemaVersion));
-    }
-  } else {
-    RETURN_IF_ERROR(Exec(db, "INSERT INTO meta (key, value) VALUES ('schema_version', '1')"));
+  std::string v;
+  {
+    Statement version(db, "SELECT value FROM meta WHERE key = 'schema_version'");
+    RETURN_IF_ERROR(version.status());
+    if (sqlite3_step(version.get()) == SQLITE_ROW) v = reinterpret_cast<const char*>(sqlite3_column_text(version.get(), 0));
+  }
+  if (v.empty()) {
+    RETURN_IF_ERROR(Exec(db, "INSERT INTO meta (key, value) VALUES ('schema_version', '2')"));
+  } else if (v == "1") {
+    // Version 1 had no plan column; its jobs keep a NULL plan (GetPlan: none stored).
+    RETURN_IF_ERROR(Exec(db,
+                         "BEGIN IMMEDIATE; ALTER TABLE jobs ADD COLUMN plan BLOB;"
+                         " UPDATE meta SET value = '2' WHERE key = 'schema_version'; COMMIT;"));
+  } else if (v != std::to_string(kSchemaVersion)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " has job schema version ", v, "; this coordinator reads 1 and ",
+                                                   kSchemaVersion));
   }
   return store;
 }
@@ -179,6 +186,32 @@ absl::StatusOr<v1::Job> JobStore::SetRanks(const std::string& id, const std::vec
   return job;
 }
 
+absl::Status JobStore::SetPlan(const std::string& id, const v1::ShardPlan& plan) {
+  absl::MutexLock lock(&mu_);
+  Statement stmt(db_, "UPDATE jobs SET plan = ?2 WHERE id = ?1");
+  RETURN_IF_ERROR(stmt.status());
+  const std::string blob = plan.SerializeAsString();
+  sqlite3_bind_text(stmt.get(), 1, id.c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_blob(stmt.get(), 2, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
+  if (sqlite3_step(stmt.get()) != SQLITE_DONE) return absl::InternalError(absl::StrCat("sqlite write: ", sqlite3_errmsg(db_)));
+  if (sqlite3_changes(db_) == 0) return absl::NotFoundError(absl::StrCat("no job ", id));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<v1::ShardPlan>> JobStore::GetPlan(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  Statement stmt(db_, "SELECT plan FROM jobs WHERE id = ?1");
+  RETURN_IF_ERROR(stmt.status());
+  sqlite3_bind_text(stmt.get(), 1, id.c_str(), -1, SQLITE_TRANSIENT);
+  if (sqlite3_step(stmt.get()) != SQLITE_ROW) return absl::NotFoundError(absl::StrCat("no job ", id));
+  if (sqlite3_column_type(stmt.get(), 0) == SQLITE_NULL) return std::optional<v1::ShardPlan>();
+  v1::ShardPlan plan;
+  if (!plan.ParseFromArray(sqlite3_column_blob(stmt.get(), 0), sqlite3_column_bytes(stmt.get(), 0))) {
+    return absl::DataLossError(absl::StrCat("the plan of job ", id, " is corrupt in the database"));
+  }
+  return std::optional<v1::ShardPlan>(std::move(plan));
+}
+
 absl::StatusOr<std::vector<v1::Job>> JobStore::List() {
   absl::MutexLock lock(&mu_);
   Statement stmt(db_, "SELECT job FROM jobs ORDER BY created_ms, id");
@@ -192,24 +225,6 @@ absl::StatusOr<std::vector<v1::Job>> JobStore::List() {
     jobs.push_back(std::move(job));
   }
   return jobs;
-}
-
-absl::StatusOr<std::vector<v1::Job>> JobStore::FailJobsWithWorkers(const std::string& reason) {
-  ASSIGN_OR_RETURN(std::vector<v1::Job> all, List());
-  absl::MutexLock lock(&mu_);
-  RETURN_IF_ERROR(Exec(db_, "BEGIN IMMEDIATE"));
-  std::vector<v1::Job> failed;
-  for (const v1::Job& job : all) {
-    if (job.state() != v1::PLANNED && job.state() != v1::LOADING && job.state() != v1::READY) continue;
-    auto updated = TransitionLocked(job.id(), v1::FAILED, reason);
-    if (!updated.ok()) {
-      (void)Exec(db_, "ROLLBACK");
-      return updated.status();
-    }
-    failed.push_back(*std::move(updated));
-  }
-  RETURN_IF_ERROR(Exec(db_, "COMMIT"));
-  return failed;
 }
 
 }  // namespace bertshard::jobs

@@ -2,8 +2,12 @@
 // -----------------------------------------------------------------------------
 // The coordinator's durable job table: an embedded SQLite database in WAL mode holding every
 // bertshard.v1.Job (request, state, state history with timestamps, failure cause, rank
-// assignments), so a restarted coordinator still knows every job. State changes follow the job
-// life cycle and are atomic; terminal states (FAILED, CANCELLED) are final.
+// assignments) and the plan its workers load, so a restarted coordinator still knows every job
+// and can take back the ones its workers still hold. State changes follow the job life cycle and
+// are atomic; terminal states (FAILED, CANCELLED) are final.
+//
+// Schema versions: 1 (jobs only) is migrated in place to 2 (adds the plan column) on open; its
+// jobs read back with no stored plan. A newer version is refused.
 //
 //   PENDING -> PLANNED -> LOADING -> READY        any non-terminal -> FAILED | CANCELLED
 //   PLANNED -> PENDING (workers lost before loading)
@@ -20,12 +24,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "bertshard/v1/job.pb.h"
+#include "bertshard/v1/plan.pb.h"
 
 struct sqlite3;
 
@@ -62,9 +68,12 @@ class JobStore {
   // Every job, oldest first.
   absl::StatusOr<std::vector<v1::Job>> List();
 
-  // After a coordinator restart: marks every job that had workers (PLANNED, LOADING, READY) as
-  // FAILED with `reason` and returns them; PENDING jobs stay pending.
-  absl::StatusOr<std::vector<v1::Job>> FailJobsWithWorkers(const std::string& reason);
+  // Stores the plan job `id`'s workers load (kept apart from the Job: plans of big models are a
+  // few MiB, and clients list jobs often). NOT_FOUND for an unknown id.
+  absl::Status SetPlan(const std::string& id, const v1::ShardPlan& plan);
+  // The plan stored with SetPlan; nullopt when none was (jobs from schema version 1). NOT_FOUND
+  // for an unknown id, DATA_LOSS for an unreadable plan.
+  absl::StatusOr<std::optional<v1::ShardPlan>> GetPlan(const std::string& id);
 
  private:
   JobStore(sqlite3* db, JobStoreOptions options);

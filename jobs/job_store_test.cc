@@ -1,5 +1,7 @@
 #include "jobs/job_store.h"
 
+#include <sqlite3.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <thread>
@@ -80,18 +82,89 @@ TEST(JobStore, EnforcesTheLifeCycle) {
   EXPECT_FALSE(TransitionAllowed(v1::LOADING, v1::LOADING));
 }
 
-TEST(JobStore, RestartFailsJobsThatHadWorkers) {
-  auto store = JobStore::Open(":memory:");
-  for (const char* id : {"pending", "planned", "ready", "cancelled"}) ASSERT_TRUE((*store)->Create(NewJob(id)).ok());
-  ASSERT_TRUE((*store)->Transition("planned", v1::PLANNED, "").ok());
-  for (auto s : {v1::PLANNED, v1::LOADING, v1::READY}) ASSERT_TRUE((*store)->Transition("ready", s, "").ok());
-  ASSERT_TRUE((*store)->Transition("cancelled", v1::CANCELLED, "").ok());
-  auto failed = (*store)->FailJobsWithWorkers("coordinator restarted: workers must re-register");
-  ASSERT_TRUE(failed.ok()) << failed.status();
-  ASSERT_EQ(failed->size(), 2u);
-  EXPECT_EQ((*store)->Get("ready")->state(), v1::FAILED);
-  EXPECT_EQ((*store)->Get("pending")->state(), v1::PENDING);
-  EXPECT_EQ((*store)->Get("cancelled")->state(), v1::CANCELLED);
+TEST(JobStore, KeepsPlansApartFromJobs) {
+  const std::string path = DbPath("plans.db");
+  v1::ShardPlan plan;
+  plan.set_world_size(4);
+  plan.set_variant(v1::BERT_FOR_MASKED_LM);
+  {
+    auto store = JobStore::Open(path);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Create(NewJob("with-plan")).ok());
+    ASSERT_TRUE((*store)->Create(NewJob("without-plan")).ok());
+    ASSERT_TRUE((*store)->SetPlan("with-plan", plan).ok());
+    ASSERT_TRUE((*store)->Transition("with-plan", v1::PLANNED, "").ok());  // updating the job keeps the plan
+    EXPECT_EQ((*store)->SetPlan("nope", plan).code(), absl::StatusCode::kNotFound);
+  }
+  auto store = JobStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto stored = (*store)->GetPlan("with-plan");
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  ASSERT_TRUE(stored->has_value());
+  EXPECT_EQ((*stored)->world_size(), 4);
+  EXPECT_EQ((*stored)->variant(), v1::BERT_FOR_MASKED_LM);
+  auto none = (*store)->GetPlan("without-plan");
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->has_value());
+  EXPECT_EQ((*store)->GetPlan("nope").status().code(), absl::StatusCode::kNotFound);
+}
+
+// A database written by schema version 1 (the table as it was then) opens, keeps its jobs, and
+// takes plans from then on.
+TEST(JobStore, MigratesVersionOneDatabases) {
+  const std::string path = DbPath("version1.db");
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+    v1::Job job = NewJob("old-job");
+    job.set_state(v1::READY);
+    const std::string blob = job.SerializeAsString();
+    const std::string sql =
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+        "CREATE TABLE jobs (id TEXT PRIMARY KEY, state INTEGER NOT NULL, created_ms INTEGER NOT NULL,"
+        " updated_ms INTEGER NOT NULL, job BLOB NOT NULL);"
+        "INSERT INTO meta VALUES ('schema_version', '1');";
+    ASSERT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr), SQLITE_OK) << sqlite3_errmsg(db);
+    sqlite3_stmt* insert = nullptr;
+    ASSERT_EQ(sqlite3_prepare_v2(db, "INSERT INTO jobs VALUES ('old-job', 4, 1, 1, ?1)", -1, &insert, nullptr),
+              SQLITE_OK);
+    sqlite3_bind_blob(insert, 1, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
+    ASSERT_EQ(sqlite3_step(insert), SQLITE_DONE);
+    sqlite3_finalize(insert);
+    sqlite3_close(db);
+  }
+  auto store = JobStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  auto job = (*store)->Get("old-job");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->state(), v1::READY);
+  auto plan = (*store)->GetPlan("old-job");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_FALSE(plan->has_value());
+  v1::ShardPlan p;
+  p.set_world_size(2);
+  ASSERT_TRUE((*store)->SetPlan("old-job", p).ok());
+  EXPECT_EQ((*(*store)->GetPlan("old-job"))->world_size(), 2);
+  store->reset();
+  auto reopened = JobStore::Open(path);  // now version 2: no second migration
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
+  EXPECT_EQ((*(*reopened)->GetPlan("old-job"))->world_size(), 2);
+}
+
+TEST(JobStore, RefusesNewerSchemaVersions) {
+  const std::string path = DbPath("version9.db");
+  {
+    auto store = JobStore::Open(path);
+    ASSERT_TRUE(store.ok());
+  }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  ASSERT_EQ(sqlite3_exec(db, "UPDATE meta SET value = '9' WHERE key = 'schema_version'", nullptr, nullptr, nullptr),
+            SQLITE_OK);
+  sqlite3_close(db);
+  auto store = JobStore::Open(path);
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(store.status().message().find("version 9"), std::string::npos) << store.status();
 }
 
 TEST(JobStore, ConcurrentWritersAreSerialised) {

@@ -1,5 +1,6 @@
 #include "server/cluster.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -8,13 +9,12 @@
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "planner/planner.h"
-#include "planner/token_check.h"
-#include "tokenizer/wordpiece.h"
+#include "server/cluster_internal.h"
+#include "server/inference.h"
+#include "server/readoption.h"
 
 namespace bertshard::server {
 namespace {
-
-bool Terminal(v1::JobState s) { return s == v1::FAILED || s == v1::CANCELLED; }
 
 std::string Host(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -25,46 +25,23 @@ void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {
   context->set_deadline(absl::ToChronoTime(deadline));
 }
 
-absl::Status ValidateTokens(const v1::TokenInputs& in, const v1::ShardPlan& plan) {
-  return planner::CheckTokens({in.rows(), in.seq(), std::max<int64_t>(1, in.choices()), in.input_ids(),
-                               in.attention_mask(), in.token_type_ids()},
-                              plan);
-}
-
 // When ranks fail together (a dead worker makes its peers' collectives fail too), the cause is
 // the worker that no longer answers; otherwise the first failure. Pings need no lock.
-std::string Blame(const std::vector<std::pair<std::string, std::shared_ptr<v1::Worker::Stub>>>& ranks,
-                  const std::string& first_failure) {
+std::string Blame(const std::vector<RankStub>& ranks, const std::string& first_failure) {
   for (size_t r = 0; r < ranks.size(); ++r) {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Now() + absl::Seconds(2));
     v1::ReservePortResponse ignored;
-    grpc::Status status = ranks[r].second->ReservePort(&context, v1::ReservePortRequest(), &ignored);
+    grpc::Status status = ranks[r].stub->ReservePort(&context, v1::ReservePortRequest(), &ignored);
     if (!status.ok()) {
-      return absl::StrCat("worker ", ranks[r].first, " (rank ", r, ") is unreachable: ", status.error_message());
+      return absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, ") at ", ranks[r].address,
+                          " is unreachable: ", status.error_message());
     }
   }
   return first_failure;
 }
 
 }  // namespace
-
-struct Cluster::Worker {
-  v1::WorkerInfo info;
-  std::shared_ptr<v1::Worker::Stub> stub;
-  absl::Time last_heartbeat;
-};
-
-struct Cluster::JobRuntime {
-  v1::ShardPlan plan;
-  std::string checkpoint;
-  std::vector<std::string> rank_workers;
-  std::vector<v1::RankProgress> progress;
-  std::vector<std::shared_ptr<grpc::ClientContext>> load_contexts;
-  absl::Mutex infer_mu;  // one inference at a time: every rank must see the same order
-  int64_t next_sequence ABSL_GUARDED_BY(infer_mu) = 0;
-  std::unique_ptr<tokenizer::WordPieceTokenizer> tokenizer ABSL_GUARDED_BY(infer_mu);
-};
 
 Cluster::Cluster(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> store)
     : options_(options),
@@ -73,27 +50,19 @@ Cluster::Cluster(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> 
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const ClusterOptions& options) {
   ASSIGN_OR_RETURN(auto store, jobs::JobStore::Open(options.database_path));
-  // Jobs that had workers cannot survive a coordinator restart: their workers must load again.
-  RETURN_IF_ERROR(store->FailJobsWithWorkers("the coordinator restarted; resubmit the job").status());
   auto cluster = std::unique_ptr<Cluster>(new Cluster(options, std::move(store)));
-  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, cluster->store_->List());
   {
     absl::MutexLock lock(&cluster->mu_);
-    for (const v1::Job& job : jobs) {
-      if (job.state() != v1::PENDING) continue;
-      auto plan = planner::Plan(job.request());
-      if (!plan.ok()) {
-        (void)cluster->store_->Transition(job.id(), v1::FAILED, std::string(plan.status().message()));
-        continue;
-      }
-      auto runtime = std::make_shared<JobRuntime>();
-      runtime->plan = *std::move(plan);
-      runtime->checkpoint = job.request().checkpoint();
-      cluster->runtimes_[job.id()] = runtime;
-    }
+    RETURN_IF_ERROR(cluster->RecoverJobsLocked());
   }
   cluster->monitor_ = std::thread([c = cluster.get()] { c->MonitorLoop(); });
   return cluster;
+}
+
+void Cluster::Drain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  changed_.SignalAll();
 }
 
 Cluster::~Cluster() {
@@ -113,16 +82,40 @@ Cluster::~Cluster() {
 
 v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerRequest& request) {
   absl::MutexLock lock(&mu_);
-  // A worker registering again from the same address lost touch with us: its old entry (and any
-  // job that relied on it) is gone.
+  // A worker registering again from the same address lost touch with us. It keeps a job it
+  // still holds; any other job that relied on it fails.
+  std::string kept_job;
+  int32_t kept_rank = 0;
   for (auto it = workers_.begin(); it != workers_.end(); ++it) {
     if (it->second->info.address() != request.address()) continue;
     const std::string old_job = it->second->info.job_id();
     const std::string old_id = it->first;
     const int32_t old_rank = it->second->info.rank();
     it->second->info.set_healthy(false);
-    if (!old_job.empty()) {
-      FailJobLocked(old_job, absl::StrCat("worker ", old_id, " (rank ", old_rank, ") registered again"));
+    it->second->info.clear_job_id();
+    auto runtime = runtimes_.find(old_job);
+    if (runtime != runtimes_.end() && runtime->second->recovery != nullptr) {
+      // Its report counts again when it comes with this registration.
+      auto& reports = runtime->second->recovery->reports;
+      reports.erase(std::remove_if(reports.begin(), reports.end(),
+                                   [&](const RankReport& r) { return r.worker_id == old_id; }),
+                    reports.end());
+    } else if (!old_job.empty()) {
+      const v1::HeldShard* shard = nullptr;
+      for (const v1::HeldShard& h : request.held()) {
+        if (h.job_id() == old_job && h.rank() == old_rank) shard = &h;
+      }
+      auto job = store_->Get(old_job);
+      if (shard != nullptr && shard->broken().empty() && runtime != runtimes_.end() && job.ok() &&
+          !TerminalState(job->state())) {
+        kept_job = old_job;
+        kept_rank = old_rank;
+      } else {
+        FailJobLocked(old_job, absl::StrCat("worker ", old_id, " (rank ", old_rank, ") at ", request.address(),
+                                            " registered again ",
+                                            shard == nullptr ? "without its shard"
+                                                             : absl::StrCat("with its shard broken: ", shard->broken())));
+      }
     }
     workers_.erase(old_id);
     break;
@@ -142,15 +135,32 @@ v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerReque
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
   worker->stub = v1::Worker::NewStub(grpc::CreateCustomChannel(request.address(), grpc::InsecureChannelCredentials(), args));
+  Worker* w = worker.get();
   workers_[id] = std::move(worker);
-  ScheduleLocked();
+  if (!kept_job.empty()) {
+    JobRuntime& runtime = *runtimes_.at(kept_job);
+    w->info.set_job_id(kept_job);
+    w->info.set_rank(kept_rank);
+    const size_t r = static_cast<size_t>(kept_rank);
+    if (r < runtime.rank_workers.size()) runtime.rank_workers[r] = id;
+    if (r < runtime.progress.size()) runtime.progress[r].set_worker_id(id);
+    auto job = store_->Get(kept_job);
+    if (job.ok() && kept_rank < job->ranks_size()) {
+      std::vector<v1::RankAssignment> ranks(job->ranks().begin(), job->ranks().end());
+      ranks[r].set_worker_id(id);
+      ranks[r].set_worker_address(request.address());
+      (void)store_->SetRanks(kept_job, ranks);
+    }
+  }
   v1::RegisterWorkerResponse response;
+  TakeHeldShardsLocked(w, request.held(), response.mutable_unload_job_ids());
+  ScheduleLocked();
   response.set_worker_id(id);
   response.set_heartbeat_interval_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.heartbeat_interval)));
   return response;
 }
 
-absl::Status Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
+absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(request.worker_id());
   if (it == workers_.end()) {
@@ -158,11 +168,13 @@ absl::Status Cluster::Heartbeat(const v1::HeartbeatRequest& request) {
   }
   it->second->last_heartbeat = absl::Now();
   it->second->info.set_free_memory_bytes(request.free_memory_bytes());
+  v1::HeartbeatResponse response;
+  TakeHeldShardsLocked(it->second.get(), request.held(), response.mutable_unload_job_ids());
   if (!it->second->info.healthy()) {
     it->second->info.set_healthy(true);  // back after a pause: its old job has already failed
     ScheduleLocked();
   }
-  return absl::OkStatus();
+  return response;
 }
 
 v1::ListWorkersResponse Cluster::ListWorkers() {
@@ -193,6 +205,7 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request) 
   *job.mutable_request() = request.request();
   job.set_pending_reason(absl::StrCat("waiting for ", plan.world_size(), " healthy idle workers"));
   RETURN_IF_ERROR(store_->Create(job));
+  RETURN_IF_ERROR(store_->SetPlan(job.id(), plan));
   auto runtime = std::make_shared<JobRuntime>();
   runtime->plan = std::move(plan);
   runtime->checkpoint = request.request().checkpoint();
@@ -203,7 +216,7 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request) 
 }
 
 void Cluster::ScheduleLocked() {
-  if (stopping_) return;
+  if (stopping_ || draining_) return;
   auto jobs = store_->List();
   if (!jobs.ok()) return;
   for (const v1::Job& job : *jobs) {
@@ -242,11 +255,12 @@ void Cluster::ScheduleLocked() {
 
 void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state) {
   auto job = store_->Get(job_id);
-  if (!job.ok() || Terminal(job->state())) return;
+  if (!job.ok() || TerminalState(job->state())) return;
   (void)store_->Transition(job_id, state, cause);
   auto runtime = runtimes_.find(job_id);
   if (runtime != runtimes_.end()) {
     for (auto& context : runtime->second->load_contexts) context->TryCancel();
+    runtime->second->recovery.reset();
   }
   for (auto& [id, w] : workers_) {
     if (w->info.job_id() != job_id) continue;
@@ -270,13 +284,15 @@ void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::Jo
 
 void Cluster::LoadJob(std::string job_id) {
   std::shared_ptr<JobRuntime> runtime;
-  std::vector<std::shared_ptr<v1::Worker::Stub>> stubs;
+  std::vector<RankStub> ranks_stubs;  // copied: a worker registering again may change rank_workers
   std::string master_host;
   {
     absl::MutexLock lock(&mu_);
     runtime = runtimes_.at(job_id);
-    for (const std::string& w : runtime->rank_workers) stubs.push_back(workers_.at(w)->stub);
-    master_host = Host(workers_.at(runtime->rank_workers[0])->info.address());
+    for (const std::string& w : runtime->rank_workers) {
+      ranks_stubs.push_back({w, workers_.at(w)->info.address(), workers_.at(w)->stub});
+    }
+    master_host = Host(ranks_stubs[0].address);
     (void)store_->Transition(job_id, v1::LOADING, "");
     changed_.SignalAll();
   }
@@ -285,15 +301,19 @@ void Cluster::LoadJob(std::string job_id) {
   {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Now() + absl::Seconds(10));
-    grpc::Status status = stubs[0]->ReservePort(&context, v1::ReservePortRequest(), &port);
+    grpc::Status status = ranks_stubs[0].stub->ReservePort(&context, v1::ReservePortRequest(), &port);
     if (!status.ok()) {
       absl::MutexLock lock(&mu_);
-      FailJobLocked(job_id, absl::StrCat("worker ", runtime->rank_workers[0], " (rank 0): ", status.error_message()));
+      // Stopping: the job stays LOADING for the next coordinator, which fails it with that cause.
+      if (!stopping_) {
+        FailJobLocked(job_id, absl::StrCat("worker ", ranks_stubs[0].worker_id, " (rank 0): ", status.error_message()));
+      }
       return;
     }
   }
   std::vector<std::thread> ranks;
-  for (size_t r = 0; r < stubs.size(); ++r) {
+  std::vector<char> loaded(ranks_stubs.size(), 0);  // each written by its rank's thread only
+  for (size_t r = 0; r < ranks_stubs.size(); ++r) {
     auto context = std::make_shared<grpc::ClientContext>();
     SetDeadline(context.get(), absl::Now() + options_.load_timeout);
     {
@@ -309,7 +329,7 @@ void Cluster::LoadJob(std::string job_id) {
       load.set_master_addr(master_host);
       load.set_master_port(port.port());
       load.set_timeout_seconds(options_.collective_timeout_seconds);
-      auto reader = stubs[r]->LoadShard(context.get(), load);
+      auto reader = ranks_stubs[r].stub->LoadShard(context.get(), load);
       v1::LoadProgress progress;
       while (reader->Read(&progress)) {
         absl::MutexLock lock(&mu_);
@@ -317,21 +337,22 @@ void Cluster::LoadJob(std::string job_id) {
         changed_.SignalAll();
       }
       grpc::Status status = reader->Finish();
-      if (!status.ok()) {
-        std::vector<std::pair<std::string, std::shared_ptr<v1::Worker::Stub>>> all;
-        for (size_t i = 0; i < stubs.size(); ++i) all.emplace_back(runtime->rank_workers[i], stubs[i]);
-        const std::string cause = status.error_code() == grpc::StatusCode::CANCELLED
-                                      ? absl::StrCat("worker ", runtime->rank_workers[r], " (rank ", r, "): cancelled")
-                                      : Blame(all, absl::StrCat("worker ", runtime->rank_workers[r], " (rank ", r,
-                                                                "): ", status.error_message()));
-        absl::MutexLock lock(&mu_);
-        FailJobLocked(job_id, cause);
+      if (status.ok()) {
+        loaded[r] = 1;
+        return;
       }
+      const std::string rank = absl::StrCat("worker ", ranks_stubs[r].worker_id, " (rank ", r, "): ");
+      const std::string cause = status.error_code() == grpc::StatusCode::CANCELLED
+                                    ? absl::StrCat(rank, "cancelled")
+                                    : Blame(ranks_stubs, absl::StrCat(rank, status.error_message()));
+      absl::MutexLock lock(&mu_);
+      if (!stopping_) FailJobLocked(job_id, cause);  // stopping: see above
     });
   }
   for (auto& t : ranks) t.join();
   absl::MutexLock lock(&mu_);
   runtime->load_contexts.clear();
+  if (std::count(loaded.begin(), loaded.end(), 1) != static_cast<long>(loaded.size())) return;
   auto job = store_->Get(job_id);
   if (job.ok() && job->state() == v1::LOADING) {
     (void)store_->Transition(job_id, v1::READY, "");
@@ -346,6 +367,8 @@ void Cluster::MonitorLoop() {
     // within two heartbeat intervals of its last heartbeat.
     changed_.WaitWithTimeout(&mu_, options_.heartbeat_interval / 4);
     if (stopping_) break;
+    // A draining server takes no heartbeats: silence then says nothing about the workers.
+    if (draining_) continue;
     const absl::Time now = absl::Now();
     for (auto& [id, w] : workers_) {
       if (!w->info.healthy() || now - w->last_heartbeat <= options_.heartbeat_interval * 3 / 2) continue;
@@ -355,21 +378,38 @@ void Cluster::MonitorLoop() {
                                                      w->info.address(), " stopped heartbeating"));
       }
     }
+    std::vector<std::string> overdue;
+    for (const auto& [job_id, runtime] : runtimes_) {
+      if (runtime->recovery != nullptr && now >= runtime->recovery->deadline) overdue.push_back(job_id);
+    }
+    for (const std::string& job_id : overdue) DecideRecoveryLocked(job_id);
   }
 }
 
-absl::StatusOr<v1::Job> Cluster::GetJob(const std::string& id) { return store_->Get(id); }
+absl::StatusOr<v1::Job> Cluster::GetJob(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  return GetJobLocked(id);
+}
 
-absl::StatusOr<std::vector<v1::Job>> Cluster::ListJobs() { return store_->List(); }
+absl::StatusOr<std::vector<v1::Job>> Cluster::ListJobs() {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, store_->List());
+  for (v1::Job& job : jobs) {
+    auto runtime = runtimes_.find(job.id());
+    if (runtime == runtimes_.end() || runtime->second->recovery == nullptr) continue;
+    ASSIGN_OR_RETURN(job, GetJobLocked(job.id()));
+  }
+  return jobs;
+}
 
 absl::StatusOr<v1::Job> Cluster::CancelJob(const std::string& id) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(v1::Job job, store_->Get(id));
-  if (Terminal(job.state())) {
+  if (TerminalState(job.state())) {
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " is already ", v1::JobState_Name(job.state())));
   }
   FailJobLocked(id, "cancelled by request", v1::CANCELLED);
-  return store_->Get(id);
+  return GetJobLocked(id);
 }
 
 v1::JobEvent Cluster::EventLocked(const v1::Job& job) {
@@ -390,7 +430,7 @@ absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
     v1::JobEvent event;
     {
       absl::MutexLock lock(&mu_);
-      ASSIGN_OR_RETURN(v1::Job job, store_->Get(id));
+      ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(id));
       event = EventLocked(job);
       std::string now = event.SerializeAsString();
       if (now == last) {
@@ -405,119 +445,70 @@ absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
     }
     if (!emit(event)) return absl::CancelledError("watcher went away");
     const v1::JobState s = event.job().state();
-    if (Terminal(s) || s == v1::READY) return absl::OkStatus();
+    if (TerminalState(s) || (s == v1::READY && event.job().recovering().empty())) return absl::OkStatus();
   }
 }
 
 absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
                                                  const std::function<bool()>& cancelled) {
   std::shared_ptr<JobRuntime> runtime;
-  std::vector<std::pair<std::string, std::shared_ptr<v1::Worker::Stub>>> ranks;
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(v1::Job job, store_->Get(request.job_id()));
+  // READY, and not waiting for its ranks after a restart.
+  auto check_ready = [](const v1::Job& job) -> absl::Status {
+    if (!job.recovering().empty()) {
+      return absl::UnavailableError(absl::StrCat("job ", job.id(), " is recovering (", job.recovering(), "); retry"));
+    }
     if (job.state() != v1::READY) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job.id(), " is ", v1::JobState_Name(job.state()),
                                                         "; inference needs READY"));
     }
+    return absl::OkStatus();
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(request.job_id()));
+    RETURN_IF_ERROR(check_ready(job));
     runtime = runtimes_.at(job.id());
   }
-  v1::InferResponse response;
   absl::MutexLock infer_lock(&runtime->infer_mu);  // queue behind earlier calls on this job
-  v1::TokenInputs tokens;
-  if (request.has_text()) {
-    if (runtime->plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE) {
-      return absl::InvalidArgumentError("text input is not supported for BertForMultipleChoice; send tokens");
-    }
-    if (request.text().texts_size() == 0) return absl::InvalidArgumentError("text input needs at least one text");
-    if (request.text().text_pairs_size() > 0 && request.text().text_pairs_size() != request.text().texts_size()) {
-      return absl::InvalidArgumentError("text_pairs needs one entry per text");
-    }
-    if (runtime->tokenizer == nullptr) {
-      ASSIGN_OR_RETURN(tokenizer::TokenizerOptions options, tokenizer::ReadTokenizerConfig(runtime->checkpoint));
-      auto tok = tokenizer::WordPieceTokenizer::FromVocabFile(runtime->checkpoint + "/vocab.txt", options);
-      if (!tok.ok()) {
-        return absl::FailedPreconditionError(absl::StrCat("text input needs the checkpoint's vocab.txt: ", tok.status().message()));
-      }
-      runtime->tokenizer = *std::move(tok);
-    }
-    std::vector<tokenizer::Encoding> encodings;
-    int64_t longest = 0;
-    for (int i = 0; i < request.text().texts_size(); ++i) {
-      std::optional<absl::string_view> pair;
-      if (request.text().text_pairs_size() > 0) pair = request.text().text_pairs(i);
-      ASSIGN_OR_RETURN(tokenizer::Encoding e, runtime->tokenizer->Encode(request.text().texts(i), pair,
-                                                                          runtime->plan.config().max_position_embeddings()));
-      longest = std::max<int64_t>(longest, static_cast<int64_t>(e.input_ids.size()));
-      encodings.push_back(std::move(e));
-    }
-    // Pad the batch to its longest text; padding is masked out.
-    const int tp = std::max(1, runtime->plan.shard_config().tensor_parallel_size());
-    if (runtime->plan.shard_config().sp_mode() == v1::SPLIT_GATHER) longest = (longest + tp - 1) / tp * tp;
-    if (longest > runtime->plan.config().max_position_embeddings()) {
-      return absl::InvalidArgumentError("the padded batch exceeds max_position_embeddings");
-    }
-    tokens.set_rows(static_cast<int64_t>(encodings.size()));
-    tokens.set_seq(longest);
-    tokens.set_choices(1);
-    for (const auto& e : encodings) {
-      for (int64_t i = 0; i < longest; ++i) {
-        const bool real = i < static_cast<int64_t>(e.input_ids.size());
-        tokens.add_input_ids(real ? e.input_ids[static_cast<size_t>(i)] : runtime->plan.config().pad_token_id());
-        tokens.add_token_type_ids(real ? e.token_type_ids[static_cast<size_t>(i)] : 0);
-        tokens.add_attention_mask(real ? 1 : 0);
-      }
-    }
-  } else if (request.has_tokens()) {
-    tokens = request.tokens();
-    if (tokens.attention_mask_size() == 0) tokens.mutable_attention_mask()->Resize(tokens.input_ids_size(), 1);
-    if (tokens.token_type_ids_size() == 0) tokens.mutable_token_type_ids()->Resize(tokens.input_ids_size(), 0);
-  } else {
-    return absl::InvalidArgumentError("infer needs tokens or text");
-  }
-  RETURN_IF_ERROR(ValidateTokens(tokens, runtime->plan));
+  ASSIGN_OR_RETURN(v1::TokenInputs tokens,
+                   PrepareTokens(request, runtime->plan, runtime->checkpoint, &runtime->tokenizer));
   const int64_t batch = tokens.rows() / std::max<int64_t>(1, tokens.choices());
   if (request.micro_batches() < 0 || request.micro_batches() > batch) {
     return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 0..batch ", batch));
   }
-  {
-    absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(v1::Job job, store_->Get(request.job_id()));
-    if (job.state() != v1::READY) {
-      return absl::FailedPreconditionError(absl::StrCat("job ", job.id(), " is ", v1::JobState_Name(job.state())));
-    }
-    for (const std::string& w : runtime->rank_workers) ranks.emplace_back(w, workers_.at(w)->stub);
-  }
   if (cancelled && cancelled()) return absl::CancelledError("the caller went away while the request was queued");
   if (absl::Now() >= deadline) return absl::DeadlineExceededError("the deadline passed while the request was queued");
-  const int64_t sequence = runtime->next_sequence++;
-  std::vector<v1::ForwardResponse> responses(ranks.size());
-  std::vector<grpc::Status> statuses(ranks.size());
-  std::vector<std::thread> calls;
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    calls.emplace_back([&, r] {
-      grpc::ClientContext context;
-      SetDeadline(&context, deadline);
-      v1::ForwardRequest forward;
-      forward.set_job_id(request.job_id());
-      forward.set_sequence(sequence);
-      *forward.mutable_inputs() = tokens;
-      forward.set_micro_batches(std::max(1, request.micro_batches()));
-      statuses[r] = ranks[r].second->Forward(&context, forward, &responses[r]);
-    });
+  std::vector<RankStub> ranks;
+  v1::ForwardRequest forward;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(request.job_id()));
+    RETURN_IF_ERROR(check_ready(job));
+    for (const std::string& w : runtime->rank_workers) {
+      const Worker& worker = *workers_.at(w);
+      ranks.push_back({w, worker.info.address(), worker.stub});
+    }
+    forward.set_sequence(runtime->next_sequence++);
   }
-  for (auto& t : calls) t.join();
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    if (statuses[r].ok()) continue;
+  forward.set_job_id(request.job_id());
+  *forward.mutable_inputs() = tokens;
+  forward.set_micro_batches(std::max(1, request.micro_batches()));
+  ForwardOutcome outcome = ForwardOnAllRanks(ranks, forward, deadline);
+  if (outcome.failed_rank >= 0) {
+    // The ranks may be out of step now: the job fails at once, and the survivors unload.
+    const RankStub& failed = ranks[static_cast<size_t>(outcome.failed_rank)];
     const std::string cause =
-        Blame(ranks, absl::StrCat("worker ", ranks[r].first, " (rank ", r, "): ", statuses[r].error_message()));
+        Blame(ranks, absl::StrCat("worker ", failed.worker_id, " (rank ", outcome.failed_rank, ") at ", failed.address,
+                                  ": forward ", forward.sequence(),
+                                  " failed: ", common::FromGrpcStatus(outcome.status).ToString()));
     absl::MutexLock lock(&mu_);
     FailJobLocked(request.job_id(), cause);
     return absl::UnavailableError(absl::StrCat("inference failed: ", cause));
   }
-  for (auto& rr : responses) {
+  v1::InferResponse response;
+  for (auto& rr : outcome.responses) {
     if (rr.outputs_size() > 0) {
-      *response.mutable_outputs() = rr.outputs();
+      *response.mutable_outputs() = std::move(*rr.mutable_outputs());
       response.set_forward_seconds(rr.forward_seconds());
     }
   }

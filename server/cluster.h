@@ -2,13 +2,32 @@
 // -----------------------------------------------------------------------------
 // The coordinator's view of the cluster: the pool of worker daemons (registration, heartbeats,
 // liveness) and the jobs they serve (plan, rank assignment, loading with progress, inference,
-// cancellation, failure). Jobs persist in a JobStore, so a restarted coordinator still lists
-// them; jobs that had workers when it stopped are marked FAILED, and workers register again.
+// cancellation, failure, re-adoption after a restart). Jobs and their plans persist in a
+// JobStore. The gRPC layer talks to this one object. Implementation: cluster.cc (worker pool,
+// scheduling and loading, the per-job inference queue), cluster_recovery.cc (taking jobs back
+// after a restart, with the rules of readoption.h), inference.h (input preparation, the forward
+// fan-out).
 //
 // Failure model: a worker silent for 1.5 heartbeat intervals is dead (so its jobs fail within
-// two intervals of its last heartbeat); a dead worker or any rank
-// error fails its job with a cause naming the worker and rank, and the surviving ranks are told
-// to unload. Workers' collectives have timeouts, so no rank waits forever.
+// two intervals of its last heartbeat); a dead worker, any rank error, or a failed Forward call
+// to any rank fails its job at once with a cause naming the worker and rank and what failed, and
+// the surviving ranks are told to unload. Workers' collectives have timeouts, so no rank waits
+// forever.
+//
+// Coordinator restarts end no job. Workers report the shards they hold (job, rank, world size,
+// next sequence number) when they register and with every heartbeat. On start, jobs that were
+// READY or LOADING wait up to `readopt_grace` for all their ranks (Job.recovering says which;
+// Infer answers UNAVAILABLE meanwhile). All back, each rank once, unbroken and on the same next
+// sequence: READY again with rank -> worker and the sequence rebuilt, so Infer answers as before.
+// Otherwise FAILED with the true cause (see readoption.h), at once when a rank's worker comes back
+// without it, and the ranks that did come back unload. PLANNED jobs (nothing loaded yet) go back to PENDING. Held shards of jobs this
+// coordinator does not know, has ended, or placed on other workers are unloaded through the
+// RegisterWorker and Heartbeat responses. A worker that registers again while its old entry still
+// serves a job keeps the job when it reports holding that rank.
+//
+// Shutdown: Drain() (on SIGTERM, before in-flight calls drain) stops the liveness monitor and the
+// scheduler, so that heartbeats the draining server no longer takes fail no job and nothing false
+// is stored; in-flight inferences still finish or fail truthfully.
 //
 // Thread safety: thread-safe. Blocking calls (Infer, WatchJob) take a deadline.
 #ifndef BERTSHARD_SERVER_CLUSTER_H_
@@ -35,6 +54,9 @@ struct ClusterOptions {
   absl::Duration heartbeat_interval = absl::Seconds(1);
   absl::Duration load_timeout = absl::Minutes(10);
   int collective_timeout_seconds = 60;  // rendezvous and collectives on the workers
+  // After a start, how long READY and LOADING jobs from the database wait for their ranks to
+  // come back (workers register again within about a heartbeat interval of the start).
+  absl::Duration readopt_grace = absl::Seconds(10);
 };
 
 class Cluster {
@@ -42,9 +64,11 @@ class Cluster {
   static absl::StatusOr<std::unique_ptr<Cluster>> Create(const ClusterOptions& options);
   ~Cluster();
 
+  // The response lists the held jobs the worker must unload.
   v1::RegisterWorkerResponse RegisterWorker(const v1::RegisterWorkerRequest& request);
-  // NOT_FOUND for a worker this coordinator does not know (it must register again).
-  absl::Status Heartbeat(const v1::HeartbeatRequest& request);
+  // NOT_FOUND for a worker this coordinator does not know (it must register again). The response
+  // lists the held jobs the worker must unload.
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
   v1::ListWorkersResponse ListWorkers();
 
   absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request);
@@ -52,21 +76,40 @@ class Cluster {
   absl::StatusOr<std::vector<v1::Job>> ListJobs();
   absl::StatusOr<v1::Job> CancelJob(const std::string& id);
   // Calls `emit` with the job's state and load progress whenever they change, until the job is
-  // READY, FAILED or CANCELLED, `emit` returns false, `cancelled` turns true (checked at least
+  // READY (and not recovering), FAILED or CANCELLED, `emit` returns false, `cancelled` turns true (checked at least
   // every half second), or the deadline passes.
   absl::Status WatchJob(const std::string& id, absl::Time deadline, const std::function<bool(const v1::JobEvent&)>& emit,
                         const std::function<bool()>& cancelled);
   // Requests on a job run one at a time in arrival order. A request whose caller went away
   // (`cancelled`) while it waited is dropped; once its forward has started on the ranks it runs to
   // the end (stopping some ranks mid-forward would desynchronise them).
+  // UNAVAILABLE while the job is recovering after a restart (retry), or when a rank's Forward
+  // call fails (the job fails with it, at once).
   absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline,
                                           const std::function<bool()>& cancelled = nullptr);
 
+  // The server is draining for shutdown: from now on no worker is declared dead and no job is
+  // scheduled. Idempotent.
+  void Drain();
+
  private:
   struct Worker;
+  struct Recovery;
   struct JobRuntime;
   explicit Cluster(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> store);
 
+  // Builds the runtimes of the stored jobs: PENDING as they are, PLANNED back to PENDING, READY
+  // and LOADING recovering. Called once, before any worker registers.
+  absl::Status RecoverJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes in what a registering worker holds: reports for recovering jobs, the rest to unload.
+  // Also marks the recovering ranks this worker's address held and no longer does as lost.
+  void TakeHeldShardsLocked(Worker* worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
+                            google::protobuf::RepeatedPtrField<std::string>* unload)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies DecideReadoption to a recovering job: adopt, fail, or keep waiting.
+  void DecideRecoveryLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The stored job with `recovering` filled in.
+  absl::StatusOr<v1::Job> GetJobLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void LoadJob(std::string job_id);
   // `job_id` by value: callers pass fields this clears (a worker's job_id).
@@ -85,6 +128,7 @@ class Cluster {
   int64_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // Drain() was called
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   std::thread monitor_;
 };

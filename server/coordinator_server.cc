@@ -1,6 +1,8 @@
 #include "server/coordinator_server.h"
 
+#include <map>
 #include <utility>
+#include <vector>
 
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "common/grpc_serving.h"
@@ -25,6 +27,48 @@ grpc::Status Reply(absl::StatusOr<T> result, T* response) {
   return grpc::Status::OK;
 }
 
+// Jobs by state and workers by health, read from the cluster when scraped (cheaper than keeping
+// gauges in step with every transition). Every state and both health values are always present, so
+// a state that empties reads 0 rather than vanishing.
+absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterCoordinatorMetrics(
+    common::MetricsRegistry* registry, Cluster* cluster) {
+  auto jobs_by_state = [cluster]() -> absl::StatusOr<std::vector<common::Sample>> {
+    ASSIGN_OR_RETURN(const std::vector<v1::Job> jobs, cluster->ListJobs());
+    std::map<int, int> count;
+    for (const v1::Job& job : jobs) ++count[job.state()];
+    std::vector<common::Sample> samples;
+    for (int state = v1::JobState_MIN; state <= v1::JobState_MAX; ++state) {
+      if (!v1::JobState_IsValid(state) || state == v1::JOB_STATE_UNSPECIFIED) continue;
+      samples.push_back({{v1::JobState_Name(static_cast<v1::JobState>(state))}, static_cast<double>(count[state])});
+    }
+    return samples;
+  };
+  auto workers_by_health = [cluster]() -> absl::StatusOr<std::vector<common::Sample>> {
+    double healthy = 0;
+    double unhealthy = 0;
+    const v1::ListWorkersResponse listed = cluster->ListWorkers();
+    for (const v1::WorkerInfo& worker : listed.workers()) {
+      if (worker.healthy()) {
+        ++healthy;
+      } else {
+        ++unhealthy;
+      }
+    }
+    return std::vector<common::Sample>{{{"healthy"}, healthy}, {{"unhealthy"}, unhealthy}};
+  };
+  std::vector<common::MetricsRegistry::CollectorHandle> handles;
+  ASSIGN_OR_RETURN(auto jobs, registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_jobs",
+                                                     "Jobs the coordinator knows, by state.", {"state"},
+                                                     jobs_by_state));
+  handles.push_back(std::move(jobs));
+  ASSIGN_OR_RETURN(auto workers,
+                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_workers",
+                                          "Registered workers, by health (healthy: heartbeating in time).",
+                                          {"health"}, workers_by_health));
+  handles.push_back(std::move(workers));
+  return handles;
+}
+
 }  // namespace
 
 // The synchronous API on purpose: Infer and WatchJob block until workers answer, which a
@@ -42,8 +86,9 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     *response = cluster_->RegisterWorker(*request);
     return grpc::Status::OK;
   }
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request, v1::HeartbeatResponse*) override {
-    return common::ToGrpcStatus(cluster_->Heartbeat(*request));
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+                         v1::HeartbeatResponse* response) override {
+    return Reply(cluster_->Heartbeat(*request), response);
   }
   grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*, v1::ListWorkersResponse* response) override {
     *response = cluster_->ListWorkers();
@@ -93,10 +138,17 @@ CoordinatorServer::~CoordinatorServer() {
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const CoordinatorOptions& options) {
   ASSIGN_OR_RETURN(auto cluster, Cluster::Create(options.cluster));
   auto service = std::make_unique<Service>(cluster.get());
+  std::vector<common::MetricsRegistry::CollectorHandle> collectors;
+  if (options.metrics != nullptr) {
+    ASSIGN_OR_RETURN(collectors, RegisterCoordinatorMetrics(options.metrics, cluster.get()));
+  }
   ASSIGN_OR_RETURN(common::StartedServer started,
-                   common::StartServer(options.listen_address, {service.get()}, options.max_message_bytes));
-  return std::unique_ptr<CoordinatorServer>(
+                   common::StartServer(options.listen_address, {service.get()}, options.max_message_bytes,
+                                       options.metrics));
+  std::unique_ptr<CoordinatorServer> server(
       new CoordinatorServer(std::move(cluster), std::move(service), std::move(started.server), started.port));
+  server->collectors_ = std::move(collectors);
+  return std::move(server);
 }
 
 void CoordinatorServer::Shutdown(absl::Duration drain) {
@@ -105,6 +157,7 @@ void CoordinatorServer::Shutdown(absl::Duration drain) {
     if (shut_down_) return;
     shut_down_ = true;
   }
+  cluster_->Drain();  // heartbeats stop now: no worker may be declared dead for that
   common::DrainAndShutdown(server_.get(), drain);
 }
 

@@ -17,10 +17,12 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/metrics.h"
 #include "grpcpp/server.h"
 #include "server/cluster.h"
 
@@ -32,6 +34,9 @@ struct CoordinatorOptions {
   // Largest request or response message accepted; plans of big models are a few MiB.
   int max_message_bytes = 256 << 20;
   ClusterOptions cluster;
+  // Optional, not owned, must outlive the server: gets the per-call gRPC metrics and the
+  // coordinator's own (bertshard_coordinator_jobs{state}, bertshard_coordinator_workers{health}).
+  common::MetricsRegistry* metrics = nullptr;
 };
 
 class CoordinatorServer {
@@ -64,6 +69,8 @@ class CoordinatorServer {
   const int port_;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Last, so they go first: their collectors read cluster_.
+  std::vector<common::MetricsRegistry::CollectorHandle> collectors_;
 };
 
 }  // namespace bertshard::server

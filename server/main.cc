@@ -1,6 +1,6 @@
 // bertshard-coordinator: serves the Coordinator API (Plan), health and reflection.
 //
-//   bertshard-coordinator --listen=0.0.0.0:50051 --drain_timeout=10s
+//   bertshard-coordinator --listen=0.0.0.0:50051 --drain_timeout=10s [--metrics_listen=0.0.0.0:9090]
 //
 // SIGTERM or SIGINT: health goes NOT_SERVING, new calls are refused, in-flight calls get
 // --drain_timeout to finish, then the process exits 0.
@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -15,6 +16,8 @@
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
 #include "common/grpc_serving.h"
+#include "common/metrics.h"
+#include "common/metrics_endpoint.h"
 #include "server/coordinator_server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve on (port 0: any free port)");
@@ -25,6 +28,10 @@ ABSL_FLAG(std::string, database, "", "job database (SQLite); default <data_dir>/
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
           "workers' heartbeat interval; a worker silent for 1.5 intervals is dead");
 ABSL_FLAG(int, collective_timeout_s, 60, "rendezvous and collective timeout on the workers, seconds");
+ABSL_FLAG(absl::Duration, readopt_grace, absl::Seconds(10),
+          "after a restart, how long READY and LOADING jobs wait for all their ranks' workers to register");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port for the Prometheus endpoint GET /metrics (port 0: any free port; empty: none)");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
@@ -44,9 +51,23 @@ int main(int argc, char** argv) {
   }
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.cluster.collective_timeout_seconds = absl::GetFlag(FLAGS_collective_timeout_s);
+  options.cluster.readopt_grace = absl::GetFlag(FLAGS_readopt_grace);
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
 
   bertshard::common::InstallShutdownHandlers();
+
+  // Declared before the server, so it outlives it; the endpoint is stopped before the server goes.
+  bertshard::common::MetricsRegistry metrics;
+  std::unique_ptr<bertshard::common::MetricsEndpoint> metrics_endpoint;
+  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
+    auto endpoint = bertshard::common::MetricsEndpoint::Start(address, &metrics);
+    if (!endpoint.ok()) {
+      std::fprintf(stderr, "bertshard-coordinator: --metrics_listen: %s\n", endpoint.status().ToString().c_str());
+      return 1;
+    }
+    metrics_endpoint = *std::move(endpoint);
+    options.metrics = &metrics;
+  }
 
   auto server = bertshard::server::CoordinatorServer::Start(options);
   if (!server.ok()) {
@@ -54,6 +75,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("bertshard-coordinator listening on port %d\n", (*server)->port());
+  if (metrics_endpoint != nullptr) std::printf("metrics listening on port %d\n", metrics_endpoint->port());
   std::fflush(stdout);
   std::thread waiter([&server, drain]() {
     bertshard::common::WaitForShutdownSignal("bertshard-coordinator");
@@ -61,6 +83,7 @@ int main(int argc, char** argv) {
   });
   (*server)->Wait();
   waiter.join();
+  metrics_endpoint.reset();  // no scrape may read the cluster once it goes
   std::fprintf(stderr, "bertshard-coordinator: stopped\n");
   return 0;
 }

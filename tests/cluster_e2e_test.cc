@@ -1,7 +1,9 @@
 // The service end to end: a coordinator and four shard-worker processes on loopback. Submit,
 // watch to READY, infer (equal to the reference), concurrent infers, text input, cancel; a worker
-// killed with SIGKILL fails its job with a cause naming it, and a restarted coordinator still
-// lists its jobs and takes the workers back.
+// killed with SIGKILL fails its job with a cause naming it (at once when it dies during an
+// inference), and a restarted coordinator still lists its jobs, takes back the READY ones whose
+// ranks all come back, fails the others naming the missing rank, and has workers unload what it
+// does not know. A draining coordinator fails no job.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -9,6 +11,7 @@
 #include <thread>
 
 #include "bertshard/v1/coordinator.grpc.pb.h"
+#include "bertshard/v1/worker.grpc.pb.h"
 #include "checkpoint/safetensors.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
@@ -61,7 +64,9 @@ class Cluster : public ::testing::Test {
     const std::string log = data_dir_ + ".log";
     std::ofstream(log, std::ios::trunc).close();
     coordinator_ = Spawn({"server/bertshard-coordinator", "--listen=127.0.0.1:" + std::to_string(port_),
-                          "--data_dir=" + data_dir_, "--heartbeat_interval=1s", "--collective_timeout_s=8"},
+                          "--data_dir=" + data_dir_, "--heartbeat_interval=" + heartbeat_interval_,
+                          "--collective_timeout_s=" + collective_timeout_s_, "--readopt_grace=6s",
+                          "--drain_timeout=" + drain_timeout_},
                          log);
     const int port = WaitForPort(log);
     ASSERT_GT(port, 0) << ReadAll(log);
@@ -123,25 +128,82 @@ class Cluster : public ::testing::Test {
     return last;
   }
 
-  // SIGKILLs the worker process serving `rank` of `job`; returns its worker id ("" if none).
-  std::string KillWorkerServing(const std::string& job, int rank) {
+  // The index in workers_ of the process serving `rank` of `job`, and its worker id; -1 if none.
+  int WorkerServing(const std::string& job, int rank, std::string* id) {
     v1::ListWorkersResponse workers;
-    if (!stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok()) return "";
-    std::string victim_id;
+    if (!stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok()) return -1;
     for (const auto& w : workers.workers()) {
-      if (w.job_id() == job && w.rank() == rank) victim_id = w.worker_id();
+      if (w.job_id() == job && w.rank() == rank) *id = w.worker_id();
     }
-    if (victim_id.empty()) return "";
+    if (id->empty()) return -1;
     for (size_t i = 0; i < workers_.size(); ++i) {
-      if (ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("as " + victim_id + "\n") != std::string::npos) {
-        kill(workers_[i], SIGKILL);
-        WaitExit(workers_[i]);
-        workers_.erase(workers_.begin() + static_cast<long>(i));
-        spawn_index_.erase(spawn_index_.begin() + static_cast<long>(i));
-        return victim_id;
+      if (ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("as " + *id + " (") != std::string::npos) {
+        return static_cast<int>(i);
       }
     }
-    return "";
+    return -1;
+  }
+
+  void KillWorker(int i) {
+    kill(workers_[static_cast<size_t>(i)], SIGKILL);
+    WaitExit(workers_[static_cast<size_t>(i)]);
+    workers_.erase(workers_.begin() + i);
+    spawn_index_.erase(spawn_index_.begin() + i);
+  }
+
+  // SIGKILLs the worker process serving `rank` of `job`; returns its worker id ("" if none).
+  std::string KillWorkerServing(const std::string& job, int rank) {
+    std::string victim_id;
+    const int i = WorkerServing(job, rank, &victim_id);
+    if (i < 0) return "";
+    KillWorker(i);
+    return victim_id;
+  }
+
+  // Whether worker process `i` (an index in workers_) still holds `job`, asked directly: it
+  // refuses a forward numbered -1 as out of order when it holds the job, as not loaded otherwise.
+  bool Holds(size_t i, const std::string& job) {
+    const int port = WaitForPort(WorkerLog(static_cast<size_t>(spawn_index_[i])));
+    auto worker = v1::Worker::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+    v1::ForwardRequest probe;
+    probe.set_job_id(job);
+    probe.set_sequence(-1);
+    *probe.mutable_inputs() = Tokens();
+    v1::ForwardResponse ignored;
+    const grpc::Status status = worker->Forward(Context(10).get(), probe, &ignored);
+    return status.error_message().find("is not loaded here") == std::string::npos;
+  }
+
+  // Waits up to ~10 s for every worker process to have dropped `job`.
+  bool WaitUnloadedEverywhere(const std::string& job) {
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      bool any = false;
+      for (size_t i = 0; i < workers_.size() && !any; ++i) any = Holds(i, job);
+      if (!any) return true;
+      usleep(50 * 1000);
+    }
+    return false;
+  }
+
+  v1::Job GetJob(const std::string& id) {
+    v1::GetJobRequest get;
+    get.set_job_id(id);
+    v1::Job job;
+    EXPECT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    return job;
+  }
+
+  // Infers the reference input on `job`; the largest difference from the reference logits.
+  float InferDiff(const std::string& job) {
+    v1::InferRequest infer;
+    infer.set_job_id(job);
+    *infer.mutable_tokens() = Tokens();
+    v1::InferResponse response;
+    grpc::Status status = stub_->Infer(Context().get(), infer, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    if (!status.ok() || response.outputs_size() != 1) return 1e9f;
+    return MaxDiff(response.outputs(0), Expected());
   }
 
   static v1::TokenInputs Tokens(int row = -1) {
@@ -177,6 +239,10 @@ class Cluster : public ::testing::Test {
   }
 
   static int counter_;
+  // Coordinator flags; a test fixture may change them before SetUp.
+  std::string heartbeat_interval_ = "1s";
+  std::string collective_timeout_s_ = "8";
+  std::string drain_timeout_ = "10s";
   std::string data_dir_;
   int port_ = 0;
   pid_t coordinator_ = -1;
@@ -441,6 +507,152 @@ TEST_F(Cluster, WorkerKilledDuringAnInferenceFailsItWithoutHanging) {
     stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &w);
     return w.DebugString() + ReadAll(WorkerLog(0)) + ReadAll(WorkerLog(1)) + ReadAll(WorkerLog(2)) + ReadAll(WorkerLog(3));
   }();
+}
+
+// Issue 7: a coordinator restart ends no job. The workers still hold the READY job's ranks and
+// report them when they register again; the job is READY again and inference continues where it
+// was (the workers refuse a forward numbered out of order, so a rebuilt sequence is checked too).
+TEST_F(Cluster, CoordinatorRestartTakesBackReadyJobs) {
+  const v1::Job job = Submit(kModel);
+  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
+  EXPECT_LE(InferDiff(job.id()), 1e-5f);
+
+  StopCoordinator();
+  StartCoordinator();
+  const v1::JobEvent back = Watch(job.id());  // returns once the job is no longer recovering
+  ASSERT_EQ(back.job().state(), v1::READY) << back.job().failure_cause() << ReadAll(data_dir_ + ".log");
+  EXPECT_EQ(back.job().recovering(), "");
+  for (const auto& change : back.job().history()) EXPECT_NE(change.state(), v1::FAILED) << change.reason();
+  EXPECT_LE(InferDiff(job.id()), 1e-5f);
+  EXPECT_LE(InferDiff(job.id()), 1e-5f);
+  // The ranks point at the workers' new ids, and the pool shows them serving the job.
+  v1::ListWorkersResponse workers;
+  ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
+  int serving = 0;
+  for (const auto& w : workers.workers()) serving += w.job_id() == job.id() ? 1 : 0;
+  EXPECT_EQ(serving, 4) << workers.DebugString();
+  ASSERT_EQ(back.job().ranks_size(), 4);
+  for (const auto& r : back.job().ranks()) {
+    bool known = false;
+    for (const auto& w : workers.workers()) known |= w.worker_id() == r.worker_id() && w.rank() == r.rank();
+    EXPECT_TRUE(known) << r.DebugString();
+  }
+}
+
+TEST_F(Cluster, CoordinatorRestartFailsJobWhoseRankDidNotComeBack) {
+  const v1::Job job = Submit(kModel);
+  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
+  std::string victim_id;
+  const int victim = WorkerServing(job.id(), 3, &victim_id);
+  ASSERT_GE(victim, 0);
+  StopCoordinator();
+  KillWorker(victim);  // dies while the coordinator is away
+  StartCoordinator();
+  const v1::JobEvent last = Watch(job.id());  // within the 6 s grace period
+  ASSERT_EQ(last.job().state(), v1::FAILED);
+  const std::string& cause = last.job().failure_cause();
+  EXPECT_NE(cause.find("rank 3 (last on worker " + victim_id), std::string::npos) << cause;
+  EXPECT_NE(cause.find("did not come back"), std::string::npos) << cause;
+  EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));  // the survivors dropped their shards
+  EXPECT_TRUE(WaitForWorkers(3));
+}
+
+TEST_F(Cluster, WorkersUnloadJobsTheCoordinatorDoesNotKnow) {
+  const v1::Job job = Submit(kModel);
+  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
+  StopCoordinator();
+  for (const char* suffix : {"", "-wal", "-shm"}) std::filesystem::remove(data_dir_ + "/jobs.db" + suffix);
+  StartCoordinator();
+  v1::ListJobsResponse jobs;
+  ASSERT_TRUE(stub_->ListJobs(Context().get(), v1::ListJobsRequest(), &jobs).ok());
+  EXPECT_EQ(jobs.jobs_size(), 0);
+  EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));
+  EXPECT_TRUE(WaitForWorkers(4));
+}
+
+// A SIGTERM drain held open by a watcher for several heartbeat intervals: the coordinator takes
+// no heartbeats meanwhile, and must not blame the workers for it.
+class ShortDrainCluster : public Cluster {
+ protected:
+  ShortDrainCluster() { drain_timeout_ = "4s"; }  // four heartbeat intervals
+};
+
+TEST_F(ShortDrainCluster, DrainingCoordinatorFailsNoJob) {
+  const v1::Job job = Submit(kModel);
+  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
+  const v1::Job waiting = Submit(kModel);  // every worker is busy: PENDING, and watched
+  ASSERT_EQ(waiting.state(), v1::PENDING);
+  std::thread watcher([&] {
+    v1::GetJobRequest request;
+    request.set_job_id(waiting.id());
+    auto context = Context();
+    auto reader = stub_->WatchJob(context.get(), request);
+    v1::JobEvent event;
+    while (reader->Read(&event)) {
+    }
+    reader->Finish();
+  });
+  usleep(200 * 1000);  // the watch is open before the signal
+  const absl::Time stopping = absl::Now();
+  StopCoordinator();
+  watcher.join();
+  EXPECT_GE(absl::Now() - stopping, absl::Seconds(3)) << "the drain did not last; the test proves nothing";
+  StartCoordinator();
+  const v1::Job stored = GetJob(job.id());  // as the draining coordinator left it
+  EXPECT_EQ(stored.state(), v1::READY) << stored.failure_cause();
+  for (const auto& change : stored.history()) EXPECT_NE(change.state(), v1::FAILED) << change.reason();
+  EXPECT_EQ(GetJob(waiting.id()).state(), v1::PENDING);
+  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
+  EXPECT_LE(InferDiff(job.id()), 1e-5f);
+}
+
+// Heartbeats far apart: a failed forward must end the inference and the job by itself, not when
+// the liveness monitor would notice the dead worker.
+class SlowHeartbeatCluster : public Cluster {
+ protected:
+  SlowHeartbeatCluster() {
+    heartbeat_interval_ = "20s";
+    collective_timeout_s_ = "20";  // surviving ranks may wait this long in a collective
+  }
+};
+
+TEST_F(SlowHeartbeatCluster, WorkerKilledDuringAnInferenceFailsItAtOnce) {
+  const std::string dir = TempDir() + "/slow_model_prompt";
+  Cli init = Shardctl({"init-checkpoint", "--variant", "BertModel", "--seed", "3", "--out", dir, "--config",
+                       R"({"vocab_size": 1000, "hidden_size": 256, "num_attention_heads": 4,
+                           "intermediate_size": 1024, "num_hidden_layers": 8, "max_position_embeddings": 512})"});
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  const v1::Job job = Submit(dir);
+  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
+  v1::InferRequest infer;
+  infer.set_job_id(job.id());
+  v1::TokenInputs* t = infer.mutable_tokens();
+  t->set_rows(16);
+  t->set_seq(512);
+  for (int i = 0; i < 16 * 512; ++i) t->add_input_ids(1 + i % 997);
+  infer.set_micro_batches(8);
+  grpc::Status status;
+  absl::Time returned;
+  std::thread client([&] {
+    v1::InferResponse response;
+    status = stub_->Infer(Context().get(), infer, &response);
+    returned = absl::Now();
+  });
+  usleep(300 * 1000);  // the forward is under way
+  const absl::Time killed = absl::Now();
+  const std::string victim_id = KillWorkerServing(job.id(), 2);
+  EXPECT_FALSE(victim_id.empty());  // not ASSERT: the client thread must be joined
+  client.join();
+  EXPECT_FALSE(status.ok()) << "the inference finished before the kill; make the model bigger";
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  // Well under the 20 s heartbeat interval and collective timeout; loose for a loaded machine.
+  EXPECT_LT(returned - killed, absl::Seconds(6));
+  const v1::Job failed = GetJob(job.id());  // already failed: nothing waits for the monitor
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_NE(failed.failure_cause().find(victim_id), std::string::npos) << failed.failure_cause();
+  EXPECT_NE(failed.failure_cause().find("rank 2"), std::string::npos) << failed.failure_cause();
+  EXPECT_TRUE(WaitForWorkers(3));  // the survivors were told to unload
+  EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 # Shell helpers to run a coordinator and workers on loopback; sourced by tools/demo.sh,
 # bench/service_benchmark.sh and tests/python_client_test.sh. Needs COORDINATOR_BIN, WORKER_BIN
-# and WORK (a scratch directory); collects child pids in CLUSTER_PIDS.
+# and WORK (a scratch directory); collects child pids in CLUSTER_PIDS. With METRICS_LISTEN set
+# (e.g. 127.0.0.1:0) every server also serves Prometheus metrics there (see wait_for_metrics_port).
 
 CLUSTER_PIDS=()
 
@@ -8,7 +9,19 @@ CLUSTER_PIDS=()
 wait_for_port() {
   local port=""
   for _ in $(seq 100); do
-    port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$1")
+    port=$(sed -n '/^metrics /!s/.*listening on port \([0-9]*\).*/\1/p' "$1")
+    [ -n "$port" ] && { echo "$port"; return 0; }
+    sleep 0.1
+  done
+  cat "$1" >&2
+  return 1
+}
+
+# The metrics port a server printed ("metrics listening on port N") in LOG, waiting up to ~10 s.
+wait_for_metrics_port() {
+  local port=""
+  for _ in $(seq 100); do
+    port=$(sed -n 's/^metrics listening on port \([0-9]*\).*/\1/p' "$1")
     [ -n "$port" ] && { echo "$port"; return 0; }
     sleep 0.1
   done
@@ -18,7 +31,8 @@ wait_for_port() {
 
 # Starts a coordinator on a free loopback port and exports BERTSHARD_SERVER.
 start_coordinator() {
-  "$COORDINATOR_BIN" --listen=127.0.0.1:0 --data_dir="$WORK/coordinator" >"$WORK/coordinator.log" 2>&1 &
+  "$COORDINATOR_BIN" --listen=127.0.0.1:0 --data_dir="$WORK/coordinator" \
+    ${METRICS_LISTEN:+--metrics_listen="$METRICS_LISTEN"} >"$WORK/coordinator.log" 2>&1 &
   CLUSTER_PIDS+=($!)
   local port
   port=$(wait_for_port "$WORK/coordinator.log") || return 1
@@ -28,7 +42,8 @@ start_coordinator() {
 # Starts N workers registered with the coordinator.
 start_workers() {
   for i in $(seq "$1"); do
-    "$WORKER_BIN" --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads=1 >"$WORK/worker$i.log" 2>&1 &
+    "$WORKER_BIN" --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads=1 \
+      ${METRICS_LISTEN:+--metrics_listen="$METRICS_LISTEN"} >"$WORK/worker$i.log" 2>&1 &
     CLUSTER_PIDS+=($!)
   done
 }

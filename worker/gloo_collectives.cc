@@ -19,6 +19,9 @@ absl::Status Guard(absl::string_view what, F&& f) {
   try {
     f();
     return absl::OkStatus();
+  } catch (const c10::Error& e) {
+    // Without the C++ backtrace: this text becomes a job's stored failure cause.
+    return absl::UnavailableError(absl::StrCat(what, " failed: ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat(what, " failed: ", e.what()));
   }
@@ -52,7 +55,8 @@ absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const 
   absl::Status status = Guard("rendezvous", [&]() {
     auto make_options = [&]() {
       auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(o.master_addr));
+      options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname(o.bind_host.empty() ? o.master_addr : o.bind_host));
       options->threads = 1;
       return options;
     };

@@ -23,6 +23,10 @@ namespace bertshard::worker {
 
 struct GlooOptions {
   std::string master_addr = "127.0.0.1";
+  // The address this rank's Gloo transport binds to: one of this host's own names or addresses
+  // (a worker's advertised host). Empty: master_addr, which is only right when every rank shares
+  // rank 0's host (loopback); on other hosts that name is not local and binding to it fails.
+  std::string bind_host;
   int master_port = 0;
   int rank = 0;
   int world_size = 1;

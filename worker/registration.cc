@@ -16,10 +16,16 @@ int64_t FreeMemoryBytes() {
   return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
+// After a failed call: retry soon, so that a restarted coordinator gets its workers (and their
+// jobs) back within a fraction of a second of starting.
+constexpr absl::Duration kRetry = absl::Milliseconds(200);
+// Heartbeats failing this many times in a row: register again.
+constexpr int kFailedHeartbeatsBeforeRegistering = 5;
+
 }  // namespace
 
-Registration::Registration(std::string coordinator, std::string advertise)
-    : coordinator_(std::move(coordinator)), advertise_(std::move(advertise)), thread_([this] { Run(); }) {}
+Registration::Registration(RegistrationOptions options)
+    : options_(std::move(options)), thread_([this] { Run(); }) {}
 
 Registration::~Registration() {
   {
@@ -29,12 +35,25 @@ Registration::~Registration() {
   thread_.join();
 }
 
+std::vector<v1::HeldShard> Registration::Held() const {
+  return options_.held_shards ? options_.held_shards() : std::vector<v1::HeldShard>();
+}
+
+void Registration::Unload(const google::protobuf::RepeatedPtrField<std::string>& job_ids) const {
+  if (!options_.unload) return;
+  for (const std::string& job : job_ids) {
+    std::fprintf(stderr, "shard-worker: unloading job %s: the coordinator does not keep it here\n", job.c_str());
+    options_.unload(job);
+  }
+}
+
 void Registration::Run() {
   // Reconnect quickly after the coordinator restarts (gRPC's default backoff grows to 2 minutes).
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(coordinator_, grpc::InsecureChannelCredentials(), args));
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args));
   std::string worker_id;
   absl::Duration interval = absl::Seconds(1);
   int failed_heartbeats = 0;
@@ -45,36 +64,46 @@ void Registration::Run() {
   while (true) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + std::max(interval, absl::Seconds(1))));
+    bool ok = false;
     if (worker_id.empty()) {
       v1::RegisterWorkerRequest request;
-      request.set_address(advertise_);
+      request.set_address(options_.advertise);
       request.set_device("cpu");
       request.set_free_memory_bytes(FreeMemoryBytes());
+      for (v1::HeldShard& h : Held()) *request.add_held() = std::move(h);
       v1::RegisterWorkerResponse response;
       grpc::Status status = stub->RegisterWorker(&context, request, &response);
-      if (status.ok()) {
+      ok = status.ok();
+      if (ok) {
         worker_id = response.worker_id();
         interval = absl::Milliseconds(std::max(50, response.heartbeat_interval_ms()));
-        std::fprintf(stderr, "shard-worker: registered with %s as %s\n", coordinator_.c_str(), worker_id.c_str());
+        std::fprintf(stderr, "shard-worker: registered with %s as %s (holding %d shards)\n",
+                     options_.coordinator.c_str(), worker_id.c_str(), request.held_size());
+        Unload(response.unload_job_ids());
       }
     } else {
       v1::HeartbeatRequest request;
       request.set_worker_id(worker_id);
       request.set_free_memory_bytes(FreeMemoryBytes());
+      for (v1::HeldShard& h : Held()) *request.add_held() = std::move(h);
       v1::HeartbeatResponse response;
       grpc::Status status = stub->Heartbeat(&context, request, &response);
-      failed_heartbeats = status.ok() ? 0 : failed_heartbeats + 1;
-      if (!status.ok() && failed_heartbeats == 1) {
-        std::fprintf(stderr, "shard-worker: heartbeat to %s failed (%d): %s\n", coordinator_.c_str(),
+      ok = status.ok();
+      failed_heartbeats = ok ? 0 : failed_heartbeats + 1;
+      if (ok) Unload(response.unload_job_ids());
+      if (!ok && failed_heartbeats == 1) {
+        std::fprintf(stderr, "shard-worker: heartbeat to %s failed (%d): %s\n", options_.coordinator.c_str(),
                      static_cast<int>(status.error_code()), status.error_message().c_str());
       }
-      // NOT_FOUND: the coordinator restarted. Long silence: it has declared us dead anyway.
-      if (status.error_code() == grpc::StatusCode::NOT_FOUND || failed_heartbeats >= 5) {
+      // NOT_FOUND: the coordinator restarted. Long silence: it may have restarted, or declared us
+      // dead; registering again tells it what we hold either way.
+      if (status.error_code() == grpc::StatusCode::NOT_FOUND || failed_heartbeats >= kFailedHeartbeatsBeforeRegistering) {
         worker_id.clear();
         failed_heartbeats = 0;
+        ok = false;
       }
     }
-    if (stopped_after(worker_id.empty() ? absl::Milliseconds(200) : interval)) return;
+    if (stopped_after(ok ? interval : std::min(interval, kRetry))) return;
   }
 }
 

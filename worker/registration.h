@@ -1,31 +1,53 @@
 // File: worker/registration.h
 // -----------------------------------------------------------------------------
 // A worker daemon's membership in the coordinator's pool: registers (address, device, free
-// memory), then heartbeats at the interval the coordinator asks for, registering again when the
-// coordinator no longer knows it (it restarted). Runs on its own thread until destroyed.
+// memory, the shards it holds), then heartbeats at the interval the coordinator asks for, with
+// the shards it holds, registering again when the coordinator no longer knows it (it restarted)
+// or stops answering. Jobs the coordinator lists in a response as not to be kept are unloaded
+// at once (the coordinator restarted without them, or ended them). Runs on its own thread until
+// destroyed.
 //
-// Thread safety: thread-safe; the destructor stops the thread.
+// Example:
+//   Registration registration({.coordinator = "coord:50051", .advertise = "10.0.0.7:50061",
+//                               .held_shards = [&] { return service.HeldShards(); },
+//                               .unload = [&](const std::string& job) { service.UnloadJob(job); }});
+//
+// Thread safety: thread-safe; the destructor stops the thread. The callbacks run on that thread.
 #ifndef BERTSHARD_WORKER_REGISTRATION_H_
 #define BERTSHARD_WORKER_REGISTRATION_H_
 
+#include <functional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "bertshard/v1/worker.pb.h"
 
 namespace bertshard::worker {
 
+struct RegistrationOptions {
+  std::string coordinator;  // host:port
+  std::string advertise;    // host:port where the coordinator reaches this worker
+  // The shards held now; reported with every registration and heartbeat. None when unset.
+  std::function<std::vector<v1::HeldShard>()> held_shards;
+  // Unloads a job the coordinator said not to keep. Unset: such jobs stay loaded.
+  std::function<void(const std::string& job_id)> unload;
+};
+
 class Registration {
  public:
-  Registration(std::string coordinator, std::string advertise);
+  explicit Registration(RegistrationOptions options);
   ~Registration();
   Registration(const Registration&) = delete;
   Registration& operator=(const Registration&) = delete;
 
  private:
   void Run();
-  const std::string coordinator_;
-  const std::string advertise_;
+  std::vector<v1::HeldShard> Held() const;
+  void Unload(const google::protobuf::RepeatedPtrField<std::string>& job_ids) const;
+
+  const RegistrationOptions options_;
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

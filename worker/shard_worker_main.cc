@@ -5,12 +5,16 @@
 //
 // SIGTERM or SIGINT: health goes NOT_SERVING, in-flight calls get --drain_timeout, then exit 0.
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/time/time.h"
 #include "common/grpc_serving.h"
+#include "common/metrics.h"
+#include "common/metrics_endpoint.h"
 #include "worker/registration.h"
 #include "worker/worker_service.h"
 
@@ -19,25 +23,65 @@ ABSL_FLAG(int, threads, 1, "LibTorch threads per loaded job, unless the load req
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10), "how long in-flight calls may run after SIGTERM/SIGINT");
 ABSL_FLAG(std::string, coordinator, "", "coordinator host:port to register with (none: serve unregistered)");
 ABSL_FLAG(std::string, advertise, "", "host:port the coordinator reaches this worker at; default 127.0.0.1:<port>");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port for the Prometheus endpoint GET /metrics (port 0: any free port; empty: none)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   bertshard::common::InstallShutdownHandlers();
-  bertshard::worker::WorkerService service({.default_threads = absl::GetFlag(FLAGS_threads)});
+  // Declared before the service, so they outlive it; the endpoint is stopped before the service goes.
+  bertshard::common::MetricsRegistry metrics;
+  std::optional<bertshard::worker::WorkerMetrics> worker_metrics;
+  std::unique_ptr<bertshard::common::MetricsEndpoint> metrics_endpoint;
+  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
+    auto registered = bertshard::worker::WorkerMetrics::Register(&metrics);
+    auto endpoint = bertshard::common::MetricsEndpoint::Start(address, &metrics);
+    if (!registered.ok() || !endpoint.ok()) {
+      const absl::Status error = !registered.ok() ? registered.status() : endpoint.status();
+      std::fprintf(stderr, "shard-worker: --metrics_listen: %s\n", error.ToString().c_str());
+      return 1;
+    }
+    worker_metrics = *registered;
+    metrics_endpoint = *std::move(endpoint);
+  }
+  // Ranks on other hosts reach this one at its advertised host: bind the collectives' transport there.
+  std::string bind_host = absl::GetFlag(FLAGS_advertise);
+  bind_host = bind_host.substr(0, bind_host.rfind(':'));
+  if (bind_host.size() > 2 && bind_host.front() == '[' && bind_host.back() == ']') {
+    bind_host = bind_host.substr(1, bind_host.size() - 2);
+  }
+  bertshard::worker::WorkerService service({.default_threads = absl::GetFlag(FLAGS_threads),
+                                            .bind_host = bind_host,
+                                            .metrics = worker_metrics ? &*worker_metrics : nullptr});
+  bertshard::common::MetricsRegistry::CollectorHandle shards_loaded;
+  if (metrics_endpoint != nullptr) {
+    auto handle = service.ExportLoadedShards(&metrics);
+    if (!handle.ok()) {
+      std::fprintf(stderr, "shard-worker: --metrics_listen: %s\n", handle.status().ToString().c_str());
+      return 1;
+    }
+    shards_loaded = *std::move(handle);
+  }
   // Shard loads and forward outputs can be large.
-  auto started = bertshard::common::StartServer(absl::GetFlag(FLAGS_listen), {&service}, 1 << 30);
+  auto started = bertshard::common::StartServer(absl::GetFlag(FLAGS_listen), {&service}, 1 << 30,
+                                                metrics_endpoint != nullptr ? &metrics : nullptr);
   if (!started.ok()) {
     std::fprintf(stderr, "shard-worker: %s\n", started.status().ToString().c_str());
     return 1;
   }
   std::printf("shard-worker listening on port %d\n", started->port);
+  if (metrics_endpoint != nullptr) std::printf("metrics listening on port %d\n", metrics_endpoint->port());
   std::fflush(stdout);
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
   std::unique_ptr<bertshard::worker::Registration> registration;
   if (!absl::GetFlag(FLAGS_coordinator).empty()) {
     std::string advertise = absl::GetFlag(FLAGS_advertise);
     if (advertise.empty()) advertise = "127.0.0.1:" + std::to_string(started->port);
-    registration = std::make_unique<bertshard::worker::Registration>(absl::GetFlag(FLAGS_coordinator), advertise);
+    registration = std::make_unique<bertshard::worker::Registration>(bertshard::worker::RegistrationOptions{
+        .coordinator = absl::GetFlag(FLAGS_coordinator),
+        .advertise = advertise,
+        .held_shards = [&service] { return service.HeldShards(); },
+        .unload = [&service](const std::string& job_id) { service.UnloadJob(job_id); }});
   }
   std::thread waiter([&started, &registration, drain]() {
     bertshard::common::WaitForShutdownSignal("shard-worker");
@@ -46,5 +90,6 @@ int main(int argc, char** argv) {
   });
   started->server->Wait();
   waiter.join();
+  metrics_endpoint.reset();  // stop serving scrapes before the service goes
   return 0;
 }

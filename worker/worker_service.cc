@@ -10,10 +10,53 @@
 #include "checkpoint/checkpoint.h"
 #include "common/free_port.h"
 #include "common/grpc_status.h"
+#include "common/status_macros.h"
 #include "model/bert_shard.h"
 #include "worker/gloo_collectives.h"
 
 namespace bertshard::worker {
+namespace {
+
+// A job's children of the worker's metric families; all null without metrics.
+struct JobMetrics {
+  common::Counter* loaded_bytes = nullptr;
+  common::Histogram* forward_seconds = nullptr;
+  common::Histogram* forward_rows = nullptr;
+};
+
+absl::StatusOr<JobMetrics> MetricsForJob(const WorkerMetrics* metrics, const std::string& job_id, int rank) {
+  JobMetrics job;
+  if (metrics == nullptr) return job;
+  const std::vector<std::string> labels = {job_id, std::to_string(rank)};
+  ASSIGN_OR_RETURN(job.loaded_bytes, metrics->loaded_bytes->WithLabels(labels));
+  ASSIGN_OR_RETURN(job.forward_seconds, metrics->forward_seconds->WithLabels(labels));
+  ASSIGN_OR_RETURN(job.forward_rows, metrics->forward_rows->WithLabels(labels));
+  return job;
+}
+
+}  // namespace
+
+absl::StatusOr<WorkerMetrics> WorkerMetrics::Register(common::MetricsRegistry* registry) {
+  WorkerMetrics metrics;
+  ASSIGN_OR_RETURN(metrics.loaded_bytes,
+                   registry->AddCounter("bertshard_worker_loaded_bytes_total",
+                                        "Parameter bytes (as fp32) loaded into shards, by job and rank.",
+                                        {"job", "rank"}));
+  // Seconds: a tiny test model's forward takes ~1 ms, BERT-large's on CPU tens of seconds.
+  ASSIGN_OR_RETURN(metrics.forward_seconds,
+                   registry->AddHistogram("bertshard_worker_forward_duration_seconds",
+                                          "Time of successful forwards of a shard (this rank's part, "
+                                          "collectives included), by job and rank.",
+                                          {"job", "rank"},
+                                          {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                                           30, 60, 120}));
+  ASSIGN_OR_RETURN(metrics.forward_rows,
+                   registry->AddHistogram("bertshard_worker_forward_rows",
+                                          "Rows (sequences) per successful forward: the batch size, by job and "
+                                          "rank.",
+                                          {"job", "rank"}, {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024}));
+  return metrics;
+}
 
 struct WorkerService::LoadedJob {
   std::unique_ptr<model::BertShard> shard;
@@ -23,6 +66,9 @@ struct WorkerService::LoadedJob {
   // After a failed forward the process groups may be desynchronised: the job must be unloaded.
   std::string broken ABSL_GUARDED_BY(mu);
   int threads = 1;
+  int rank = 0;
+  int world_size = 0;
+  JobMetrics metrics;
 };
 
 WorkerService::WorkerService(WorkerServiceOptions options) : options_(options) {}
@@ -31,6 +77,53 @@ WorkerService::~WorkerService() = default;
 int WorkerService::loaded_jobs() {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(jobs_.size());
+}
+
+std::vector<v1::HeldShard> WorkerService::HeldShards() {
+  std::vector<std::pair<std::string, std::shared_ptr<LoadedJob>>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    jobs.assign(jobs_.begin(), jobs_.end());
+  }
+  std::vector<v1::HeldShard> held;
+  for (const auto& [id, job] : jobs) {
+    v1::HeldShard h;
+    h.set_job_id(id);
+    h.set_rank(job->rank);
+    h.set_world_size(job->world_size);
+    // A forward holds job->mu for seconds; heartbeats must not wait for it.
+    if (job->mu.TryLock()) {
+      h.set_next_sequence(job->next_sequence);
+      h.set_broken(job->broken);
+      job->mu.Unlock();
+    } else {
+      h.set_forward_running(true);
+    }
+    held.push_back(std::move(h));
+  }
+  return held;
+}
+
+bool WorkerService::UnloadJob(const std::string& job_id) {
+  std::shared_ptr<LoadedJob> job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it != jobs_.end()) {
+      job = std::move(it->second);
+      jobs_.erase(it);
+    }
+  }
+  return job != nullptr;  // the shard is freed when the last in-flight forward lets go of it
+}
+
+absl::StatusOr<common::MetricsRegistry::CollectorHandle> WorkerService::ExportLoadedShards(
+    common::MetricsRegistry* registry) {
+  return registry->AddCollector(common::MetricType::kGauge, "bertshard_worker_shards_loaded",
+                                "Shards (ranks of jobs) this worker holds now.", {},
+                                [this]() -> absl::StatusOr<std::vector<common::Sample>> {
+                                  return std::vector<common::Sample>{{{}, static_cast<double>(loaded_jobs())}};
+                                });
 }
 
 grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::LoadShardRequest* request,
@@ -52,7 +145,14 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
     }
   }
   auto job = std::make_shared<LoadedJob>();
+  if (auto metrics = MetricsForJob(options_.metrics, request->job_id(), request->rank()); metrics.ok()) {
+    job->metrics = *metrics;
+  } else {
+    return common::ToGrpcStatus(metrics.status());
+  }
   job->threads = request->threads() > 0 ? request->threads() : options_.default_threads;
+  job->rank = request->rank();
+  job->world_size = plan.world_size();
   at::set_num_threads(job->threads);
   auto ckpt = checkpoint::Checkpoint::Open(request->checkpoint());
   if (!ckpt.ok()) {
@@ -62,7 +162,13 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   }
   v1::LoadProgress progress;
   progress.set_phase(v1::LoadProgress::LOADING);
+  int64_t bytes_counted = 0;
   auto report = [&](int loaded, int total, int64_t bytes, int64_t total_bytes) {
+    // Counted as read, so a slow load shows on the counter and a failed one still counts.
+    if (job->metrics.loaded_bytes != nullptr) {
+      job->metrics.loaded_bytes->Increment(static_cast<double>(bytes - bytes_counted));
+      bytes_counted = bytes;
+    }
     if (context->IsCancelled()) return false;
     progress.set_tensors_loaded(loaded);
     progress.set_tensors_total(total);
@@ -78,6 +184,7 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   writer->Write(progress);
   GlooOptions gloo;
   gloo.master_addr = request->master_addr().empty() ? "127.0.0.1" : request->master_addr();
+  gloo.bind_host = options_.bind_host;
   gloo.master_port = request->master_port();
   gloo.rank = request->rank();
   gloo.world_size = plan.world_size();
@@ -147,7 +254,13 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
     }
     return common::ToGrpcStatus(outputs.status());
   }
-  response->set_forward_seconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  response->set_forward_seconds(seconds);
+  // Before the answer goes out: whoever has the answer finds it counted.
+  if (job->metrics.forward_seconds != nullptr) {
+    job->metrics.forward_seconds->Observe(seconds);
+    job->metrics.forward_rows->Observe(static_cast<double>(in.rows()));
+  }
   if (job->comm->tp_rank() == 0) {
     for (const auto& [name, t] : *outputs) {
       v1::NamedTensor* out = response->add_outputs();
@@ -170,17 +283,8 @@ grpc::Status WorkerService::ReservePort(grpc::ServerContext*, const v1::ReserveP
 
 grpc::Status WorkerService::Unload(grpc::ServerContext*, const v1::UnloadRequest* request,
                                    v1::UnloadResponse* response) {
-  std::shared_ptr<LoadedJob> job;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(request->job_id());
-    if (it != jobs_.end()) {
-      job = std::move(it->second);
-      jobs_.erase(it);
-    }
-  }
-  response->set_was_loaded(job != nullptr);
-  return grpc::Status::OK;  // the shard is freed when the last in-flight forward lets go of it
+  response->set_was_loaded(UnloadJob(request->job_id()));
+  return grpc::Status::OK;
 }
 
 }  // namespace bertshard::worker

@@ -15,14 +15,35 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "bertshard/v1/worker.grpc.pb.h"
+#include "common/metrics.h"
 
 namespace bertshard::worker {
 
+// The worker's own figures, by job and rank (see common/metrics.h):
+//   bertshard_worker_loaded_bytes_total{job,rank}        checkpoint bytes read loading the shard
+//   bertshard_worker_forward_duration_seconds{job,rank}  histogram of successful forwards' time
+//   bertshard_worker_forward_rows{job,rank}              histogram of rows per forward (batch size)
+struct WorkerMetrics {
+  // Registers the families in `registry` (which must outlive the service). Errors as
+  // MetricsRegistry::AddCounter (ALREADY_EXISTS if the names are taken by something else).
+  static absl::StatusOr<WorkerMetrics> Register(common::MetricsRegistry* registry);
+
+  common::CounterFamily* loaded_bytes = nullptr;
+  common::HistogramFamily* forward_seconds = nullptr;
+  common::HistogramFamily* forward_rows = nullptr;
+};
+
 struct WorkerServiceOptions {
   int default_threads = 1;  // LibTorch threads per job when the request leaves it 0
+  // This host's name or address as the other ranks reach it (the --advertise host): the Gloo
+  // transport binds to it. Empty: the rendezvous master's address (single-host loopback only).
+  std::string bind_host;
+  const WorkerMetrics* metrics = nullptr;  // optional; must outlive the service
 };
 
 class WorkerService final : public v1::Worker::Service {
@@ -41,6 +62,16 @@ class WorkerService final : public v1::Worker::Service {
 
   // Jobs loaded now.
   int loaded_jobs();
+
+  // What this worker holds, for its registration and heartbeats. Never waits for a running
+  // forward (that shard is reported with forward_running set).
+  std::vector<v1::HeldShard> HeldShards();
+  // Drops a job's shard and groups, as Unload does; false if it was not loaded.
+  bool UnloadJob(const std::string& job_id);
+
+  // Registers the gauge bertshard_worker_shards_loaded (loaded_jobs(), read when scraped) in
+  // `registry`; the handle must go before the service. Errors as MetricsRegistry::AddCollector.
+  absl::StatusOr<common::MetricsRegistry::CollectorHandle> ExportLoadedShards(common::MetricsRegistry* registry);
 
  private:
   struct LoadedJob;

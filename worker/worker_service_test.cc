@@ -149,6 +149,18 @@ TEST(WorkerService, LoadsForwardsInOrderAndUnloads) {
   EXPECT_EQ(workers[0].stub->Forward(Context().get(), malformed, &response).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
 
+  // What the worker reports to the coordinator: the rank, its world, and the next forward.
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::vector<v1::HeldShard> held = workers[rank].service->HeldShards();
+    ASSERT_EQ(held.size(), 1u);
+    EXPECT_EQ(held[0].job_id(), "job-1");
+    EXPECT_EQ(held[0].rank(), rank);
+    EXPECT_EQ(held[0].world_size(), 2);
+    EXPECT_EQ(held[0].next_sequence(), 2);
+    EXPECT_FALSE(held[0].forward_running());
+    EXPECT_EQ(held[0].broken(), "");
+  }
+
   for (int rank = 0; rank < 2; ++rank) {
     v1::UnloadRequest unload;
     unload.set_job_id("job-1");
@@ -193,6 +205,9 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   load.clear_backend();
   ASSERT_TRUE(read_all(load).ok());  // world of 1
   EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_TRUE(worker.service->UnloadJob("j"));
+  EXPECT_FALSE(worker.service->UnloadJob("j"));
+  EXPECT_TRUE(worker.service->HeldShards().empty());
 }
 
 }  // namespace

@@ -1,0 +1,59 @@
+// File: server/cluster_internal.h
+// -----------------------------------------------------------------------------
+// Cluster's private state, shared by its implementation files: cluster.cc (the worker pool,
+// scheduling and loading, the per-job inference queue) and cluster_recovery.cc (taking jobs back
+// after a restart). Not part of the library's interface.
+//
+// Thread safety: the fields are guarded by Cluster::mu_ unless marked otherwise.
+#ifndef BERTSHARD_SERVER_CLUSTER_INTERNAL_H_
+#define BERTSHARD_SERVER_CLUSTER_INTERNAL_H_
+
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "bertshard/v1/job.pb.h"
+#include "bertshard/v1/worker.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "server/cluster.h"
+#include "server/readoption.h"
+#include "tokenizer/wordpiece.h"
+
+namespace bertshard::server {
+
+inline bool TerminalState(v1::JobState s) { return s == v1::FAILED || s == v1::CANCELLED; }
+
+struct Cluster::Worker {
+  v1::WorkerInfo info;
+  std::shared_ptr<v1::Worker::Stub> stub;
+  absl::Time last_heartbeat;
+};
+
+// A READY or LOADING job from the database, waiting for its ranks after a restart.
+struct Cluster::Recovery {
+  absl::Time deadline;
+  bool was_loading = false;
+  std::vector<v1::RankAssignment> previous;  // the ranks as stored before the restart
+  std::vector<RankReport> reports;           // held shards reported since
+  std::set<int> lost;                        // ranks whose previous worker came back without them
+};
+
+// Fields other than infer_mu and tokenizer are guarded by Cluster::mu_.
+struct Cluster::JobRuntime {
+  v1::ShardPlan plan;
+  std::string checkpoint;
+  std::vector<std::string> rank_workers;
+  std::vector<v1::RankProgress> progress;
+  std::vector<std::shared_ptr<grpc::ClientContext>> load_contexts;
+  std::unique_ptr<Recovery> recovery;  // set while recovering after a restart
+  int64_t next_sequence = 0;           // advanced only with infer_mu held too
+  absl::Mutex infer_mu;  // one inference at a time: every rank must see the same order
+  std::unique_ptr<tokenizer::WordPieceTokenizer> tokenizer ABSL_GUARDED_BY(infer_mu);
+};
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_CLUSTER_INTERNAL_H_

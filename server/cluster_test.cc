@@ -1,0 +1,213 @@
+// Cluster after a restart, in process: the job database is written as a stopped coordinator left
+// it, and workers register with what they hold (no worker processes; the addresses refuse
+// connections, so the Unload calls of failed jobs end at once).
+#include "server/cluster.h"
+
+#include <cstdlib>
+
+#include "gtest/gtest.h"
+#include "jobs/job_store.h"
+#include "planner/planner.h"
+
+namespace bertshard::server {
+namespace {
+
+constexpr int kWorld = 4;
+
+std::string Address(int rank) { return "127.0.0.1:" + std::to_string(9 + rank); }
+
+class ClusterRestart : public ::testing::Test {
+ protected:
+  // Stores job `id` as a stopped coordinator left it in `state` (PLANNED, LOADING or READY).
+  void StoreJob(const std::string& id, v1::JobState state) {
+    auto store = jobs::JobStore::Open(path_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    v1::PlanRequest request;
+    request.set_variant(v1::BERT_FOR_MASKED_LM);
+    request.mutable_parallel()->set_tp_size(2);
+    request.mutable_parallel()->set_pp_size(2);
+    auto plan = planner::Plan(request);  // BERT-base's configuration: no checkpoint to read
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    request.set_checkpoint("/models/unused");  // what a submitted job has; never read here
+    v1::Job job;
+    job.set_id(id);
+    *job.mutable_request() = request;
+    ASSERT_TRUE((*store)->Create(job).ok());
+    ASSERT_TRUE((*store)->SetPlan(id, *plan).ok());
+    std::vector<v1::RankAssignment> ranks;
+    for (int r = 0; r < kWorld; ++r) {
+      v1::RankAssignment a;
+      a.set_rank(r);
+      a.set_worker_id("old-worker-" + std::to_string(r));
+      a.set_worker_address(Address(r));
+      ranks.push_back(a);
+    }
+    ASSERT_TRUE((*store)->SetRanks(id, ranks).ok());
+    for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY}) {
+      ASSERT_TRUE((*store)->Transition(id, s, "").ok());
+      if (s == state) break;
+    }
+  }
+
+  void Start(absl::Duration grace = absl::Seconds(30)) {
+    ClusterOptions options;
+    options.database_path = path_;
+    options.heartbeat_interval = absl::Seconds(2);
+    options.readopt_grace = grace;
+    auto cluster = Cluster::Create(options);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = *std::move(cluster);
+  }
+
+  static v1::HeldShard Held(const std::string& job, int rank, int64_t next_sequence) {
+    v1::HeldShard h;
+    h.set_job_id(job);
+    h.set_rank(rank);
+    h.set_world_size(kWorld);
+    h.set_next_sequence(next_sequence);
+    return h;
+  }
+
+  v1::RegisterWorkerResponse Register(int rank, std::vector<v1::HeldShard> held) {
+    v1::RegisterWorkerRequest request;
+    request.set_address(Address(rank));
+    for (auto& h : held) *request.add_held() = std::move(h);
+    return cluster_->RegisterWorker(request);
+  }
+
+  v1::Job Job(const std::string& id) {
+    auto job = cluster_->GetJob(id);
+    EXPECT_TRUE(job.ok()) << job.status();
+    return job.ok() ? *job : v1::Job();
+  }
+
+  const std::string path_ =
+      std::string(std::getenv("TEST_TMPDIR")) + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".db";
+  std::unique_ptr<Cluster> cluster_;
+};
+
+TEST_F(ClusterRestart, TakesBackAJobWhoseRanksAllReturn) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  ASSERT_NO_FATAL_FAILURE(Start());
+  EXPECT_EQ(Job("job-1").state(), v1::READY);
+  EXPECT_NE(Job("job-1").recovering(), "");
+  std::vector<std::string> ids;
+  for (int r = 0; r < kWorld; ++r) {
+    v1::RegisterWorkerResponse response = Register(r, {Held("job-1", r, 3)});
+    EXPECT_EQ(response.unload_job_ids_size(), 0);
+    ids.push_back(response.worker_id());
+    if (r == 2) {
+      EXPECT_NE(Job("job-1").recovering().find("for rank 3 of 4"), std::string::npos) << Job("job-1").recovering();
+      v1::InferRequest infer;
+      infer.set_job_id("job-1");
+      EXPECT_EQ(cluster_->Infer(infer, absl::Now() + absl::Seconds(5)).status().code(), absl::StatusCode::kUnavailable);
+    }
+  }
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::READY);
+  EXPECT_EQ(job.recovering(), "");
+  ASSERT_EQ(job.ranks_size(), kWorld);
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(job.ranks(r).worker_id(), ids[static_cast<size_t>(r)]);
+  const v1::ListWorkersResponse workers = cluster_->ListWorkers();
+  for (const auto& w : workers.workers()) EXPECT_EQ(w.job_id(), "job-1");
+  // Another worker claiming a rank that is served already drops it.
+  v1::RegisterWorkerRequest stray;
+  stray.set_address("127.0.0.1:20");
+  *stray.add_held() = Held("job-1", 0, 3);
+  v1::RegisterWorkerResponse told = cluster_->RegisterWorker(stray);
+  ASSERT_EQ(told.unload_job_ids_size(), 1);
+  EXPECT_EQ(told.unload_job_ids(0), "job-1");
+}
+
+// Not a restart: a worker that lost touch and registers again keeps its job if it holds its rank.
+TEST_F(ClusterRestart, KeepsAJobWhoseWorkerRegistersAgainHoldingItsRank) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  ASSERT_NO_FATAL_FAILURE(Start());
+  for (int r = 0; r < kWorld; ++r) Register(r, {Held("job-1", r, 0)});
+  ASSERT_EQ(Job("job-1").recovering(), "");
+  v1::RegisterWorkerResponse again = Register(1, {Held("job-1", 1, 0)});
+  EXPECT_EQ(again.unload_job_ids_size(), 0);
+  v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::READY);
+  EXPECT_EQ(job.ranks(1).worker_id(), again.worker_id());
+  Register(2, {});  // this one lost its shard (the process restarted)
+  job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::FAILED);
+  EXPECT_NE(job.failure_cause().find("(rank 2) at 127.0.0.1:11 registered again without its shard"),
+            std::string::npos)
+      << job.failure_cause();
+}
+
+TEST_F(ClusterRestart, FailsAJobWhoseRanksDisagree) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  ASSERT_NO_FATAL_FAILURE(Start());
+  for (int r = 0; r < kWorld; ++r) Register(r, {Held("job-1", r, r == 3 ? 2 : 3)});
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::FAILED);
+  EXPECT_NE(job.failure_cause().find("disagree on the next forward"), std::string::npos) << job.failure_cause();
+  const v1::ListWorkersResponse workers = cluster_->ListWorkers();  // the ranks that came back are idle
+  for (const auto& w : workers.workers()) EXPECT_EQ(w.job_id(), "") << w.worker_id();
+}
+
+TEST_F(ClusterRestart, FailsALoadingJobAtOnceWhenAWorkerCameBackWithoutItsRank) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::LOADING));
+  ASSERT_NO_FATAL_FAILURE(Start());
+  Register(0, {Held("job-1", 0, 0)});
+  EXPECT_EQ(Job("job-1").state(), v1::LOADING);
+  Register(1, {});  // rank 1's worker had not finished loading
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::FAILED);
+  EXPECT_NE(job.failure_cause().find("while the job was loading; rank 1 (worker old-worker-1"), std::string::npos)
+      << job.failure_cause();
+  // Rank 2 comes back too late: the coordinator has ended the job, so the worker drops it.
+  v1::RegisterWorkerResponse late = Register(2, {Held("job-1", 2, 0)});
+  ASSERT_EQ(late.unload_job_ids_size(), 1);
+  EXPECT_EQ(late.unload_job_ids(0), "job-1");
+}
+
+TEST_F(ClusterRestart, FailsAfterTheGracePeriodNamingTheMissingRank) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  ASSERT_NO_FATAL_FAILURE(Start(absl::Milliseconds(300)));
+  for (int r = 0; r < 3; ++r) Register(r, {Held("job-1", r, 0)});
+  v1::JobEvent last;
+  ASSERT_TRUE(cluster_
+                  ->WatchJob("job-1", absl::Now() + absl::Seconds(20),
+                             [&](const v1::JobEvent& e) {
+                               last = e;
+                               return true;
+                             },
+                             nullptr)
+                  .ok());
+  EXPECT_EQ(last.job().state(), v1::FAILED);
+  EXPECT_EQ(last.job().failure_cause(),
+            "after a coordinator restart rank 3 (last on worker old-worker-3 at 127.0.0.1:12) did not come back "
+            "within 300ms");
+}
+
+TEST_F(ClusterRestart, PutsPlannedJobsBackToPending) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::PLANNED));
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::PENDING);
+  EXPECT_NE(job.pending_reason().find("restarted before loading"), std::string::npos) << job.pending_reason();
+  EXPECT_EQ(job.ranks_size(), 0);
+}
+
+TEST_F(ClusterRestart, TellsWorkersToUnloadJobsItDoesNotKnowOrHasEnded) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  ASSERT_NO_FATAL_FAILURE(Start());
+  ASSERT_TRUE(cluster_->CancelJob("job-1").ok());
+  v1::RegisterWorkerResponse registered = Register(0, {Held("job-unknown", 0, 0)});
+  ASSERT_EQ(registered.unload_job_ids_size(), 1);
+  EXPECT_EQ(registered.unload_job_ids(0), "job-unknown");
+  v1::HeartbeatRequest heartbeat;
+  heartbeat.set_worker_id(registered.worker_id());
+  *heartbeat.add_held() = Held("job-1", 0, 0);
+  auto response = cluster_->Heartbeat(heartbeat);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(response->unload_job_ids_size(), 1);
+  EXPECT_EQ(response->unload_job_ids(0), "job-1");
+}
+
+}  // namespace
+}  // namespace bertshard::server

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Starts a real coordinator and two workers on loopback, each with --metrics_listen, and runs
+# tests/metrics_test.py against them: real requests through shardctl, then both kinds of /metrics
+# scraped and parsed with prometheus_client's text parser (the reference client's), and the
+# counters checked to have moved by exactly the requests sent.
+#
+# Needs the project venv (BERTSHARD_VENV, from tools/python_env.sh; tools/test.sh passes it).
+# Without it the test says SKIPPED and passes, except under CI=true, where it fails.
+set -euo pipefail
+
+skip() {
+  if [ "${CI:-}" = "true" ]; then
+    echo "FAILED (CI=true, so no skipping): $*" >&2
+    exit 1
+  fi
+  echo "=====================================================================" >&2
+  echo "SKIPPED: metrics_test: $*" >&2
+  echo "=====================================================================" >&2
+  exit 0
+}
+
+venv="${BERTSHARD_VENV:-}"
+if [ -z "$venv" ] || [ ! -x "$venv/bin/python" ]; then
+  skip "no project venv (BERTSHARD_VENV='$venv'; tools/python_env.sh makes it, tools/test.sh passes it)"
+fi
+"$venv/bin/python" -c "import prometheus_client.parser" 2>/dev/null ||
+  skip "prometheus_client is not in $venv (tools/requirements-test.txt)"
+
+WORK="$TEST_TMPDIR"
+COORDINATOR_BIN=server/bertshard-coordinator
+WORKER_BIN=worker/shard-worker
+METRICS_LISTEN=127.0.0.1:0
+source tools/local_cluster.sh
+# On failure, the servers' own words say most about why.
+trap 'status=$?; stop_cluster || true; [ "$status" -eq 0 ] || tail -n 40 "$WORK"/*.log >&2; exit "$status"' EXIT
+start_coordinator
+start_workers 2
+coordinator_metrics="127.0.0.1:$(wait_for_metrics_port "$WORK/coordinator.log")"
+worker1_metrics="127.0.0.1:$(wait_for_metrics_port "$WORK/worker1.log")"
+worker2_metrics="127.0.0.1:$(wait_for_metrics_port "$WORK/worker2.log")"
+
+# A --metrics_listen that is not HOST:PORT, or that cannot be bound, stops a server at start.
+refused() {  # EXPECTED_MESSAGE COMMAND...
+  local expected="$1"
+  shift
+  if "$@" >"$WORK/refused.out" 2>&1; then
+    echo "FAILED: accepted: $*" >&2
+    exit 1
+  fi
+  grep -qF -e "$expected" "$WORK/refused.out" || { cat "$WORK/refused.out" >&2; exit 1; }
+}
+refused "--metrics_listen: INVALID_ARGUMENT: metrics address 'nonsense' is not HOST:PORT" \
+  "$COORDINATOR_BIN" --listen=127.0.0.1:0 --data_dir="$WORK/refused" --metrics_listen=nonsense
+refused "--metrics_listen: UNAVAILABLE: cannot serve metrics on $coordinator_metrics" \
+  "$WORKER_BIN" --listen=127.0.0.1:0 --metrics_listen="$coordinator_metrics"
+
+"$venv/bin/python" tests/metrics_test.py --shardctl client/shardctl --server "$BERTSHARD_SERVER" \
+  --coordinator_metrics "$coordinator_metrics" --worker_metrics "$worker1_metrics,$worker2_metrics" \
+  --model tests/testdata/model/bert_model
+# Every server drains and exits 0 with its metrics endpoint running.
+stop_cluster
