@@ -449,6 +449,13 @@ absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
   }
 }
 
+std::map<std::string, int> Cluster::InferQueueDepths() {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, int> depths;
+  for (const auto& [id, runtime] : runtimes_) depths[id] = runtime->infer_calls.load();
+  return depths;
+}
+
 absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
                                                  const std::function<bool()>& cancelled) {
   std::shared_ptr<JobRuntime> runtime;
@@ -469,6 +476,12 @@ absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request
     RETURN_IF_ERROR(check_ready(job));
     runtime = runtimes_.at(job.id());
   }
+  // Counted from before the queue to the end of the call (the guard outlives the lock below).
+  runtime->infer_calls.fetch_add(1);
+  struct QueueLeave {
+    std::atomic<int>* calls;
+    ~QueueLeave() { calls->fetch_sub(1); }
+  } queue_leave{&runtime->infer_calls};
   absl::MutexLock infer_lock(&runtime->infer_mu);  // queue behind earlier calls on this job
   ASSIGN_OR_RETURN(v1::TokenInputs tokens,
                    PrepareTokens(request, runtime->plan, runtime->checkpoint, &runtime->tokenizer));

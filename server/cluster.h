@@ -70,6 +70,8 @@ class Cluster {
   // lists the held jobs the worker must unload.
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
   v1::ListWorkersResponse ListWorkers();
+  // Per job that has a runtime here: Infer calls queued or running on it (metrics).
+  std::map<std::string, int> InferQueueDepths();
 
   absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request);
   absl::StatusOr<v1::Job> GetJob(const std::string& id);

@@ -8,6 +8,7 @@
 #ifndef BERTSHARD_SERVER_CLUSTER_INTERNAL_H_
 #define BERTSHARD_SERVER_CLUSTER_INTERNAL_H_
 
+#include <atomic>
 #include <memory>
 #include <set>
 #include <string>
@@ -51,6 +52,7 @@ struct Cluster::JobRuntime {
   std::unique_ptr<Recovery> recovery;  // set while recovering after a restart
   int64_t next_sequence = 0;           // advanced only with infer_mu held too
   absl::Mutex infer_mu;  // one inference at a time: every rank must see the same order
+  std::atomic<int> infer_calls{0};  // Infer calls waiting for or holding infer_mu (queue depth)
   std::unique_ptr<tokenizer::WordPieceTokenizer> tokenizer ABSL_GUARDED_BY(infer_mu);
 };
 

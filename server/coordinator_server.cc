@@ -56,7 +56,19 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterCo
     }
     return std::vector<common::Sample>{{{"healthy"}, healthy}, {{"unhealthy"}, unhealthy}};
   };
+  auto queue_depths = [cluster]() -> absl::StatusOr<std::vector<common::Sample>> {
+    std::vector<common::Sample> samples;
+    for (const auto& [job, depth] : cluster->InferQueueDepths()) {
+      samples.push_back({{job}, static_cast<double>(depth)});
+    }
+    return samples;
+  };
   std::vector<common::MetricsRegistry::CollectorHandle> handles;
+  ASSIGN_OR_RETURN(auto queue, registry->AddCollector(common::MetricType::kGauge,
+                                                      "bertshard_coordinator_infer_queue_depth",
+                                                      "Infer calls queued or running, per job.", {"job"},
+                                                      queue_depths));
+  handles.push_back(std::move(queue));
   ASSIGN_OR_RETURN(auto jobs, registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_jobs",
                                                      "Jobs the coordinator knows, by state.", {"state"},
                                                      jobs_by_state));

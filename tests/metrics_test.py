@@ -178,6 +178,9 @@ def main():
                      le="+Inf"), calls, "%s +Inf bucket" % method)
         assert delta(c1, c2, "bertshard_grpc_request_duration_seconds_sum", method=COORDINATOR + method) > 0
     expect(c2.get("bertshard_coordinator_jobs", state="READY"), 1.0, "READY jobs after the inferences")
+    expect(c2.types.get("bertshard_coordinator_infer_queue_depth"), "gauge", "type of the queue depth")
+    expect(c2.children("bertshard_coordinator_infer_queue_depth").get((("job", job),)), 0.0,
+           "queue depth of the job (present) once every call returned")
 
     for i, (before, after) in enumerate(zip(w1, w2)):
         labels = {"job": job, "rank": str(rank_of[i])}
