@@ -9,30 +9,17 @@
 # (e.g. Debian 12's kubectl 1.20, kustomize v2.0.3, next to a current one).
 set -euo pipefail
 
-skip() {
-  if [ "${CI:-}" = "true" ]; then
-    echo "FAILED (CI=true, so no skipping): $*" >&2
-    exit 1
-  fi
-  echo "=====================================================================" >&2
-  echo "SKIPPED: k8s_manifests_test: $*" >&2
-  echo "=====================================================================" >&2
-  exit 0
-}
-
-venv="${BERTSHARD_VENV:-}"
-if [ -z "$venv" ] || [ ! -x "$venv/bin/python" ]; then
-  skip "no project venv (BERTSHARD_VENV='$venv'; tools/python_env.sh makes it, tools/test.sh passes it)"
-fi
+source tests/skip_or_fail.sh
+require_venv k8s_manifests_test
 for tool in kubernetes-validate checkov; do
-  [ -x "$venv/bin/$tool" ] || skip "$tool is not in $venv (tools/requirements-test.txt)"
+  [ -x "$venv/bin/$tool" ] || skip k8s_manifests_test "$tool is not in $venv (tools/requirements-test.txt)"
 done
 kubectls=()
 for k in ${KUBECTLS:-kubectl}; do
   if command -v "$k" >/dev/null 2>&1; then
     kubectls+=("$(command -v "$k")")
   else
-    skip "no kubectl '$k' (Debian: apt-get install kubernetes-client; tools/install_deps.sh)"
+    skip k8s_manifests_test "no kubectl '$k' (Debian: apt-get install kubernetes-client; tools/install_deps.sh)"
   fi
 done
 

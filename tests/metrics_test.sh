@@ -8,23 +8,10 @@
 # Without it the test says SKIPPED and passes, except under CI=true, where it fails.
 set -euo pipefail
 
-skip() {
-  if [ "${CI:-}" = "true" ]; then
-    echo "FAILED (CI=true, so no skipping): $*" >&2
-    exit 1
-  fi
-  echo "=====================================================================" >&2
-  echo "SKIPPED: metrics_test: $*" >&2
-  echo "=====================================================================" >&2
-  exit 0
-}
-
-venv="${BERTSHARD_VENV:-}"
-if [ -z "$venv" ] || [ ! -x "$venv/bin/python" ]; then
-  skip "no project venv (BERTSHARD_VENV='$venv'; tools/python_env.sh makes it, tools/test.sh passes it)"
-fi
+source tests/skip_or_fail.sh
+require_venv metrics_test
 "$venv/bin/python" -c "import prometheus_client.parser" 2>/dev/null ||
-  skip "prometheus_client is not in $venv (tools/requirements-test.txt)"
+  skip metrics_test "prometheus_client is not in $venv (tools/requirements-test.txt)"
 
 WORK="$TEST_TMPDIR"
 COORDINATOR_BIN=server/bertshard-coordinator
