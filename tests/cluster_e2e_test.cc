@@ -36,6 +36,17 @@ std::unique_ptr<grpc::ClientContext> Context(int seconds = 60) {
   return c;
 }
 
+struct Cli {
+  int exit_code;
+  std::string output;
+};
+
+Cli Shardctl(std::vector<std::string> args) {
+  args.insert(args.begin(), "client/shardctl");
+  testing::Captured c = testing::Run(args);
+  return {c.exit_code, c.out + c.err};
+}
+
 class Cluster : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -109,6 +120,26 @@ class Cluster : public ::testing::Test {
     grpc::Status s = stub_->SubmitJob(Context().get(), submit, &job);
     EXPECT_TRUE(s.ok()) << s.error_message();
     return job;
+  }
+
+  // A READY TP 2 x PP 2 job on a model big enough that one forward takes a while on two cores, and
+  // a request on it that runs long enough to kill a worker mid-forward. `name`: the model's folder.
+  v1::InferRequest SlowForwardOnReadyJob(const std::string& name) {
+    const std::string dir = TempDir() + "/" + name;
+    Cli init = Shardctl({"init-checkpoint", "--variant", "BertModel", "--seed", "3", "--out", dir, "--config",
+                         R"({"vocab_size": 1000, "hidden_size": 256, "num_attention_heads": 4,
+                             "intermediate_size": 1024, "num_hidden_layers": 8, "max_position_embeddings": 512})"});
+    EXPECT_EQ(init.exit_code, 0) << init.output;
+    const v1::Job job = Submit(dir);
+    EXPECT_EQ(Watch(job.id()).job().state(), v1::READY);
+    v1::InferRequest infer;
+    infer.set_job_id(job.id());
+    v1::TokenInputs* t = infer.mutable_tokens();
+    t->set_rows(16);
+    t->set_seq(512);
+    for (int i = 0; i < 16 * 512; ++i) t->add_input_ids(1 + i % 997);
+    infer.set_micro_batches(8);
+    return infer;
   }
 
   // Watches until the job settles; returns the last event.
@@ -408,17 +439,6 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
                                    }();
 }
 
-struct Cli {
-  int exit_code;
-  std::string output;
-};
-
-Cli Shardctl(std::vector<std::string> args) {
-  args.insert(args.begin(), "client/shardctl");
-  testing::Captured c = testing::Run(args);
-  return {c.exit_code, c.out + c.err};
-}
-
 TEST_F(Cluster, ShardctlDrivesTheCluster) {
   const std::string server = "--server=127.0.0.1:" + std::to_string(port_);
   const std::string model = std::filesystem::absolute(kModel).string();
@@ -468,20 +488,8 @@ TEST_F(Cluster, WorkerKilledWhileLoadingFailsTheJobWithoutHanging) {
 
 TEST_F(Cluster, WorkerKilledDuringAnInferenceFailsItWithoutHanging) {
   // A model big enough that a forward takes a while on two cores.
-  const std::string dir = TempDir() + "/slow_model";
-  Cli init = Shardctl({"init-checkpoint", "--variant", "BertModel", "--seed", "3", "--out", dir, "--config",
-                       R"({"vocab_size": 1000, "hidden_size": 256, "num_attention_heads": 4,
-                           "intermediate_size": 1024, "num_hidden_layers": 8, "max_position_embeddings": 512})"});
-  ASSERT_EQ(init.exit_code, 0) << init.output;
-  const v1::Job job = Submit(dir);
-  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
-  v1::InferRequest infer;
-  infer.set_job_id(job.id());
-  v1::TokenInputs* t = infer.mutable_tokens();
-  t->set_rows(16);
-  t->set_seq(512);
-  for (int i = 0; i < 16 * 512; ++i) t->add_input_ids(1 + i % 997);
-  infer.set_micro_batches(8);
+  const v1::InferRequest infer = SlowForwardOnReadyJob("slow_model");
+  ASSERT_FALSE(HasFailure());
   grpc::Status status;
   absl::Time started;
   std::thread client([&] {
@@ -490,13 +498,13 @@ TEST_F(Cluster, WorkerKilledDuringAnInferenceFailsItWithoutHanging) {
     status = stub_->Infer(Context().get(), infer, &response);
   });
   usleep(300 * 1000);  // the forward is under way
-  const std::string victim_id = KillWorkerServing(job.id(), 2);
+  const std::string victim_id = KillWorkerServing(infer.job_id(), 2);
   EXPECT_FALSE(victim_id.empty());  // not ASSERT: the client thread must be joined
   client.join();
   EXPECT_FALSE(status.ok()) << "the inference finished before the kill; make the model bigger";
   EXPECT_LT(absl::Now() - started, absl::Seconds(30));  // bounded by the collective timeout, no hang
   v1::GetJobRequest get;
-  get.set_job_id(job.id());
+  get.set_job_id(infer.job_id());
   v1::Job failed;
   ASSERT_TRUE(stub_->GetJob(Context().get(), get, &failed).ok());
   EXPECT_EQ(failed.state(), v1::FAILED);
@@ -617,20 +625,8 @@ class SlowHeartbeatCluster : public Cluster {
 };
 
 TEST_F(SlowHeartbeatCluster, WorkerKilledDuringAnInferenceFailsItAtOnce) {
-  const std::string dir = TempDir() + "/slow_model_prompt";
-  Cli init = Shardctl({"init-checkpoint", "--variant", "BertModel", "--seed", "3", "--out", dir, "--config",
-                       R"({"vocab_size": 1000, "hidden_size": 256, "num_attention_heads": 4,
-                           "intermediate_size": 1024, "num_hidden_layers": 8, "max_position_embeddings": 512})"});
-  ASSERT_EQ(init.exit_code, 0) << init.output;
-  const v1::Job job = Submit(dir);
-  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
-  v1::InferRequest infer;
-  infer.set_job_id(job.id());
-  v1::TokenInputs* t = infer.mutable_tokens();
-  t->set_rows(16);
-  t->set_seq(512);
-  for (int i = 0; i < 16 * 512; ++i) t->add_input_ids(1 + i % 997);
-  infer.set_micro_batches(8);
+  const v1::InferRequest infer = SlowForwardOnReadyJob("slow_model_prompt");
+  ASSERT_FALSE(HasFailure());
   grpc::Status status;
   absl::Time returned;
   std::thread client([&] {
@@ -640,19 +636,19 @@ TEST_F(SlowHeartbeatCluster, WorkerKilledDuringAnInferenceFailsItAtOnce) {
   });
   usleep(300 * 1000);  // the forward is under way
   const absl::Time killed = absl::Now();
-  const std::string victim_id = KillWorkerServing(job.id(), 2);
+  const std::string victim_id = KillWorkerServing(infer.job_id(), 2);
   EXPECT_FALSE(victim_id.empty());  // not ASSERT: the client thread must be joined
   client.join();
   EXPECT_FALSE(status.ok()) << "the inference finished before the kill; make the model bigger";
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
   // Well under the 20 s heartbeat interval and collective timeout; loose for a loaded machine.
   EXPECT_LT(returned - killed, absl::Seconds(6));
-  const v1::Job failed = GetJob(job.id());  // already failed: nothing waits for the monitor
+  const v1::Job failed = GetJob(infer.job_id());  // already failed: nothing waits for the monitor
   EXPECT_EQ(failed.state(), v1::FAILED);
   EXPECT_NE(failed.failure_cause().find(victim_id), std::string::npos) << failed.failure_cause();
   EXPECT_NE(failed.failure_cause().find("rank 2"), std::string::npos) << failed.failure_cause();
   EXPECT_TRUE(WaitForWorkers(3));  // the survivors were told to unload
-  EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));
+  EXPECT_TRUE(WaitUnloadedEverywhere(infer.job_id()));
 }
 
 }  // namespace

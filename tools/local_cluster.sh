@@ -5,11 +5,11 @@
 
 CLUSTER_PIDS=()
 
-# The port a server printed ("listening on port N") in LOG, waiting up to ~10 s.
-wait_for_port() {
+# The first port that sed script SCRIPT prints from LOG, waiting up to ~10 s.
+wait_for_logged_port() {
   local port=""
   for _ in $(seq 100); do
-    port=$(sed -n '/^metrics /!s/.*listening on port \([0-9]*\).*/\1/p' "$1")
+    port=$(sed -n "$2" "$1" | head -n 1)
     [ -n "$port" ] && { echo "$port"; return 0; }
     sleep 0.1
   done
@@ -17,16 +17,14 @@ wait_for_port() {
   return 1
 }
 
-# The metrics port a server printed ("metrics listening on port N") in LOG, waiting up to ~10 s.
+# The port a server printed ("listening on port N") in LOG; not its metrics line.
+wait_for_port() {
+  wait_for_logged_port "$1" '/^metrics /!s/.*listening on port \([0-9]*\).*/\1/p'
+}
+
+# The metrics port a server printed ("metrics listening on port N") in LOG.
 wait_for_metrics_port() {
-  local port=""
-  for _ in $(seq 100); do
-    port=$(sed -n 's/^metrics listening on port \([0-9]*\).*/\1/p' "$1")
-    [ -n "$port" ] && { echo "$port"; return 0; }
-    sleep 0.1
-  done
-  cat "$1" >&2
-  return 1
+  wait_for_logged_port "$1" 's/^metrics listening on port \([0-9]*\).*/\1/p'
 }
 
 # Starts a coordinator on a free loopback port and exports BERTSHARD_SERVER.
