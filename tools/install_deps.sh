@@ -23,6 +23,12 @@ PACKAGES=(
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-pkg-resources
   # A virtual environment for the pinned PyPI test packages (tools/python_env.sh).
   python3-venv python3-pip
+  # The reference implementation for parity tests: HuggingFace transformers (PyPI, pinned in
+  # tools/requirements-hf.txt) runs on Debian's PyTorch 1.13 through a venv with system packages.
+  python3-torch
+  # Real text for the tokenizer parity test: Debian's fortune databases (English, German, Spanish,
+  # Italian, Russian, Chinese).
+  fortunes fortunes-de fortunes-es fortunes-it fortunes-ru fortunes-zh
   # Deployment: rendering the Kubernetes manifests, making the container base image.
   debootstrap
   # `git clone` of this repository on a fresh machine, and TLS for apt mirrors.

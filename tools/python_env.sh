@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# Creates (once) the virtual environment with the pinned test packages of tools/requirements-test.txt
-# and prints its path. The environment lives outside the tree, keyed by the requirements' hash, so a
-# changed pin builds a new one and an unchanged one is reused. Needs python3-venv (install_deps.sh).
+# Creates (once) a virtual environment with pinned PyPI packages and prints its path.
+#
+#   tools/python_env.sh                  # tools/requirements-test.txt (metrics parser, validators)
+#   tools/python_env.sh hf               # tools/requirements-hf.txt (transformers, tokenizers), with
+#                                        # system site packages: Debian's python3-torch and numpy
+#
+# The environment lives outside the tree, keyed by the requirements' hash, so a changed pin builds a
+# new one and an unchanged one is reused. Needs python3-venv (install_deps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 req=tools/requirements-test.txt
+venv_flags=()
+name=venv
+case "${1:-}" in
+  "") ;;
+  hf) req=tools/requirements-hf.txt; venv_flags=(--system-site-packages); name=venv-hf ;;
+  *) echo "python_env: unknown environment '$1' (known: hf)" >&2; exit 2 ;;
+esac
 key=$(sha256sum "$req" | cut -c1-12)
-venv="${BERTSHARD_VENV_ROOT:-$HOME/.cache/bertshard}/venv-$key"
+venv="${BERTSHARD_VENV_ROOT:-$HOME/.cache/bertshard}/$name-$key"
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   mkdir -p "$(dirname "$venv")"
   echo "python_env: creating $venv from $req" >&2
-  /usr/bin/python3 -m venv "$venv"
+  /usr/bin/python3 -m venv "${venv_flags[@]}" "$venv"
   "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$req" >&2
   touch "$venv/.complete"
 fi

