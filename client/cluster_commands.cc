@@ -2,13 +2,18 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
@@ -130,6 +135,7 @@ absl::Status Jobs(const CommandLine& cl, std::FILE* out) {
   std::fputs(absl::StrFormat("%-26s %-10s %-32s %-8s %-5s %s\n", "JOB", "STATE", "VARIANT", "TPxPP", "AGE", "DETAIL").c_str(), out);
   for (const v1::Job& j : jobs.jobs()) {
     const auto& p = j.request().parallel();
+    // Jobs submitted before the coordinator stored the resolved class have none.
     const std::string variant = j.request().variant() == v1::MODEL_VARIANT_UNSPECIFIED
                                     ? "(from checkpoint)"
                                     : std::string(planner::HfClassName(j.request().variant()));
@@ -180,6 +186,58 @@ absl::Status Workers(const CommandLine& cl, std::FILE* out) {
   return absl::OkStatus();
 }
 
+// Token ids from a JSON file in `shardctl run`'s input format.
+absl::Status ReadTokenInputs(const std::string& path, v1::TokenInputs* t) {
+  ASSIGN_OR_RETURN(std::string text, common::ReadFileToString(path, "input file"));
+  ASSIGN_OR_RETURN(RunInputs inputs, ParseTokenJson(text, 0));
+  t->set_rows(inputs.batch * inputs.choices);
+  t->set_seq(inputs.seq);
+  t->set_choices(inputs.choices);
+  t->mutable_input_ids()->Add(inputs.input_ids.begin(), inputs.input_ids.end());
+  t->mutable_attention_mask()->Add(inputs.attention_mask.begin(), inputs.attention_mask.end());
+  t->mutable_token_type_ids()->Add(inputs.token_type_ids.begin(), inputs.token_type_ids.end());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> IntFlag(const CommandLine& cl, const std::string& name, int low) {
+  auto it = cl.values.find(name);
+  if (it == cl.values.end()) return 0;
+  int value = 0;
+  if (!absl::SimpleAtoi(it->second, &value) || value < low) {
+    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be an integer >= ", low, ", got '", it->second, "'"));
+  }
+  return value;
+}
+
+std::string Score(float score) { return absl::StrFormat("%.4f", score); }
+
+// The head's predictions, one block per batch entry.
+void PrintPredictions(const v1::InferResponse& response, std::FILE* out) {
+  for (int i = 0; i < response.predictions_size(); ++i) {
+    const v1::Prediction& p = response.predictions(i);
+    const std::string prefix = response.predictions_size() > 1 ? absl::StrCat("[", i, "] ") : "";
+    for (const v1::MaskPrediction& m : p.masks()) {
+      std::fprintf(out, "%s[MASK] at %lld:", prefix.c_str(), static_cast<long long>(m.position()));
+      for (const v1::TokenScore& t : m.top()) std::fprintf(out, "  %s (%s)", t.token().c_str(), Score(t.score()).c_str());
+      std::fprintf(out, "\n");
+    }
+    if (p.labels_size() > 0) {
+      std::fprintf(out, "%slabels:", prefix.c_str());
+      for (const v1::LabelScore& l : p.labels()) std::fprintf(out, "  %s (%s)", l.label().c_str(), Score(l.score()).c_str());
+      std::fprintf(out, "\n");
+    }
+    for (const v1::TokenLabel& t : p.token_labels()) {
+      std::fprintf(out, "%s%-16s %s (%s)\n", prefix.c_str(), t.token().c_str(), t.label().label().c_str(),
+                   Score(t.label().score()).c_str());
+    }
+    if (p.has_answer()) {
+      std::fprintf(out, "%sanswer: \"%s\" (tokens %lld..%lld, score %s)\n", prefix.c_str(), p.answer().text().c_str(),
+                   static_cast<long long>(p.answer().start()), static_cast<long long>(p.answer().end()),
+                   Score(p.answer().score()).c_str());
+    }
+  }
+}
+
 absl::Status Infer(const CommandLine& cl, std::FILE* out) {
   v1::InferRequest infer;
   infer.set_job_id(JobId(cl));
@@ -190,40 +248,146 @@ absl::Status Infer(const CommandLine& cl, std::FILE* out) {
     infer.mutable_text()->add_texts(it->second);
     if (auto pair = v.find("text-pair"); pair != v.end()) infer.mutable_text()->add_text_pairs(pair->second);
   } else {
-    ASSIGN_OR_RETURN(std::string text, common::ReadFileToString(v.at("input"), "input file"));
-    ASSIGN_OR_RETURN(RunInputs inputs, ParseTokenJson(text, 0));
-    v1::TokenInputs* t = infer.mutable_tokens();
-    t->set_rows(inputs.batch * inputs.choices);
-    t->set_seq(inputs.seq);
-    t->set_choices(inputs.choices);
-    t->mutable_input_ids()->Add(inputs.input_ids.begin(), inputs.input_ids.end());
-    t->mutable_attention_mask()->Add(inputs.attention_mask.begin(), inputs.attention_mask.end());
-    t->mutable_token_type_ids()->Add(inputs.token_type_ids.begin(), inputs.token_type_ids.end());
+    RETURN_IF_ERROR(ReadTokenInputs(v.at("input"), infer.mutable_tokens()));
   }
-  if (auto it = v.find("micro-batches"); it != v.end()) infer.set_micro_batches(std::atoi(it->second.c_str()));
+  ASSIGN_OR_RETURN(const int micro_batches, IntFlag(cl, "micro-batches", 1));
+  ASSIGN_OR_RETURN(const int top_k, IntFlag(cl, "top-k", 1));
+  infer.set_micro_batches(micro_batches);
+  infer.set_top_k(top_k);
+  infer.set_truncate(cl.switches.count("truncate") > 0);
   v1::InferResponse response;
   RETURN_IF_ERROR(common::FromGrpcStatus(Connect(cl)->Infer(Context(cl, 600).get(), infer, &response)));
-  std::fprintf(out, "input_ids: [%s]\n", absl::StrJoin(response.tokens().input_ids(), ", ").c_str());
+  std::fprintf(out, "input_ids: [%s]%s\n", absl::StrJoin(response.tokens().input_ids(), ", ").c_str(),
+               std::find(response.truncated().begin(), response.truncated().end(), true) != response.truncated().end()
+                   ? " (truncated)"
+                   : "");
+  PrintPredictions(response, out);
+  // Raw tensors: their shapes here, their values with --output (a person reads the predictions).
   std::vector<checkpoint::TensorData> tensors;
   for (const v1::NamedTensor& t : response.outputs()) {
-    std::vector<float> head(t.values().begin(), t.values().begin() + std::min(6, t.values_size()));
-    std::fprintf(out, "%s [%s]: %s%s\n", t.name().c_str(), absl::StrJoin(t.shape(), ", ").c_str(),
-                 absl::StrJoin(head, ", ", [](std::string* o, float f) { absl::StrAppend(o, absl::StrFormat("%.4f", f)); }).c_str(),
-                 t.values_size() > 6 ? ", ..." : "");
+    std::fprintf(out, "%s [%s]\n", t.name().c_str(), absl::StrJoin(t.shape(), ", ").c_str());
     tensors.push_back({t.name(), {t.shape().begin(), t.shape().end()}, {t.values().begin(), t.values().end()}});
   }
   if (auto it = v.find("output"); it != v.end()) {
     RETURN_IF_ERROR(checkpoint::WriteSafetensors(it->second, tensors, {{"format", "pt"}}));
     std::fprintf(out, "outputs -> %s\n", it->second.c_str());
   }
-  std::fprintf(out, "forward %.3f s\n", response.forward_seconds());
+  std::fprintf(out, "forward %.3f s (batched with %d request%s, %lld padded tokens)\n", response.forward_seconds(),
+               response.batch().requests(), response.batch().requests() == 1 ? "" : "s",
+               static_cast<long long>(response.batch().padded_tokens()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Pooling> ParsePoolingFlag(const std::string& name) {
+  if (name == "mean") return v1::POOLING_MEAN;
+  if (name == "cls") return v1::POOLING_CLS;
+  if (name == "max") return v1::POOLING_MAX;
+  if (name == "mean_sqrt_len") return v1::POOLING_MEAN_SQRT_LEN;
+  return absl::InvalidArgumentError(absl::StrCat("unknown --pooling '", name, "' (valid: mean, cls, max, mean_sqrt_len)"));
+}
+
+std::string PoolingFlagName(v1::Pooling p) {
+  switch (p) {
+    case v1::POOLING_MEAN: return "mean";
+    case v1::POOLING_CLS: return "cls";
+    case v1::POOLING_MAX: return "max";
+    case v1::POOLING_MEAN_SQRT_LEN: return "mean_sqrt_len";
+    default: return "unspecified";
+  }
+}
+
+double Cosine(const v1::Embedding& a, const v1::Embedding& b) {
+  double dot = 0, na = 0, nb = 0;
+  for (int i = 0; i < a.values_size() && i < b.values_size(); ++i) {
+    dot += static_cast<double>(a.values(i)) * b.values(i);
+    na += static_cast<double>(a.values(i)) * a.values(i);
+    nb += static_cast<double>(b.values(i)) * b.values(i);
+  }
+  return na > 0 && nb > 0 ? dot / std::sqrt(na * nb) : 0.0;
+}
+
+// shardctl embed ID TEXT... | --file FILE | --input TOKENS.json
+absl::Status Embed(const CommandLine& cl, std::FILE* out) {
+  v1::EmbedRequest embed;
+  embed.set_job_id(JobId(cl));
+  if (embed.job_id().empty()) return absl::InvalidArgumentError("embed needs a job id");
+  const auto& v = cl.values;
+  std::vector<std::string> texts(cl.positional.begin() + std::min<size_t>(2, cl.positional.size()), cl.positional.end());
+  if (auto it = v.find("file"); it != v.end()) {
+    std::string content;
+    if (it->second == "-") {
+      std::stringstream in;
+      in << std::cin.rdbuf();
+      content = in.str();
+    } else {
+      ASSIGN_OR_RETURN(content, common::ReadFileToString(it->second, "text file"));
+    }
+    for (absl::string_view line : absl::StrSplit(content, '\n', absl::SkipEmpty())) texts.emplace_back(line);
+  }
+  if (texts.empty() == (v.count("input") == 0)) {
+    return absl::InvalidArgumentError("embed needs texts (arguments or --file, one per line) or --input TOKENS.json, not both");
+  }
+  if (v.count("input")) {
+    RETURN_IF_ERROR(ReadTokenInputs(v.at("input"), embed.mutable_tokens()));
+  } else {
+    for (const std::string& t : texts) embed.mutable_text()->add_texts(t);
+  }
+  if (auto it = v.find("pooling"); it != v.end()) {
+    ASSIGN_OR_RETURN(v1::Pooling pooling, ParsePoolingFlag(it->second));
+    embed.set_pooling(pooling);
+  }
+  if (auto it = v.find("normalize"); it != v.end()) {
+    if (it->second != "true" && it->second != "false") {
+      return absl::InvalidArgumentError(absl::StrCat("--normalize must be true or false, got '", it->second, "'"));
+    }
+    embed.set_normalize(it->second == "true" ? v1::NORMALIZE_ON : v1::NORMALIZE_OFF);
+  }
+  embed.set_truncate(cl.switches.count("truncate") > 0);
+  const std::string format = v.count("format") ? v.at("format") : "table";
+  if (format != "table" && format != "json") {
+    return absl::InvalidArgumentError(absl::StrCat("--format must be table or json, got '", format, "'"));
+  }
+  v1::EmbedResponse response;
+  RETURN_IF_ERROR(common::FromGrpcStatus(Connect(cl)->Embed(Context(cl, 600).get(), embed, &response)));
+  if (format == "json") {
+    std::fprintf(out, "%s\n", common::ProtoToJson(response).c_str());
+    return absl::OkStatus();
+  }
+  const int n = response.embeddings_size();
+  std::fprintf(out, "%d embedding%s of %d dimensions (pooling %s, %snormalized, max length %d)\n", n, n == 1 ? "" : "s",
+               n > 0 ? response.embeddings(0).values_size() : 0, PoolingFlagName(response.pooling()).c_str(),
+               response.normalized() ? "" : "not ", response.max_length());
+  auto label = [&](int i) {
+    std::string text = i < static_cast<int>(texts.size()) ? texts[static_cast<size_t>(i)] : absl::StrCat("row ", i);
+    if (text.size() > 48) text = text.substr(0, 45) + "...";
+    return text;
+  };
+  for (int i = 0; i < n; ++i) {
+    const auto& e = response.embeddings(i);
+    std::vector<float> head(e.values().begin(), e.values().begin() + std::min(4, e.values_size()));
+    std::fprintf(out, "[%d] %-48s %3d tokens%s  [%s, ...]\n", i, label(i).c_str(),
+                 i < response.token_counts_size() ? response.token_counts(i) : 0,
+                 i < response.truncated_size() && response.truncated(i) ? " (truncated)" : "",
+                 absl::StrJoin(head, ", ", [](std::string* o, float f) { absl::StrAppend(o, absl::StrFormat("%.4f", f)); }).c_str());
+  }
+  if (n > 1) {
+    std::fprintf(out, "\ncosine similarity\n     ");
+    for (int j = 0; j < n; ++j) std::fprintf(out, " %6s", absl::StrCat("[", j, "]").c_str());
+    std::fprintf(out, "\n");
+    for (int i = 0; i < n; ++i) {
+      std::fprintf(out, "%-5s", absl::StrCat("[", i, "]").c_str());
+      for (int j = 0; j < n; ++j) std::fprintf(out, " %6.3f", Cosine(response.embeddings(i), response.embeddings(j)));
+      std::fprintf(out, "\n");
+    }
+  }
   return absl::OkStatus();
 }
 
 }  // namespace
 
 bool IsClusterCommand(const std::string& c) {
-  return c == "submit" || c == "jobs" || c == "job" || c == "watch" || c == "cancel" || c == "workers" || c == "infer";
+  return c == "submit" || c == "jobs" || c == "job" || c == "watch" || c == "cancel" || c == "workers" || c == "infer" ||
+         c == "embed";
 }
 
 const std::set<std::string>& ClusterValueFlags(const std::string& command) {
@@ -233,10 +397,13 @@ const std::set<std::string>& ClusterValueFlags(const std::string& command) {
     return f;
   }();
   static const auto* infer = new std::set<std::string>{"server", "timeout", "text", "text-pair", "input", "output",
-                                                        "micro-batches"};
+                                                        "micro-batches", "top-k"};
+  static const auto* embed = new std::set<std::string>{"server", "timeout", "file", "input", "pooling", "normalize",
+                                                        "format"};
   static const auto* plain = new std::set<std::string>{"server", "timeout"};
   if (command == "submit") return *submit;
   if (command == "infer") return *infer;
+  if (command == "embed") return *embed;
   return *plain;
 }
 
@@ -249,6 +416,8 @@ const std::set<std::string>& ClusterSwitchFlags(const std::string& command) {
     return f;
   }();
   static const auto* plain = new std::set<std::string>{"help"};
+  static const auto* truncating = new std::set<std::string>{"help", "truncate"};
+  if (command == "infer" || command == "embed") return *truncating;
   return command == "submit" ? *submit : *plain;
 }
 
@@ -271,6 +440,8 @@ int RunClusterCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
     status = Cancel(cl, out);
   } else if (command == "workers") {
     status = Workers(cl, out);
+  } else if (command == "embed") {
+    status = Embed(cl, out);
   } else {
     status = Infer(cl, out);
   }

@@ -2,7 +2,7 @@
 // -----------------------------------------------------------------------------
 // shardctl's commands against a running coordinator (--server, default $BERTSHARD_SERVER or
 // 127.0.0.1:50051): submit [--watch], jobs, job ID, watch ID, cancel ID, workers,
-// infer ID --text "..." | --input FILE.json.
+// infer ID --text "..." | --input FILE.json, embed ID TEXT... | --file FILE | --input FILE.json.
 //
 // Thread safety: thread-compatible.
 #ifndef BERTSHARD_CLIENT_CLUSTER_COMMANDS_H_

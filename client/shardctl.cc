@@ -33,6 +33,13 @@ On a coordinator (--server HOST:PORT, default $BERTSHARD_SERVER or 127.0.0.1:500
   shardctl submit --checkpoint DIR [--tp N --pp N ...] [--watch] [--no-wait]   prints the job id
   shardctl jobs | job ID | watch ID | cancel ID | workers
   shardctl infer ID --text "..." [--text-pair "..."] | --input FILE.json [--output FILE.safetensors]
+                 [--top-k K] [--truncate] [--micro-batches M]
+      prints the head's predictions (top-k tokens per [MASK], labels with scores, the answer span)
+      and the outputs' shapes; --output writes the raw tensors
+  shardctl embed ID "text" ["text" ...] | --file FILE|- | --input FILE.json [--pooling mean|cls|max|
+                 mean_sqrt_len] [--normalize true|false] [--truncate] [--format table|json]
+      one vector per text (a BertModel job), pooled as the checkpoint's sentence-transformers files
+      say unless overridden; the table ends with the texts' cosine-similarity matrix
 
 Request (a JSON file in the plan contract's format, and/or flags; flags win):
   --request FILE            PlanRequest JSON (same as the positional REQUEST.json)

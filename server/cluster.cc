@@ -8,6 +8,7 @@
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "planner/model_config.h"
 #include "planner/planner.h"
 #include "server/cluster_internal.h"
 #include "server/inference.h"
@@ -67,17 +68,23 @@ void Cluster::Drain() {
 
 Cluster::~Cluster() {
   std::vector<std::thread> threads;
+  std::vector<std::shared_ptr<BatchQueue>> batchers;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     for (auto& [id, runtime] : runtimes_) {
       for (auto& context : runtime->load_contexts) context->TryCancel();
+      if (runtime->batcher != nullptr) {
+        runtime->batcher->Close("the coordinator is shutting down");
+        batchers.push_back(std::move(runtime->batcher));
+      }
     }
     threads.swap(threads_);
     changed_.SignalAll();
   }
   monitor_.join();
   for (auto& t : threads) t.join();  // no new ones start once stopping_ is set
+  batchers.clear();  // off the lock: a running batch may still take it
 }
 
 v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerRequest& request) {
@@ -203,6 +210,9 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request) 
   v1::Job job;
   job.set_id(absl::StrCat("job-", absl::ToUnixMillis(absl::Now()), "-", ++next_job_));
   *job.mutable_request() = request.request();
+  // The class the plan resolved (from the checkpoint's config.json when the request named none),
+  // so that listings say what runs.
+  job.mutable_request()->set_variant(plan.variant());
   job.set_pending_reason(absl::StrCat("waiting for ", plan.world_size(), " healthy idle workers"));
   RETURN_IF_ERROR(store_->Create(job));
   RETURN_IF_ERROR(store_->SetPlan(job.id(), plan));
@@ -261,6 +271,13 @@ void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::Jo
   if (runtime != runtimes_.end()) {
     for (auto& context : runtime->second->load_contexts) context->TryCancel();
     runtime->second->recovery.reset();
+    if (auto batcher = std::move(runtime->second->batcher); batcher != nullptr) {
+      // Waiting requests fail now; the queue is destroyed off this lock (its destructor waits for
+      // the running batch, which may be the caller of this very function).
+      batcher->Close(absl::StrCat("job ", job_id, " is ", v1::JobState_Name(state), ": ", cause));
+      // (No batch queue exists once stopping_ is set: see ServingFor.)
+      threads_.emplace_back([batcher = std::move(batcher)]() mutable { batcher.reset(); });
+    }
   }
   for (auto& [id, w] : workers_) {
     if (w->info.job_id() != job_id) continue;
@@ -456,56 +473,96 @@ std::map<std::string, int> Cluster::InferQueueDepths() {
   return depths;
 }
 
-absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
-                                                 const std::function<bool()>& cancelled) {
-  std::shared_ptr<JobRuntime> runtime;
-  // READY, and not waiting for its ranks after a restart.
-  auto check_ready = [](const v1::Job& job) -> absl::Status {
-    if (!job.recovering().empty()) {
-      return absl::UnavailableError(absl::StrCat("job ", job.id(), " is recovering (", job.recovering(), "); retry"));
-    }
-    if (job.state() != v1::READY) {
-      return absl::FailedPreconditionError(absl::StrCat("job ", job.id(), " is ", v1::JobState_Name(job.state()),
-                                                        "; inference needs READY"));
-    }
-    return absl::OkStatus();
-  };
+namespace {
+
+// READY, and not waiting for its ranks after a restart.
+absl::Status CheckServing(const v1::Job& job) {
+  if (!job.recovering().empty()) {
+    return absl::UnavailableError(absl::StrCat("job ", job.id(), " is recovering (", job.recovering(), "); retry"));
+  }
+  if (job.state() != v1::READY) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job.id(), " is ", v1::JobState_Name(job.state()),
+                                                      "; inference needs READY"));
+  }
+  return absl::OkStatus();
+}
+
+// Counts a call on a job from its start to its end (the queue-depth gauge).
+class CallCount {
+ public:
+  explicit CallCount(std::atomic<int>* calls) : calls_(calls) { calls_->fetch_add(1); }
+  ~CallCount() { calls_->fetch_sub(1); }
+  CallCount(const CallCount&) = delete;
+  CallCount& operator=(const CallCount&) = delete;
+
+ private:
+  std::atomic<int>* const calls_;
+};
+
+v1::BatchInfo ToBatchInfo(const BatchResult& result) {
+  v1::BatchInfo info;
+  info.set_requests(result.batch.requests);
+  info.set_rows(result.batch.rows);
+  info.set_padded_tokens(result.batch.tokens);
+  info.set_queue_seconds(absl::ToDoubleSeconds(result.queued));
+  return info;
+}
+
+}  // namespace
+
+absl::StatusOr<Cluster::Serving> Cluster::ServingFor(const std::string& job_id) {
+  Serving serving;
   {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(request.job_id()));
-    RETURN_IF_ERROR(check_ready(job));
-    runtime = runtimes_.at(job.id());
+    // ~Cluster takes every batch queue out as it sets stopping_; none may be made after.
+    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(job_id));
+    RETURN_IF_ERROR(CheckServing(job));
+    serving.runtime = runtimes_.at(job.id());
+    JobRuntime& runtime = *serving.runtime;
+    if (runtime.batcher == nullptr) {
+      BatchPadding padding;
+      padding.pad_token_id = runtime.plan.config().pad_token_id();
+      if (runtime.plan.shard_config().sp_mode() == v1::SPLIT_GATHER) {
+        padding.seq_multiple = std::max(1, runtime.plan.shard_config().tensor_parallel_size());
+      }
+      padding.max_seq = runtime.plan.config().max_position_embeddings();
+      const v1::ModelVariant variant = runtime.plan.variant();
+      runtime.batcher = std::make_shared<BatchQueue>(
+          options_.batching, padding,
+          [this, job_id](const v1::TokenInputs& merged, int micro_batches, absl::Time deadline) {
+            return ForwardBatch(job_id, merged, micro_batches, deadline);
+          },
+          [variant](const std::string& name) { return PerTokenOutput(variant, name); }, options_.batch_observer);
+    }
+    serving.batcher = runtime.batcher;
   }
-  // Counted from before the queue to the end of the call (the guard outlives the lock below).
-  runtime->infer_calls.fetch_add(1);
-  struct QueueLeave {
-    std::atomic<int>* calls;
-    ~QueueLeave() { calls->fetch_sub(1); }
-  } queue_leave{&runtime->infer_calls};
-  absl::MutexLock infer_lock(&runtime->infer_mu);  // queue behind earlier calls on this job
-  ASSIGN_OR_RETURN(v1::TokenInputs tokens,
-                   PrepareTokens(request, runtime->plan, runtime->checkpoint, &runtime->tokenizer));
-  const int64_t batch = tokens.rows() / std::max<int64_t>(1, tokens.choices());
-  if (request.micro_batches() < 0 || request.micro_batches() > batch) {
-    return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 0..batch ", batch));
+  absl::MutexLock lock(&serving.runtime->assets_mu);
+  if (serving.runtime->assets == nullptr) {
+    serving.runtime->assets = LoadJobAssets(serving.runtime->plan, serving.runtime->checkpoint);
   }
-  if (cancelled && cancelled()) return absl::CancelledError("the caller went away while the request was queued");
-  if (absl::Now() >= deadline) return absl::DeadlineExceededError("the deadline passed while the request was queued");
+  serving.assets = serving.runtime->assets;
+  return serving;
+}
+
+absl::StatusOr<BatchOutputs> Cluster::ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged,
+                                                   int micro_batches, absl::Time deadline) {
   std::vector<RankStub> ranks;
   v1::ForwardRequest forward;
   {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(request.job_id()));
-    RETURN_IF_ERROR(check_ready(job));
-    for (const std::string& w : runtime->rank_workers) {
+    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(job_id));
+    RETURN_IF_ERROR(CheckServing(job));
+    JobRuntime& runtime = *runtimes_.at(job_id);
+    for (const std::string& w : runtime.rank_workers) {
       const Worker& worker = *workers_.at(w);
       ranks.push_back({w, worker.info.address(), worker.stub});
     }
-    forward.set_sequence(runtime->next_sequence++);
+    forward.set_sequence(runtime.next_sequence++);
   }
-  forward.set_job_id(request.job_id());
-  *forward.mutable_inputs() = tokens;
-  forward.set_micro_batches(std::max(1, request.micro_batches()));
+  forward.set_job_id(job_id);
+  *forward.mutable_inputs() = merged;
+  forward.set_micro_batches(std::max(1, micro_batches));
   ForwardOutcome outcome = ForwardOnAllRanks(ranks, forward, deadline);
   if (outcome.failed_rank >= 0) {
     // The ranks may be out of step now: the job fails at once, and the survivors unload.
@@ -515,17 +572,92 @@ absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request
                                   ": forward ", forward.sequence(),
                                   " failed: ", common::FromGrpcStatus(outcome.status).ToString()));
     absl::MutexLock lock(&mu_);
-    FailJobLocked(request.job_id(), cause);
+    FailJobLocked(job_id, cause);
     return absl::UnavailableError(absl::StrCat("inference failed: ", cause));
   }
-  v1::InferResponse response;
+  BatchOutputs out;
   for (auto& rr : outcome.responses) {
     if (rr.outputs_size() > 0) {
-      *response.mutable_outputs() = std::move(*rr.mutable_outputs());
-      response.set_forward_seconds(rr.forward_seconds());
+      out.outputs.assign(std::make_move_iterator(rr.mutable_outputs()->begin()),
+                         std::make_move_iterator(rr.mutable_outputs()->end()));
+      out.forward_seconds = rr.forward_seconds();
     }
   }
-  *response.mutable_tokens() = std::move(tokens);
+  return out;
+}
+
+absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
+                                                 const std::function<bool()>& cancelled) {
+  ASSIGN_OR_RETURN(Serving serving, ServingFor(request.job_id()));
+  CallCount count(&serving.runtime->infer_calls);
+  const v1::ShardPlan& plan = serving.runtime->plan;
+  if (request.top_k() < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", request.top_k()));
+  ASSIGN_OR_RETURN(PreparedInput input,
+                   PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
+                                request.has_text() ? &request.text() : nullptr, plan, *serving.assets,
+                                plan.config().max_position_embeddings(), request.truncate()));
+  const int64_t batch = input.tokens.rows() / std::max<int64_t>(1, input.tokens.choices());
+  if (request.micro_batches() < 0 || request.micro_batches() > batch) {
+    return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 0..batch ", batch));
+  }
+  ASSIGN_OR_RETURN(BatchResult result, serving.batcher->Submit(input.tokens, deadline, cancelled, request.micro_batches()));
+  v1::InferResponse response;
+  for (auto& t : result.outputs) *response.add_outputs() = std::move(t);
+  ASSIGN_OR_RETURN(std::vector<v1::Prediction> predictions,
+                   Predict(plan, *serving.assets, input.tokens, response.outputs(), request.top_k()));
+  for (auto& p : predictions) *response.add_predictions() = std::move(p);
+  response.set_forward_seconds(result.forward_seconds);
+  *response.mutable_batch() = ToBatchInfo(result);
+  for (bool t : input.truncated) response.add_truncated(t);
+  *response.mutable_tokens() = std::move(input.tokens);
+  return response;
+}
+
+absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request, absl::Time deadline,
+                                                 const std::function<bool()>& cancelled) {
+  ASSIGN_OR_RETURN(Serving serving, ServingFor(request.job_id()));
+  CallCount count(&serving.runtime->infer_calls);
+  const v1::ShardPlan& plan = serving.runtime->plan;
+  if (plan.variant() != v1::BERT_MODEL) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", request.job_id(), " runs ", planner::HfClassName(plan.variant()),
+                     ", whose outputs are the head's, not the encoder's hidden states; Embed needs a BertModel job"));
+  }
+  if (!serving.assets->embedding.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("the checkpoint's sentence-transformers configuration: ",
+                                                      serving.assets->embedding.status().message()));
+  }
+  const serving::EmbeddingConfig& config = *serving.assets->embedding;
+  // sentence-transformers truncates at max_seq_length (the length the model was trained for); the
+  // position table bounds the rest.
+  const int64_t max_length = std::min(config.max_seq_length.value_or(plan.config().max_position_embeddings()),
+                                      plan.config().max_position_embeddings());
+  if (!v1::Pooling_IsValid(request.pooling()) || !v1::Normalize_IsValid(request.normalize())) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown pooling ", request.pooling(), " or normalize ",
+                                                   request.normalize(), " (see the Pooling and Normalize enums)"));
+  }
+  ASSIGN_OR_RETURN(PreparedInput input,
+                   PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
+                                request.has_text() ? &request.text() : nullptr, plan, *serving.assets, max_length,
+                                request.truncate()));
+  if (request.has_tokens() && input.tokens.seq() > max_length) {
+    // Token rows are the caller's own; the embedding model's limit still holds for them.
+    for (int32_t n : input.token_counts) {
+      if (n > max_length) {
+        return absl::InvalidArgumentError(absl::StrCat("a token row has ", n, " tokens; the embedding model takes at most ",
+                                                       max_length, " (sentence_bert_config.json max_seq_length)"));
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(BatchResult result, serving.batcher->Submit(input.tokens, deadline, cancelled));
+  v1::EmbedResponse response;
+  google::protobuf::RepeatedPtrField<v1::NamedTensor> outputs;
+  for (auto& t : result.outputs) *outputs.Add() = std::move(t);
+  RETURN_IF_ERROR(PoolEmbeddings(request, config, input.tokens, outputs, &response));
+  response.set_max_length(static_cast<int32_t>(max_length));
+  for (int32_t n : input.token_counts) response.add_token_counts(n);
+  for (bool t : input.truncated) response.add_truncated(t);
+  *response.mutable_batch() = ToBatchInfo(result);
   return response;
 }
 

@@ -46,6 +46,7 @@
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "jobs/job_store.h"
+#include "server/batch_queue.h"
 
 namespace bertshard::server {
 
@@ -57,7 +58,13 @@ struct ClusterOptions {
   // After a start, how long READY and LOADING jobs from the database wait for their ranks to
   // come back (workers register again within about a heartbeat interval of the start).
   absl::Duration readopt_grace = absl::Seconds(10);
+  // Dynamic batching of each job's Infer and Embed calls (see BatchQueue).
+  BatchLimits batching;
+  // Called for every merged forward, on the job's batch thread (metrics); may be null.
+  BatchObserver batch_observer;
 };
+
+struct JobAssets;  // server/inference.h
 
 class Cluster {
  public:
@@ -82,12 +89,18 @@ class Cluster {
   // every half second), or the deadline passes.
   absl::Status WatchJob(const std::string& id, absl::Time deadline, const std::function<bool(const v1::JobEvent&)>& emit,
                         const std::function<bool()>& cancelled);
-  // Requests on a job run one at a time in arrival order. A request whose caller went away
-  // (`cancelled`) while it waited is dropped; once its forward has started on the ranks it runs to
-  // the end (stopping some ranks mid-forward would desynchronise them).
+  // Requests on a job are batched (ClusterOptions::batching): concurrent ones merge into one
+  // forward, and forwards run one at a time. A request whose caller went away (`cancelled`) or
+  // whose deadline passed while it waited is never sent; once its forward has started on the ranks
+  // the forward runs to the end (stopping some ranks mid-forward would desynchronise them), and
+  // the caller gets DEADLINE_EXCEEDED / CANCELLED at once.
   // UNAVAILABLE while the job is recovering after a restart (retry), or when a rank's Forward
   // call fails (the job fails with it, at once).
   absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline,
+                                          const std::function<bool()>& cancelled = nullptr);
+  // Sentence embeddings from a BertModel job, batched like Infer. FAILED_PRECONDITION for a job
+  // whose model has no encoder output.
+  absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                           const std::function<bool()>& cancelled = nullptr);
 
   // The server is draining for shutdown: from now on no worker is declared dead and no job is
@@ -118,6 +131,16 @@ class Cluster {
   void FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state = v1::FAILED)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MonitorLoop();
+  // A READY job's runtime, its batch queue (made on first use) and assets (read on first use).
+  struct Serving {
+    std::shared_ptr<JobRuntime> runtime;
+    std::shared_ptr<BatchQueue> batcher;
+    std::shared_ptr<const JobAssets> assets;
+  };
+  absl::StatusOr<Serving> ServingFor(const std::string& job_id);
+  // One merged forward on every rank of the job; runs on the job's batch thread.
+  absl::StatusOr<BatchOutputs> ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged,
+                                            int micro_batches, absl::Time deadline);
   v1::JobEvent EventLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ClusterOptions options_;

@@ -19,9 +19,10 @@
 #include "bertshard/v1/job.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/batch_queue.h"
 #include "server/cluster.h"
+#include "server/inference.h"
 #include "server/readoption.h"
-#include "tokenizer/wordpiece.h"
 
 namespace bertshard::server {
 
@@ -42,7 +43,7 @@ struct Cluster::Recovery {
   std::set<int> lost;                        // ranks whose previous worker came back without them
 };
 
-// Fields other than infer_mu and tokenizer are guarded by Cluster::mu_.
+// Fields other than assets_mu and assets are guarded by Cluster::mu_.
 struct Cluster::JobRuntime {
   v1::ShardPlan plan;
   std::string checkpoint;
@@ -50,10 +51,15 @@ struct Cluster::JobRuntime {
   std::vector<v1::RankProgress> progress;
   std::vector<std::shared_ptr<grpc::ClientContext>> load_contexts;
   std::unique_ptr<Recovery> recovery;  // set while recovering after a restart
-  int64_t next_sequence = 0;           // advanced only with infer_mu held too
-  absl::Mutex infer_mu;  // one inference at a time: every rank must see the same order
-  std::atomic<int> infer_calls{0};  // Infer calls waiting for or holding infer_mu (queue depth)
-  std::unique_ptr<tokenizer::WordPieceTokenizer> tokenizer ABSL_GUARDED_BY(infer_mu);
+  // The next forward's number. Advanced only by the batch queue's thread (one forward at a time, so
+  // every rank sees one order), and set by recovery before the job serves again.
+  int64_t next_sequence = 0;
+  // Merges concurrent Infer/Embed calls into forwards; made on the first call, closed (and
+  // released off the lock) when the job ends.
+  std::shared_ptr<BatchQueue> batcher;
+  std::atomic<int> infer_calls{0};  // Infer/Embed calls in progress on this job (queue depth)
+  absl::Mutex assets_mu;            // loading the assets once
+  std::shared_ptr<const JobAssets> assets ABSL_GUARDED_BY(assets_mu);
 };
 
 }  // namespace bertshard::server

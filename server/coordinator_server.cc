@@ -81,6 +81,29 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterCo
   return handles;
 }
 
+// The dynamic batcher's merged forwards: how many requests, rows and padded tokens each held.
+absl::StatusOr<BatchObserver> BatchMetrics(common::MetricsRegistry* registry) {
+  ASSIGN_OR_RETURN(common::HistogramFamily * requests,
+                   registry->AddHistogram("bertshard_coordinator_batch_requests",
+                                          "Infer/Embed requests merged into one sharded forward.", {},
+                                          {1, 2, 4, 8, 16, 32, 64, 128}));
+  ASSIGN_OR_RETURN(common::HistogramFamily * rows,
+                   registry->AddHistogram("bertshard_coordinator_batch_rows", "Rows (sequences) of one sharded forward.",
+                                          {}, {1, 2, 4, 8, 16, 32, 64, 128, 256}));
+  ASSIGN_OR_RETURN(common::HistogramFamily * tokens,
+                   registry->AddHistogram("bertshard_coordinator_batch_tokens",
+                                          "Padded tokens (rows x padded length) of one sharded forward.", {},
+                                          {64, 256, 1024, 4096, 16384, 65536}));
+  ASSIGN_OR_RETURN(common::Histogram * r, requests->WithLabels({}));
+  ASSIGN_OR_RETURN(common::Histogram * w, rows->WithLabels({}));
+  ASSIGN_OR_RETURN(common::Histogram * t, tokens->WithLabels({}));
+  return BatchObserver([r, w, t](const BatchStats& stats) {
+    r->Observe(stats.requests);
+    w->Observe(static_cast<double>(stats.rows));
+    t->Observe(static_cast<double>(stats.tokens));
+  });
+}
+
 }  // namespace
 
 // The synchronous API on purpose: Infer and WatchJob block until workers answer, which a
@@ -133,6 +156,10 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     return Reply(cluster_->Infer(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
                  response);
   }
+  grpc::Status Embed(grpc::ServerContext* context, const v1::EmbedRequest* request, v1::EmbedResponse* response) override {
+    return Reply(cluster_->Embed(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
+                 response);
+  }
 
  private:
   Cluster* const cluster_;
@@ -148,7 +175,15 @@ CoordinatorServer::~CoordinatorServer() {
 }
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const CoordinatorOptions& options) {
-  ASSIGN_OR_RETURN(auto cluster, Cluster::Create(options.cluster));
+  ClusterOptions cluster_options = options.cluster;
+  if (options.metrics != nullptr) {
+    ASSIGN_OR_RETURN(BatchObserver observer, BatchMetrics(options.metrics));
+    cluster_options.batch_observer = [observer, next = options.cluster.batch_observer](const BatchStats& stats) {
+      observer(stats);
+      if (next) next(stats);
+    };
+  }
+  ASSIGN_OR_RETURN(auto cluster, Cluster::Create(cluster_options));
   auto service = std::make_unique<Service>(cluster.get());
   std::vector<common::MetricsRegistry::CollectorHandle> collectors;
   if (options.metrics != nullptr) {

@@ -1,16 +1,19 @@
 // File: server/inference.h
 // -----------------------------------------------------------------------------
-// The coordinator's two halves of one inference, apart from the per-job queue that Cluster keeps:
-// turning an InferRequest into the token batch every rank runs (text tokenised with the
-// checkpoint's WordPiece vocabulary and padded, tokens validated against the plan), and sending
-// one numbered forward to every rank at once, returning as soon as any rank fails.
+// The coordinator's parts of one inference, apart from the per-job batch queue that Cluster
+// keeps: what a job needs from its checkpoint (tokenizer, pooling config, labels); turning an
+// Infer or Embed request into the token batch every rank runs (text tokenised with the
+// checkpoint's WordPiece vocabulary, truncated on request, padded; tokens validated against the
+// plan); sending one numbered forward to every rank at once, returning as soon as any rank fails;
+// and making the outputs useful (head predictions, pooled embeddings).
 //
 // Example:
-//   ASSIGN_OR_RETURN(v1::TokenInputs tokens, PrepareTokens(request, plan, checkpoint, &tokenizer));
+//   auto assets = LoadJobAssets(plan, checkpoint);
+//   ASSIGN_OR_RETURN(PreparedInput in, PrepareInput(nullptr, &request.text(), plan, *assets, 512, false));
 //   ForwardOutcome out = ForwardOnAllRanks(ranks, forward, deadline);
 //   if (out.failed_rank >= 0) ...  // out.status says what failed there; other calls were cancelled
 //
-// Thread safety: thread-safe (PrepareTokens mutates only *tokenizer, which the caller guards).
+// Thread safety: thread-safe.
 #ifndef BERTSHARD_SERVER_INFERENCE_H_
 #define BERTSHARD_SERVER_INFERENCE_H_
 
@@ -22,17 +25,63 @@
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
+#include "serving/heads.h"
+#include "serving/pooling.h"
 #include "tokenizer/wordpiece.h"
 
 namespace bertshard::server {
 
-// The batch `request` asks for: its tokens (attention mask defaulting to ones, token types to
-// zeros) or its text tokenised (`*tokenizer` is created from the checkpoint's vocab.txt on first
-// use). INVALID_ARGUMENT for input the plan cannot run (says what is valid);
-// FAILED_PRECONDITION for text when the checkpoint has no vocab.txt.
-absl::StatusOr<v1::TokenInputs> PrepareTokens(const v1::InferRequest& request, const v1::ShardPlan& plan,
-                                              const std::string& checkpoint,
-                                              std::unique_ptr<tokenizer::WordPieceTokenizer>* tokenizer);
+// What serving a job needs from its checkpoint besides the weights, read once on first use.
+// Missing pieces are errors only for the requests that need them.
+struct JobAssets {
+  // The checkpoint's WordPiece tokenizer (vocab.txt, tokenizer_config.json); null when it could
+  // not be built, and then `tokenizer_status` says why.
+  std::unique_ptr<tokenizer::WordPieceTokenizer> tokenizer;
+  absl::Status tokenizer_status;
+  // Ids the tokenizer adds ([CLS], [SEP], [PAD]) and [MASK]; -1 when the vocabulary lacks them.
+  int64_t cls_id = -1, sep_id = -1, pad_id = -1, mask_id = -1;
+  // The sentence-transformers configuration (BertModel jobs): pooling, normalisation, maximum
+  // length.
+  absl::StatusOr<serving::EmbeddingConfig> embedding = absl::UnknownError("not read");
+  // config.json's labels (classification heads).
+  absl::StatusOr<serving::Labels> labels = absl::UnknownError("not read");
+};
+
+// Reads what it can; never fails as a whole (see JobAssets).
+std::shared_ptr<const JobAssets> LoadJobAssets(const v1::ShardPlan& plan, const std::string& checkpoint);
+
+// One request's token batch, ready for the batch queue.
+struct PreparedInput {
+  v1::TokenInputs tokens;
+  std::vector<bool> truncated;         // per text (empty for token input)
+  std::vector<int32_t> token_counts;   // per row: tokens with attention 1
+};
+
+// The batch an Infer or Embed request asks for: its tokens (attention mask defaulting to ones,
+// token types to zeros) or its texts tokenised and padded to the longest. `max_length` bounds each
+// text (with [CLS]/[SEP]); longer ones are cut to it when `truncate`, else INVALID_ARGUMENT saying
+// both lengths. INVALID_ARGUMENT for input the plan cannot run (says what is valid) and for empty
+// texts; FAILED_PRECONDITION for text when the checkpoint has no usable vocab.txt.
+absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const v1::TextInput* text,
+                                           const v1::ShardPlan& plan, const JobAssets& assets, int64_t max_length,
+                                           bool truncate);
+
+// Whether output `name` of `variant` has a sequence axis at dim 1 (so batching pads and cuts it).
+bool PerTokenOutput(v1::ModelVariant variant, const std::string& name);
+
+// The head's outputs made readable, one Prediction per batch entry (per choice group for multiple
+// choice); empty for BertModel. `top_k` (0: 5) for masked LM heads.
+absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, const JobAssets& assets,
+                                                    const v1::TokenInputs& tokens,
+                                                    const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
+                                                    int top_k);
+
+// The embeddings of `tokens` from a BertModel's last_hidden_state, pooled as `request` asks or as
+// the checkpoint says. Fills embeddings, pooling and normalized of `response`.
+absl::Status PoolEmbeddings(const v1::EmbedRequest& request, const serving::EmbeddingConfig& config,
+                            const v1::TokenInputs& tokens,
+                            const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
+                            v1::EmbedResponse* response);
 
 // A rank of a job and the worker serving it.
 struct RankStub {

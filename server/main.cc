@@ -32,6 +32,13 @@ ABSL_FLAG(absl::Duration, readopt_grace, absl::Seconds(10),
           "after a restart, how long READY and LOADING jobs wait for all their ranks' workers to register");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port for the Prometheus endpoint GET /metrics (port 0: any free port; empty: none)");
+// Dynamic batching of each job's Infer/Embed calls (TEI's defaults for the token budget).
+ABSL_FLAG(int64_t, max_batch_tokens, 16384,
+          "most padded tokens (rows x padded length) in one merged forward; a request larger on its own is refused");
+ABSL_FLAG(int, max_batch_requests, 32, "most Infer/Embed requests merged into one forward");
+ABSL_FLAG(int, max_batch_delay_ms, 0,
+          "how long the first request of a batch may wait for others (0: none; requests arriving while a forward "
+          "runs are merged anyway)");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
@@ -53,6 +60,18 @@ int main(int argc, char** argv) {
   options.cluster.collective_timeout_seconds = absl::GetFlag(FLAGS_collective_timeout_s);
   options.cluster.readopt_grace = absl::GetFlag(FLAGS_readopt_grace);
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
+  options.cluster.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.cluster.batching.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
+  options.cluster.batching.max_batch_delay = absl::Milliseconds(absl::GetFlag(FLAGS_max_batch_delay_ms));
+  if (options.cluster.batching.max_batch_tokens < 1 || options.cluster.batching.max_batch_requests < 1 ||
+      absl::GetFlag(FLAGS_max_batch_delay_ms) < 0) {
+    std::fprintf(stderr,
+                 "bertshard-coordinator: --max_batch_tokens and --max_batch_requests must be >= 1 and "
+                 "--max_batch_delay_ms >= 0 (got %lld, %d, %d)\n",
+                 static_cast<long long>(options.cluster.batching.max_batch_tokens),
+                 options.cluster.batching.max_batch_requests, absl::GetFlag(FLAGS_max_batch_delay_ms));
+    return 2;
+  }
 
   bertshard::common::InstallShutdownHandlers();
 

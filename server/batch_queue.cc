@@ -1,0 +1,416 @@
+#include "server/batch_queue.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace bertshard::server {
+
+namespace {
+
+// How often a waiting Submit asks its caller whether it went away.
+constexpr absl::Duration kCancelPoll = absl::Milliseconds(20);
+
+}  // namespace
+
+struct BatchQueue::Request {
+  // Set before the request is queued, read-only afterwards.
+  v1::TokenInputs tokens;
+  int64_t rows = 0;
+  int64_t seq = 0;
+  int64_t choices = 1;  // >= 1
+  int micro_batches = 1;  // >= 1
+  bool alone = false;     // micro-batched: never merged
+  absl::Time deadline;
+  // Called only with mu_ held and only while the caller still waits in Submit (!caller_gone), so
+  // whatever it captures from the caller is still alive.
+  std::function<bool()> cancelled;
+  absl::Time enqueued;
+  int64_t id = 0;  // arrival order
+
+  // Guarded by the queue's mu_.
+  bool running = false;      // taken off the queue into a batch
+  bool done = false;         // `result` is final
+  bool caller_gone = false;  // Submit returned without `result` (deadline, cancelled)
+  absl::StatusOr<BatchResult> result = absl::UnknownError("not run");
+};
+
+namespace {
+
+// One request's rows in a batch.
+struct Slice {
+  const v1::TokenInputs* tokens;
+  int64_t rows;
+  int64_t seq;
+  int64_t choices;
+};
+
+// Pads every request's rows to `seq` and stacks them in batch order.
+v1::TokenInputs Merge(const std::vector<Slice>& batch, int64_t rows, int64_t seq, int64_t pad_token_id) {
+  v1::TokenInputs merged;
+  merged.set_rows(rows);
+  merged.set_seq(seq);
+  merged.set_choices(batch.front().choices);
+  const int n = static_cast<int>(rows * seq);
+  merged.mutable_input_ids()->Reserve(n);
+  merged.mutable_attention_mask()->Reserve(n);
+  merged.mutable_token_type_ids()->Reserve(n);
+  for (const Slice& r : batch) {
+    const v1::TokenInputs& t = *r.tokens;
+    const bool has_mask = t.attention_mask_size() > 0;
+    const bool has_types = t.token_type_ids_size() > 0;
+    for (int64_t row = 0; row < r.rows; ++row) {
+      for (int64_t p = 0; p < seq; ++p) {
+        if (p < r.seq) {
+          const int i = static_cast<int>(row * r.seq + p);
+          merged.add_input_ids(t.input_ids(i));
+          merged.add_attention_mask(has_mask ? t.attention_mask(i) : 1);
+          merged.add_token_type_ids(has_types ? t.token_type_ids(i) : 0);
+        } else {
+          merged.add_input_ids(pad_token_id);
+          merged.add_attention_mask(0);
+          merged.add_token_type_ids(0);
+        }
+      }
+    }
+  }
+  return merged;
+}
+
+// Cuts each request's rows (and, for per-token outputs, its own seq) out of the merged outputs.
+// INTERNAL for an output whose shape does not fit the batch: no caller gets a wrong slice.
+absl::Status Split(const std::vector<v1::NamedTensor>& outputs, const std::vector<Slice>& batch, int64_t rows,
+                   int64_t seq, const PerTokenFn& per_token, std::vector<std::vector<v1::NamedTensor>>* parts) {
+  const int64_t choices = batch.front().choices;
+  parts->assign(batch.size(), {});
+  for (const v1::NamedTensor& t : outputs) {
+    if (t.shape_size() == 0) return absl::InternalError(absl::StrCat("output ", t.name(), " has no batch axis"));
+    int64_t numel = 1;
+    for (int64_t d : t.shape()) numel *= d;
+    if (numel != t.values_size()) {
+      return absl::InternalError(absl::StrCat("output ", t.name(), " has ", t.values_size(), " values for ", numel,
+                                              " elements of its shape"));
+    }
+    // Input rows per output row: 1, or `choices` for outputs per question (multiple-choice logits).
+    int64_t group = 0;
+    if (t.shape(0) == rows) {
+      group = 1;
+    } else if (choices > 1 && t.shape(0) * choices == rows) {
+      group = choices;
+    } else {
+      return absl::InternalError(absl::StrCat("output ", t.name(), " has dim 0 = ", t.shape(0), " for a batch of ",
+                                              rows, " rows (", choices, " choices)"));
+    }
+    const bool token_axis = per_token && per_token(t.name());
+    if (token_axis && (t.shape_size() < 2 || t.shape(1) != seq)) {
+      return absl::InternalError(absl::StrCat("per-token output ", t.name(), " has no dim 1 = padded seq ", seq));
+    }
+    const int64_t per_row = numel / t.shape(0);
+    const int64_t per_position = token_axis ? per_row / seq : 0;
+    int64_t row = 0;  // output rows handed out so far
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Slice& r = batch[i];
+      const int64_t own_rows = r.rows / group;
+      const int64_t kept = token_axis ? r.seq * per_position : per_row;
+      v1::NamedTensor& part = (*parts)[i].emplace_back();
+      part.set_name(t.name());
+      *part.mutable_shape() = t.shape();
+      part.set_shape(0, own_rows);
+      if (token_axis) part.set_shape(1, r.seq);
+      part.mutable_values()->Reserve(static_cast<int>(own_rows * kept));
+      for (int64_t k = 0; k < own_rows; ++k, ++row) {
+        const float* from = t.values().data() + row * per_row;
+        part.mutable_values()->Add(from, from + kept);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+BatchQueue::BatchQueue(BatchLimits limits, BatchPadding padding, RunBatchFn run, PerTokenFn per_token,
+                       BatchObserver observer)
+    : limits_([&limits] {
+        limits.max_batch_tokens = std::max<int64_t>(1, limits.max_batch_tokens);
+        limits.max_batch_requests = std::max(1, limits.max_batch_requests);
+        limits.max_batch_delay = std::max(absl::ZeroDuration(), limits.max_batch_delay);
+        return limits;
+      }()),
+      padding_(padding),
+      run_(std::move(run)),
+      per_token_(std::move(per_token)),
+      observer_(std::move(observer)),
+      thread_([this] { Loop(); }) {}
+
+BatchQueue::~BatchQueue() {
+  Close("job is going away");
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  thread_.join();
+  // Every request is done now; wait for their Submit calls to see it before mu_ goes away.
+  absl::MutexLock lock(&mu_);
+  auto returned = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return submits_ == 0; };
+  mu_.Await(absl::Condition(&returned));
+}
+
+void BatchQueue::Close(const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return;
+  closed_ = true;
+  close_reason_ = reason;
+  for (const std::shared_ptr<Request>& r : waiting_) {
+    r->result = absl::UnavailableError(reason);
+    r->done = true;
+  }
+  waiting_.clear();
+}
+
+int BatchQueue::queued() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(waiting_.size());
+}
+
+int64_t BatchQueue::PaddedSeq(int64_t longest) const {
+  const int64_t m = std::max<int64_t>(1, padding_.seq_multiple);
+  const int64_t rounded = (longest + m - 1) / m * m;
+  // Requests are valid alone, so their longest seq is a valid seq: never round past the cap.
+  if (padding_.max_seq > 0 && rounded > padding_.max_seq) return longest;
+  return rounded;
+}
+
+absl::StatusOr<BatchResult> BatchQueue::Submit(v1::TokenInputs tokens, absl::Time deadline,
+                                               const std::function<bool()>& cancelled, int micro_batches) {
+  const int64_t rows = tokens.rows();
+  const int64_t seq = tokens.seq();
+  const int64_t choices = std::max<int64_t>(1, tokens.choices());
+  if (rows < 1 || seq < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens need rows >= 1 and seq >= 1, got ", rows, " x ", seq));
+  }
+  if (rows % choices != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("rows ", rows, " is not a multiple of choices ", choices));
+  }
+  // Checked before the size checks below, so rows x seq cannot overflow the int sizes there.
+  if (rows > limits_.max_batch_tokens / seq) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the request has rows x seq = ", rows, " x ", seq, " = ", rows * seq, " tokens, more than one batch may hold (",
+        limits_.max_batch_tokens, ", --max_batch_tokens); send fewer or shorter rows"));
+  }
+  const int64_t n = rows * seq;
+  auto size_ok = [n](int size, bool may_be_empty) { return size == n || (may_be_empty && size == 0); };
+  if (!size_ok(tokens.input_ids_size(), false) || !size_ok(tokens.attention_mask_size(), true) ||
+      !size_ok(tokens.token_type_ids_size(), true)) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens need rows x seq = ", n, " input_ids (and attention_mask, ",
+                                                   "token_type_ids if given), got ", tokens.input_ids_size(), ", ",
+                                                   tokens.attention_mask_size(), ", ", tokens.token_type_ids_size()));
+  }
+  if (absl::Now() >= deadline) return absl::DeadlineExceededError("the deadline passed before the request was queued");
+  if (cancelled && cancelled()) return absl::CancelledError("the caller went away before the request was queued");
+
+  auto request = std::make_shared<Request>();
+  request->rows = rows;
+  request->seq = seq;
+  request->choices = choices;
+  request->micro_batches = std::max(1, micro_batches);
+  request->alone = micro_batches > 1;
+  request->deadline = deadline;
+  request->cancelled = cancelled;
+  request->tokens = std::move(tokens);
+
+  absl::MutexLock lock(&mu_);
+  if (closed_) return absl::UnavailableError(close_reason_);
+  ++submits_;
+  request->id = next_id_++;
+  request->enqueued = absl::Now();
+  waiting_.push_back(request);
+  // The caller returns on its own (deadline, cancelled) without waiting for its batch; a running
+  // batch goes on for the others, and a waiting request leaves the queue.
+  auto leave = [this, &request](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!request->running) waiting_.erase(std::find(waiting_.begin(), waiting_.end(), request));
+    request->caller_gone = true;
+    return why;
+  };
+  absl::StatusOr<BatchResult> result;
+  while (true) {
+    mu_.AwaitWithDeadline(absl::Condition(&request->done), std::min(deadline, absl::Now() + kCancelPoll));
+    if (request->done) {
+      result = std::move(request->result);
+      break;
+    }
+    if (absl::Now() >= deadline) {
+      result = leave(absl::DeadlineExceededError(request->running
+                                                     ? "the deadline passed while the request's batch ran"
+                                                     : "the deadline passed while the request was queued"));
+      break;
+    }
+    if (cancelled && cancelled()) {
+      result = leave(absl::CancelledError(request->running ? "the caller went away while the request's batch ran"
+                                                            : "the caller went away while the request was queued"));
+      break;
+    }
+  }
+  --submits_;
+  return result;
+}
+
+std::vector<BatchQueue::Request*> BatchQueue::FormBatchLocked(bool* full) const {
+  std::vector<Request*> batch = {waiting_.front().get()};
+  const Request& oldest = *batch.front();
+  *full = true;
+  if (oldest.alone) return batch;
+  std::vector<Request*> candidates;
+  for (size_t i = 1; i < waiting_.size(); ++i) {
+    Request* r = waiting_[i].get();
+    if (!r->alone && r->choices == oldest.choices) candidates.push_back(r);
+  }
+  // Closest in length to the oldest first (less padding), then by arrival. The oldest is always
+  // in: a request passed over moves up the queue until it is the oldest itself.
+  std::stable_sort(candidates.begin(), candidates.end(), [&oldest](const Request* a, const Request* b) {
+    return std::abs(a->seq - oldest.seq) < std::abs(b->seq - oldest.seq);
+  });
+  int64_t rows = oldest.rows;
+  int64_t longest = oldest.seq;
+  bool skipped = false;
+  for (Request* r : candidates) {
+    if (static_cast<int>(batch.size()) >= limits_.max_batch_requests) break;
+    const int64_t merged_longest = std::max(longest, r->seq);
+    if ((rows + r->rows) * PaddedSeq(merged_longest) > limits_.max_batch_tokens) {
+      skipped = true;  // a shorter or smaller request further on may still fit
+      continue;
+    }
+    batch.push_back(r);
+    rows += r->rows;
+    longest = merged_longest;
+  }
+  *full = skipped || static_cast<int>(batch.size()) >= limits_.max_batch_requests;
+  return batch;
+}
+
+std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
+  absl::MutexLock lock(&mu_);
+  auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !waiting_.empty(); };
+  while (true) {
+    mu_.Await(absl::Condition(&work));
+    if (stopping_) return {};
+    bool full = false;
+    std::vector<Request*> batch = FormBatchLocked(&full);
+    const Request* oldest = batch.front();
+    const int64_t oldest_id = oldest->id;
+    // Wait for more to merge with, from the arrival of the batch's first request: one that
+    // already waited through the previous batch goes at once.
+    const absl::Time until = std::min(oldest->enqueued + limits_.max_batch_delay, oldest->deadline);
+    if (!full && absl::Now() < until) {
+      // `oldest` may leave the queue (and be freed) meanwhile: compare ids.
+      auto changed = [this, oldest_id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (stopping_ || waiting_.empty() || waiting_.front()->id != oldest_id) return true;
+        bool now_full = false;
+        FormBatchLocked(&now_full);
+        return now_full;
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&changed), until);
+      continue;
+    }
+    // Takes `r` off the queue, handing over the queue's reference.
+    auto take = [this](const Request* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = std::find_if(waiting_.begin(), waiting_.end(),
+                             [r](const std::shared_ptr<Request>& w) { return w.get() == r; });
+      std::shared_ptr<Request> owned = std::move(*it);
+      waiting_.erase(it);
+      return owned;
+    };
+    // Never send a request whose caller is gone: drop those, then form the batch again.
+    const absl::Time now = absl::Now();
+    bool dropped = false;
+    for (Request* r : batch) {
+      absl::Status drop;
+      if (now >= r->deadline) {
+        drop = absl::DeadlineExceededError("the deadline passed while the request was queued");
+      } else if (r->cancelled && r->cancelled()) {
+        drop = absl::CancelledError("the caller went away while the request was queued");
+      }
+      if (drop.ok()) continue;
+      r->result = drop;
+      r->done = true;
+      take(r);
+      dropped = true;
+    }
+    if (dropped) continue;
+    // Rows go in arrival order, whatever order the requests were chosen in.
+    std::sort(batch.begin(), batch.end(), [](const Request* a, const Request* b) { return a->id < b->id; });
+    std::vector<std::shared_ptr<Request>> taken;
+    for (Request* r : batch) {
+      r->running = true;
+      taken.push_back(take(r));
+    }
+    return taken;
+  }
+}
+
+void BatchQueue::RunBatch(std::vector<std::shared_ptr<Request>> batch) {
+  const absl::Time dispatched = absl::Now();
+  absl::Time deadline = absl::InfinitePast();
+  int64_t rows = 0;
+  int64_t longest = 0;
+  std::vector<Slice> slices;
+  for (const std::shared_ptr<Request>& r : batch) {
+    deadline = std::max(deadline, r->deadline);
+    rows += r->rows;
+    longest = std::max(longest, r->seq);
+    slices.push_back({&r->tokens, r->rows, r->seq, r->choices});
+  }
+  BatchStats stats;
+  stats.requests = static_cast<int>(batch.size());
+  stats.rows = rows;
+  // A lone request runs as it came: nothing to pad, nothing to cut.
+  stats.seq = batch.size() == 1 ? longest : PaddedSeq(longest);
+  stats.tokens = stats.rows * stats.seq;
+  if (observer_) observer_(stats);
+
+  std::vector<absl::StatusOr<BatchResult>> results(batch.size());
+  absl::StatusOr<BatchOutputs> out =
+      batch.size() == 1 ? run_(batch.front()->tokens, batch.front()->micro_batches, deadline)
+                        : run_(Merge(slices, rows, stats.seq, padding_.pad_token_id), 1, deadline);
+  if (!out.ok()) {
+    for (auto& result : results) result = out.status();
+  } else {
+    std::vector<std::vector<v1::NamedTensor>> parts;
+    absl::Status split = absl::OkStatus();
+    if (batch.size() == 1) {
+      parts.push_back(std::move(out->outputs));
+    } else {
+      split = Split(out->outputs, slices, rows, stats.seq, per_token_, &parts);
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (!split.ok()) {
+        results[i] = split;
+        continue;
+      }
+      BatchResult result;
+      result.outputs = std::move(parts[i]);
+      result.forward_seconds = out->forward_seconds;
+      result.batch = stats;
+      result.queued = dispatched - batch[i]->enqueued;
+      results[i] = std::move(result);
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    batch[i]->result = std::move(results[i]);
+    batch[i]->done = true;
+  }
+}
+
+void BatchQueue::Loop() {
+  while (true) {
+    std::vector<std::shared_ptr<Request>> batch = NextBatch();
+    if (batch.empty()) return;
+    RunBatch(std::move(batch));
+  }
+}
+
+}  // namespace bertshard::server

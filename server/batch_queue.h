@@ -1,0 +1,162 @@
+// File: server/batch_queue.h
+// -----------------------------------------------------------------------------
+// Dynamic batching in front of one job's forward (as HuggingFace text-embeddings-inference or
+// Triton's dynamic batcher do): concurrent requests are merged into one padded forward, and each
+// caller gets back exactly its own rows. Every rank of a job must see forwards in one order, so a
+// queue has one thread that runs its batches strictly one at a time; while a batch runs, new
+// requests queue, and the thread takes what has queued as soon as it is free (continuous
+// batching). No gRPC service and no LibTorch here: the forward itself is the caller's RunBatchFn.
+//
+// Forming a batch: the oldest waiting request always goes into the next batch (nothing starves);
+// then the other waiting requests it can merge with, closest in length to it first (less
+// padding), while the merged batch stays within BatchLimits. Requests merge only with the same
+// `choices` and without micro-batching; requests with micro_batches > 1 run alone. Requests whose
+// caller went away or whose deadline passed before their batch was dispatched are never sent.
+//
+// Merging pads every request's rows to the batch's longest sequence (input_ids with the pad
+// token, attention_mask and token_type_ids with 0), rounded up per BatchPadding, and stacks the
+// rows in request order. Splitting gives each request its rows of every output (dim 0 is rows, or
+// rows / choices for multiple-choice logits) and, for per-token outputs (sequence axis at dim 1),
+// cuts the padding back off: values bit for bit as the merged forward produced them. A batch of
+// one request runs that request's tokens as they are and returns the outputs untouched.
+//
+// Example:
+//   BatchQueue queue(limits, {.pad_token_id = 0}, run_on_all_ranks,
+//                    [](const std::string& name) { return name == "last_hidden_state"; });
+//   ASSIGN_OR_RETURN(BatchResult r, queue.Submit(std::move(tokens), deadline, cancelled));
+//   // r.outputs: this request's rows only; r.batch says what it was merged into.
+//
+// Thread safety: thread-safe. RunBatchFn, PerTokenFn and BatchObserver run on the queue's thread;
+// `cancelled` (see Submit) may run on it too.
+#ifndef BERTSHARD_SERVER_BATCH_QUEUE_H_
+#define BERTSHARD_SERVER_BATCH_QUEUE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "bertshard/v1/worker.pb.h"
+
+namespace bertshard::server {
+
+// Bounds on one merged forward (values below 1 count as 1).
+struct BatchLimits {
+  int64_t max_batch_tokens = 16384;  // rows x padded seq of the merged batch
+  int max_batch_requests = 32;       // requests merged into one forward
+  // How long the first request of a batch may wait for more to merge with; the wait ends early
+  // once the batch is full. Zero: a lone request runs at once (no added latency).
+  absl::Duration max_batch_delay = absl::ZeroDuration();
+};
+
+// How merged rows are padded; the caller derives it from the plan.
+struct BatchPadding {
+  int64_t pad_token_id = 0;  // the model config's pad_token_id
+  // The padded seq of a merged batch is rounded up to a multiple of this (split_gather sequence
+  // parallelism needs seq divisible by the TP size) unless that would pass max_seq.
+  int64_t seq_multiple = 1;
+  int64_t max_seq = 0;  // max_position_embeddings; 0: no cap
+};
+
+// What one merged forward returned: HF-named outputs for all of its rows.
+struct BatchOutputs {
+  std::vector<v1::NamedTensor> outputs;
+  double forward_seconds = 0;
+};
+
+// Runs one merged forward (the caller numbers it and sends it to every rank). `micro_batches`
+// (>= 1) is what a request that runs alone asked for, 1 for a merged batch; `deadline` is the
+// latest deadline among the batch's requests.
+using RunBatchFn = std::function<absl::StatusOr<BatchOutputs>(const v1::TokenInputs& merged, int micro_batches,
+                                                              absl::Time deadline)>;
+// Whether an output has a sequence axis at dim 1 (last_hidden_state, token logits, start/end
+// logits), decided by the caller from the model variant. Null: no output does.
+using PerTokenFn = std::function<bool(const std::string& output_name)>;
+
+// One dispatched batch.
+struct BatchStats {
+  int requests = 0;
+  int64_t rows = 0;    // merged rows (batch x choices)
+  int64_t seq = 0;     // padded seq
+  int64_t tokens = 0;  // rows x seq
+};
+// Called on the queue's thread for every batch dispatched, just before it runs (for metrics).
+using BatchObserver = std::function<void(const BatchStats&)>;
+
+struct BatchResult {
+  std::vector<v1::NamedTensor> outputs;  // this request's rows only, its own seq
+  double forward_seconds = 0;            // of the merged forward
+  BatchStats batch;                      // what the request was merged into
+  absl::Duration queued;                 // from Submit to the batch's dispatch
+};
+
+class BatchQueue {
+ public:
+  BatchQueue(BatchLimits limits, BatchPadding padding, RunBatchFn run, PerTokenFn per_token,
+             BatchObserver observer = nullptr);
+  // Close("job is going away"), then waits for the running batch (if any) and for every Submit
+  // call to return. So it must not run on the queue's own thread (from RunBatchFn or the
+  // observer), nor under a lock that RunBatchFn takes.
+  ~BatchQueue();
+  BatchQueue(const BatchQueue&) = delete;
+  BatchQueue& operator=(const BatchQueue&) = delete;
+
+  // Runs `tokens` (row-major [rows, seq], rows = batch x choices; an empty attention_mask or
+  // token_type_ids means ones or zeros) in the next batch that can take it. INVALID_ARGUMENT for
+  // malformed tokens or rows x seq over max_batch_tokens (says both numbers and the flag).
+  // Blocks until this request's rows come back, the forward fails (its status, for every request
+  // of the batch), `deadline` passes (DEADLINE_EXCEEDED; a batch already running goes on for the
+  // others), `cancelled` turns true (CANCELLED; checked at least every 20 ms, the batch goes on
+  // likewise), or the queue closes while the request waits (UNAVAILABLE).
+  // `cancelled` may be null; it must be cheap and thread-safe, and must not call into this
+  // queue: the queue's thread calls it (with the queue's lock held) right before dispatch.
+  // `micro_batches` > 1: the request runs alone, and RunBatchFn gets it (the ranks split the
+  // forward into that many micro-batches).
+  absl::StatusOr<BatchResult> Submit(v1::TokenInputs tokens, absl::Time deadline,
+                                     const std::function<bool()>& cancelled = nullptr, int micro_batches = 0)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Fails the requests still waiting with UNAVAILABLE(`reason`) and refuses new ones; the batch
+  // already running finishes. Does not block (safe with the caller's own locks held). Idempotent.
+  void Close(const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Requests waiting for a batch (not counting the running one), for a queue-depth gauge.
+  int queued() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Request;
+  // The requests of the next batch: the oldest waiting one first. `*full`: the batch cannot take
+  // more of what is waiting (a limit was reached, or the oldest runs alone).
+  std::vector<Request*> FormBatchLocked(bool* full) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Waits for and takes the next batch off the queue (marked running); empty once stopping.
+  std::vector<std::shared_ptr<Request>> NextBatch() ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs one batch and hands every request its result.
+  void RunBatch(std::vector<std::shared_ptr<Request>> batch) ABSL_LOCKS_EXCLUDED(mu_);
+  void Loop();
+  int64_t PaddedSeq(int64_t longest) const;
+
+  const BatchLimits limits_;
+  const BatchPadding padding_;
+  const RunBatchFn run_;
+  const PerTokenFn per_token_;
+  const BatchObserver observer_;
+
+  mutable absl::Mutex mu_;
+  std::vector<std::shared_ptr<Request>> waiting_ ABSL_GUARDED_BY(mu_);  // arrival order
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string close_reason_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // the thread exits once its batch is done
+  int submits_ ABSL_GUARDED_BY(mu_) = 0;        // Submit calls in progress
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_BATCH_QUEUE_H_
