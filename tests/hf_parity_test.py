@@ -172,10 +172,68 @@ def service_infer_outputs(opts, job, batch, input_json, name):
     return read_outputs(output, batch)
 
 
+def embed_json(opts, args):
+    out, seconds = run_tool([opts.shardctl, "embed"] + args + ["--format", "json", "--server", opts.server])
+    response = json.loads(out)
+    vectors = np.asarray([e["values"] for e in response["embeddings"]], dtype=np.float32)
+    return response, vectors, seconds
+
+
+def service_embed_outputs(opts, job, batch, input_json, name):
+    """`shardctl embed JOB --input` (token rows): the checkpoint's pooling (mean, then normalised)."""
+    response, vectors, seconds = embed_json(opts, [job, "--input", input_json])
+    log("  service embed %-10s %5.1f s" % (name, seconds))
+    if response.get("pooling") not in ("POOLING_MEAN", 1) or not response.get("normalized"):
+        fail("Embed did not apply the checkpoint's pooling (mean, normalised): %s" % {
+            k: v for k, v in response.items() if k != "embeddings"})
+    return {"sentence_embedding": vectors}
+
+
 # The ways a READY job is asked for outputs: (path name, function(opts, job, batch, input_json, name)).
 SERVICE_PATHS = [
     ("infer", service_infer_outputs),
+    ("embed", service_embed_outputs),
 ]
+
+
+def st_pooling(last_hidden_state, attention_mask, mode, normalize):
+    """sentence-transformers' Pooling for cls / max / mean (models/Pooling.py), then Normalize."""
+    h = torch.as_tensor(last_hidden_state, dtype=torch.float32)
+    mask = torch.as_tensor(attention_mask).unsqueeze(-1).expand(h.size()).float()
+    if mode == "cls":
+        v = h[:, 0]
+    elif mode == "max":
+        v = torch.max(h.masked_fill(mask == 0, -1e9), 1)[0]
+    else:
+        v = torch.sum(h * mask, 1) / torch.clamp(mask.sum(1), min=1e-9)
+    return (F.normalize(v, p=2, dim=1) if normalize else v).numpy()
+
+
+def check_text_embeddings(opts, job, tokenizer, model):
+    """`shardctl embed JOB TEXT...` tokenises on the coordinator: the vectors equal
+    sentence-transformers' for the same texts (its tokenizer, its pooling), for the checkpoint's
+    pooling and for overrides. Returns [(where, {output: diff})] and failures."""
+    texts = [text for text, pair in EXAMPLES if pair is None]
+    encoded = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**{k: encoded[k] for k in ("input_ids", "attention_mask", "token_type_ids")}).last_hidden_state
+    results, failures = [], []
+    for pooling, normalize in ((None, None), ("cls", False), ("max", True), ("mean", False)):
+        args = [job] + texts
+        if pooling:
+            args += ["--pooling", pooling, "--normalize", "true" if normalize else "false"]
+        response, vectors, _ = embed_json(opts, args)
+        counts = [int(c) for c in response.get("token_counts", [])]
+        if counts != encoded["attention_mask"].sum(1).tolist():
+            failures.append("embed text: token counts %s, HF tokenizer %s" % (counts, encoded["attention_mask"].sum(1).tolist()))
+        expected = st_pooling(hidden, encoded["attention_mask"], pooling or "mean", True if normalize is None else normalize)
+        diff = float(np.abs(vectors.astype(np.float64) - expected).max()) if vectors.shape == expected.shape else float("inf")
+        where = "service embed text %s" % (pooling or "default")
+        results.append((where, {"sentence_embedding": diff}))
+        if not diff <= TOLERANCE:
+            failures.append("%s: differs from sentence-transformers by %.3g (shapes %s, %s)" % (
+                where, diff, vectors.shape, expected.shape))
+    return results, failures
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,6 +333,10 @@ def main():
             try:
                 for path, function in SERVICE_PATHS:
                     check("service %s %s" % (path, name), even, function(opts, job, batches[even], inputs[even], name))
+                if name == "tp2_pp2":
+                    more, problems = check_text_embeddings(opts, job, tokenizer, model)
+                    results.extend(more)
+                    failures.extend(problems)
             except BaseException:
                 # Free the workers, but let the first failure be the one reported.
                 subprocess.run([opts.shardctl, "cancel", job, "--server", opts.server], timeout=60)
