@@ -178,6 +178,13 @@ def main():
                      le="+Inf"), calls, "%s +Inf bucket" % method)
         assert delta(c1, c2, "bertshard_grpc_request_duration_seconds_sum", method=COORDINATOR + method) > 0
     expect(c2.get("bertshard_coordinator_jobs", state="READY"), 1.0, "READY jobs after the inferences")
+    # Sequential calls each ran alone: three forwards of one request and `rows` rows.
+    for family in ("requests", "rows", "tokens"):
+        expect(c2.types.get("bertshard_coordinator_batch_" + family), "histogram", "type of the batch %s" % family)
+    expect(delta(c1, c2, "bertshard_coordinator_batch_requests_count"), 3, "batched forwards")
+    expect(delta(c1, c2, "bertshard_coordinator_batch_requests_sum"), 3, "requests over the batched forwards")
+    expect(delta(c1, c2, "bertshard_coordinator_batch_requests_bucket", le="1"), 3, "forwards of one request")
+    expect(delta(c1, c2, "bertshard_coordinator_batch_rows_sum"), 3 * rows, "rows over the batched forwards")
     expect(c2.types.get("bertshard_coordinator_infer_queue_depth"), "gauge", "type of the queue depth")
     expect(c2.children("bertshard_coordinator_infer_queue_depth").get((("job", job),)), 0.0,
            "queue depth of the job (present) once every call returned")

@@ -94,8 +94,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "tokenize_tool: line %lld is not JSON\n", static_cast<long long>(line_number));
       return 1;
     }
-    // replace: a vocabulary line that is not UTF-8 must not take the process down.
-    std::cout << Handle(**tok, in).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+    // ASCII only: a raw U+2028 or U+0085 in a line is a line break to some readers (Python's
+    // splitlines). replace: a vocabulary line that is not UTF-8 must not take the process down.
+    std::cout << Handle(**tok, in).dump(-1, ' ', /*ensure_ascii=*/true, nlohmann::json::error_handler_t::replace)
+              << '\n';
   }
   std::cout.flush();
   return std::cout ? 0 : 1;

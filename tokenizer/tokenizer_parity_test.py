@@ -228,7 +228,7 @@ class ToolRun:
         stdout, stderr = self.result
         if self.proc.returncode != 0:
             sys.exit(f"FAILED: tokenize_tool exited {self.proc.returncode}: {stderr.decode(errors='replace')}")
-        out = [json.loads(line) for line in stdout.decode().splitlines()]
+        out = [json.loads(line) for line in stdout.decode().split("\n")[:-1]]  # not splitlines: U+2028
         if len(out) != self.n:
             sys.exit(f"FAILED: tokenize_tool answered {len(out)} lines for {self.n}")
         return out
@@ -282,7 +282,8 @@ class Mismatches:
         if tokens is not None:
             hf = [tokens[x] if 0 <= x < len(tokens) else x for x in hf]
             ours = [tokens[x] if 0 <= x < len(tokens) else x for x in ours]
-        log(f"MISMATCH [{what}] {show_text(text) if isinstance(text, str) else text!r}")
+        shown = show_text(text) if isinstance(text, str) else repr(text)
+        log(f"MISMATCH [{what}] {shown}")
         if isinstance(hf, list):
             log(f"    HF:   {window(hf, i)} (first difference at {i}; {len(hf)} in all)")
             log(f"    ours: {window(ours, i)} ({len(ours)} in all)")
