@@ -20,6 +20,53 @@ const WordPieceTokenizer& Uncased() {
   return *tok;
 }
 
+// The same vocabulary lower-cased but not accent-stripped (tokenizer_config strip_accents: false).
+const WordPieceTokenizer& LowerOnly() {
+  static const auto* tok = [] {
+    TokenizerOptions options;
+    options.strip_accents = false;
+    auto t = WordPieceTokenizer::FromVocabFile("tests/testdata/vocab/bert-base-uncased-vocab.txt", options);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t->release();
+  }();
+  return *tok;
+}
+
+// Cased semantics: no lower-casing, so (strip_accents unset) no accent stripping either.
+const WordPieceTokenizer& Cased() {
+  static const auto* tok = [] {
+    TokenizerOptions options;
+    options.do_lower_case = false;
+    auto t = WordPieceTokenizer::FromVocabFile("tests/testdata/vocab/bert-base-uncased-vocab.txt", options);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t->release();
+  }();
+  return *tok;
+}
+
+std::string Repeat(absl::string_view s, int n) {
+  std::string out;
+  for (int i = 0; i < n; ++i) out.append(s.data(), s.size());
+  return out;
+}
+
+// n one-token words: "a a a" (id 1037 each) or "b b" (1038).
+std::string Words(char c, int n) {
+  std::string out;
+  for (int i = 0; i < n; ++i) {
+    if (i > 0) out += ' ';
+    out += c;
+  }
+  return out;
+}
+
+EncodeOptions Truncate(int64_t max_length) {
+  EncodeOptions o;
+  o.max_length = max_length;
+  o.truncation = true;
+  return o;
+}
+
 TEST(WordPiece, KnownUncasedTokenisations) {
   // tests/testdata/vocab/README.md
   EXPECT_EQ(*Uncased().TokenIds("a new test"), (Ids{1037, 2047, 3231}));
@@ -75,6 +122,164 @@ TEST(WordPiece, CasedOptionsFromTokenizerConfig) {
   EXPECT_EQ(*(*cased)->Tokenize("Hello café"), (Pieces{"Hello", "caf", "##é"}));
   std::ofstream(dir + "/tokenizer_config.json") << "{oops";
   EXPECT_FALSE(ReadTokenizerConfig(dir).ok());
+}
+
+
+// Expected values below come from HF tokenizers 0.19.1 (BertWordPieceTokenizer on this vocabulary);
+// tokenizer_parity_test checks the same on every code point and a corpus.
+
+TEST(WordPiece, EveryUnicodeWhitespaceThatCleaningKeepsSeparatesWords) {
+  // U+2028 LINE SEPARATOR used to be a word character here, and so [UNK].
+  EXPECT_EQ(*Uncased().Tokenize("a\u2028b"), (Pieces{"a", "b"}));
+  EXPECT_EQ(*Uncased().Tokenize("a\u2029b"), (Pieces{"a", "b"}));
+  EXPECT_EQ(*Uncased().BasicTokenize("a\u3000b\u00a0c\u1680d\u2000e\u200af\u202fg\u205fh\u2028i\u2029j\tk\nl\rm"),
+            (Pieces{"a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m"}));
+  EXPECT_EQ(*Uncased().TokenIds("\u2028\u2029\u3000 \t"), Ids{});
+}
+
+TEST(WordPiece, ControlAndFormatCharactersAreDroppedNotSpaces) {
+  // Cleaning drops control characters before it maps whitespace, so the White_Space controls
+  // U+000B, U+000C and U+0085 vanish, as do U+001C..U+001F, zero-width and bidi formatting
+  // characters, the soft hyphen, private use, NUL and U+FFFD: the letters around them join.
+  EXPECT_EQ(*Uncased().BasicTokenize("a\x0b"
+                                     "b\x0c"
+                                     "c\u0085d\x1c"
+                                     "e\x1f"
+                                     "f\u200bg\u200dh\ufeffi\u00adj\u2066k\ue000l"),
+            (Pieces{"abcdefghijkl"}));
+  EXPECT_EQ(*Uncased().BasicTokenize(std::string("m\0n\uFFFDo", 7)), (Pieces{"mno"}));
+  EXPECT_EQ(*Uncased().Tokenize("soft\u00adhyphen"), (Pieces{"soft", "##hy", "##ph", "##en"}));
+  // HF's category tables predate these: unassigned U+0378 and U+0890 (Cf since Unicode 14) stay,
+  // and make the word unknown.
+  EXPECT_EQ(*Uncased().TokenIds("a\u0378b"), Ids{100});
+  EXPECT_EQ(*Uncased().TokenIds("a\u0890b"), Ids{100});
+}
+
+TEST(WordPiece, PunctuationCjkAndMarksFollowHfTables) {
+  EXPECT_EQ(*Uncased().TokenIds("a\u2014b"), (Ids{1037, 1517, 1038}));     // em dash splits
+  EXPECT_EQ(*Uncased().BasicTokenize("a\u2e55b"), (Pieces{"a\u2e55b"}));  // Ps only since Unicode 14
+  EXPECT_EQ(*Uncased().TokenIds("...!!!?! (((x)))"),
+            (Ids{1012, 1012, 1012, 999, 999, 999, 1029, 999, 1006, 1006, 1006, 1060, 1007, 1007, 1007}));
+  // HF's CJK ranges skip U+2B820..U+2B91F (Python's BertTokenizer does not).
+  EXPECT_EQ(*Uncased().BasicTokenize("x\U0002B820y"), (Pieces{"x\U0002B820y"}));
+  EXPECT_EQ(*Uncased().BasicTokenize("x\U0002B920y"), (Pieces{"x", "\U0002B920", "y"}));
+  EXPECT_EQ(*Uncased().BasicTokenize("a\u1ac1b"), (Pieces{"a\u1ac1b"}));  // Mn only since Unicode 14: kept
+  EXPECT_EQ(*Uncased().BasicTokenize("Ångström naı\u0308ve"), (Pieces{"angstrom", "naıve"}));
+  EXPECT_EQ(*Cased().BasicTokenize("Ångström"), (Pieces{"Ångström"}));
+  EXPECT_EQ(*Uncased().Tokenize("\U0001F468\u200D\U0001F469\u200D\U0001F467 \U0001F44D\U0001F3FD \u2603"),
+            (Pieces{"[UNK]", "[UNK]", "[UNK]"}));
+}
+
+TEST(WordPiece, LowerCasesCharacterByCharacter) {
+  EXPECT_EQ(*Uncased().Tokenize("ΣΑΣ"), (Pieces{"σ", "##α", "##σ"}));  // no final sigma
+  EXPECT_EQ(*LowerOnly().BasicTokenize("ΣΑΣ İ"), (Pieces{"σασ", "i\u0307"}));
+  EXPECT_EQ(*Uncased().BasicTokenize("İstanbul STRAẞE \u2126"), (Pieces{"istanbul", "straße", "ω"}));
+  EXPECT_EQ(*Uncased().Tokenize("ﬁne"), (Pieces{"ﬁ", "##ne"}));  // ligatures stay
+}
+
+TEST(WordPiece, LongWordsCountCharactersAfterNormalisation) {
+  EXPECT_NE(*Uncased().Tokenize(std::string(100, 'a')), (Pieces{"[UNK]"}));
+  EXPECT_EQ(*Uncased().Tokenize(std::string(101, 'a')), (Pieces{"[UNK]"}));
+  EXPECT_EQ(*Uncased().Tokenize(Repeat("\u00e9", 101)), (Pieces{"[UNK]"}));
+  // 60 times e + U+0301: 120 characters, 60 once the accents are stripped.
+  EXPECT_EQ(Uncased().Tokenize(Repeat("e\u0301", 60))->front(), "ee");
+  EXPECT_EQ(*Cased().Tokenize(Repeat("e\u0301", 60)), (Pieces{"[UNK]"}));
+}
+
+TEST(WordPiece, SpecialTokensAreMatchedInTheRawTextOnly) {
+  EXPECT_EQ(*Uncased().Tokenize("x[MASK]y [mask]"), (Pieces{"x", "[MASK]", "y", "[", "mask", "]"}));
+  EXPECT_EQ(*Uncased().Tokenize("[CLS][SEP][PAD][UNK]"), (Pieces{"[CLS]", "[SEP]", "[PAD]", "[UNK]"}));
+  EXPECT_EQ(*Uncased().Tokenize("[MA\u200bSK]"), (Pieces{"[", "mask", "]"}));  // cleaned after matching
+  EXPECT_EQ(*Uncased().Tokenize("[[MASK]]\u0301"), (Pieces{"[", "[MASK]", "]"}));
+}
+
+TEST(WordPiece, TruncatesSingleTextsOnRequest) {
+  auto cut = Uncased().Encode(Words('a', 5), std::nullopt, Truncate(4));
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->input_ids, (Ids{101, 1037, 1037, 102}));
+  EXPECT_EQ(cut->token_type_ids, Ids(4, 0));
+  EXPECT_EQ(cut->attention_mask, Ids(4, 1));
+  EXPECT_TRUE(cut->truncated);
+
+  auto fits = Uncased().Encode(Words('a', 2), std::nullopt, Truncate(4));
+  ASSERT_TRUE(fits.ok());
+  EXPECT_EQ(fits->input_ids, (Ids{101, 1037, 1037, 102}));
+  EXPECT_FALSE(fits->truncated);
+
+  EXPECT_EQ(Uncased().Encode(Words('a', 5), std::nullopt, Truncate(2))->input_ids, (Ids{101, 102}));
+  // Too small for [CLS] and the [SEP]s.
+  EXPECT_EQ(Uncased().Encode("a", std::nullopt, Truncate(1)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Uncased().Encode("a", absl::string_view("b"), Truncate(2)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(Uncased().Encode(Words('a', 600), std::nullopt, Truncate(0))->truncated);  // 0: no limit
+}
+
+TEST(WordPiece, RefusesTooLongTextsWithoutTruncation) {
+  auto refused = Uncased().Encode(Words('a', 5), std::nullopt, 4);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("7 tokens"), absl::string_view::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("at most 4"), absl::string_view::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("truncation"), absl::string_view::npos) << refused.status();
+  EncodeOptions no_truncation;
+  no_truncation.max_length = 4;
+  EXPECT_EQ(Uncased().Encode(Words('a', 5), std::nullopt, no_truncation).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(Uncased().Encode(Words('a', 2), std::nullopt, 4)->truncated);
+}
+
+TEST(WordPiece, TruncatesPairsLongestFirstAsHf) {
+  struct Case {
+    int n1, n2, max_length, kept1, kept2;
+  };
+  // The shorter stays whole if the longer gets at least as much; else halves, the odd token to
+  // the longer one, or to the pair on a tie (Python's slow BertTokenizer gives it to the first).
+  for (const Case& c : {Case{7, 7, 4, 0, 1}, Case{7, 2, 6, 2, 1}, Case{2, 7, 6, 1, 2}, Case{5, 5, 10, 3, 4},
+                        Case{6, 4, 9, 3, 3}, Case{1, 10, 8, 1, 4}, Case{3, 0, 4, 1, 0}, Case{7, 7, 3, 0, 0}}) {
+    SCOPED_TRACE(testing::Message() << c.n1 << " + " << c.n2 << " tokens, max_length " << c.max_length);
+    auto e = Uncased().Encode(Words('a', c.n1), absl::string_view(Words('b', c.n2)), Truncate(c.max_length));
+    ASSERT_TRUE(e.ok()) << e.status();
+    Ids want{101};
+    want.insert(want.end(), c.kept1, 1037);
+    want.push_back(102);
+    want.insert(want.end(), c.kept2, 1038);
+    want.push_back(102);
+    EXPECT_EQ(e->input_ids, want);
+    Ids types(static_cast<size_t>(c.kept1 + 2), 0);
+    types.insert(types.end(), c.kept2 + 1, 1);
+    EXPECT_EQ(e->token_type_ids, types);
+    EXPECT_TRUE(e->truncated);
+  }
+  // An empty second text is still a pair (tokenizers; transformers' __call__ drops it).
+  EXPECT_EQ(Uncased().Encode("a", absl::string_view(""))->input_ids, (Ids{101, 1037, 102, 102}));
+}
+
+TEST(WordPiece, DecodesAsHf) {
+  auto e = Uncased().Encode("Hello , world ! I don ' t know . It ' s 5 ' 6 \" quoted \" (x) [MASK] do not",
+                            std::nullopt);
+  ASSERT_TRUE(e.ok());
+  EXPECT_EQ(Uncased().Decode(e->input_ids), "hello, world! i don't know. it's 5'6 \" quoted \" ( x ) do not");
+  EXPECT_EQ(Uncased().Decode(*Uncased().TokenIds("you 're I 'm we 've it 's can n't")),
+            "you're i'm we've it's cann't");
+  EXPECT_EQ(Uncased().Decode(*Uncased().TokenIds("a ' b ' c ' ' '")), "a'b'c'''");
+  EXPECT_EQ(Uncased().Decode(*Uncased().TokenIds("x . . . y ? ! ,")), "x... y?!,");
+  // Special tokens ([UNK] too) and ids outside the vocabulary are skipped; "##" joins, except first.
+  EXPECT_EQ(Uncased().Decode({2, 13137, 20968, 100, 103, 9999999, -1, 30521, 30522}), "[unused1] strawberries～");
+  EXPECT_EQ(Uncased().Decode({101, 20968, 13137, 20968, 102}), "##berries strawberries");
+  EXPECT_EQ(Uncased().Decode({1005, 1056, 2123, 1005, 1056}), "' t don't");
+  EXPECT_EQ(Uncased().Decode({}), "");
+}
+
+TEST(WordPiece, LooksUpTokensAndIds) {
+  ASSERT_NE(Uncased().IdToToken(101), nullptr);
+  EXPECT_EQ(*Uncased().IdToToken(101), "[CLS]");
+  EXPECT_EQ(*Uncased().IdToToken(13137), "straw");
+  EXPECT_EQ(Uncased().IdToToken(-1), nullptr);
+  EXPECT_EQ(Uncased().IdToToken(30522), nullptr);
+  EXPECT_EQ(Uncased().TokenToId("straw"), 13137);
+  EXPECT_EQ(Uncased().TokenToId("##berries"), 20968);
+  EXPECT_EQ(Uncased().TokenToId("[MASK]"), 103);
+  EXPECT_EQ(Uncased().TokenToId("Straw"), std::nullopt);  // exact entries, no normalisation
+  EXPECT_EQ(Uncased().vocab_size(), 30522);
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages bertshard builds and tests with. Idempotent: when everything is
 # already installed it returns without touching apt. Needs root (or sudo).
+# BERTSHARD_DEPS=build installs only what building needs (the container image's build stage), not
+# the test references (PyTorch for HF transformers, the text corpus).
 set -euo pipefail
 
 PACKAGES=(
@@ -23,17 +25,22 @@ PACKAGES=(
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-pkg-resources
   # A virtual environment for the pinned PyPI test packages (tools/python_env.sh).
   python3-venv python3-pip
-  # The reference implementation for parity tests: HuggingFace transformers (PyPI, pinned in
-  # tools/requirements-hf.txt) runs on Debian's PyTorch 1.13 through a venv with system packages.
-  python3-torch
-  # Real text for the tokenizer parity test: Debian's fortune databases (English, German, Spanish,
-  # Italian, Russian, Chinese).
-  fortunes fortunes-de fortunes-es fortunes-it fortunes-ru fortunes-zh
   # Deployment: rendering the Kubernetes manifests, making the container base image.
   debootstrap
   # `git clone` of this repository on a fresh machine, and TLS for apt mirrors.
   ca-certificates git
 )
+
+if [ "${BERTSHARD_DEPS:-all}" != "build" ]; then
+  PACKAGES+=(
+    # The reference implementation for parity tests: HuggingFace transformers (PyPI, pinned in
+    # tools/requirements-hf.txt) runs on Debian's PyTorch 1.13 through a venv with system packages.
+    python3-torch
+    # Real text for the tokenizer parity test: Debian's fortune databases (English, German,
+    # Spanish, Italian, Russian, Chinese).
+    fortunes fortunes-de fortunes-es fortunes-it fortunes-ru fortunes-zh
+  )
+fi
 
 # `kubectl kustomize` renders the Kubernetes manifests: Debian's kubernetes-client, unless a kubectl
 # is installed already (some images carry a newer one from another package that owns the path).
