@@ -151,25 +151,29 @@ std::vector<UChar32> Lowercase(const std::vector<UChar32>& word) {
   return out;
 }
 
-// HF cleans decoded text twice: the WordPiece decoder (Rust) cleans each piece, then transformers'
-// clean_up_tokenization cleans the joined text. The lists differ by " do not"; each replacement
-// runs over the whole string before the next, as str.replace does.
-std::string CleanUpPiece(std::string s) {
-  static constexpr std::pair<const char*, const char*> kRust[] = {
-      {" .", "."},     {" ?", "?"},     {" !", "!"},          {" ,", ","},     {" ' ", "'"},     {" n't", "n't"},
-      {" 'm", "'m"},   {" do not", " don't"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"},
-  };
-  for (const auto& [from, to] : kRust) s = absl::StrReplaceAll(s, {{from, to}});
-  return s;
+// Python's str.replace: every non-overlapping occurrence, left to right.
+void ReplaceAll(std::string* s, absl::string_view from, absl::string_view to) {
+  if (s->find(from.data(), 0, from.size()) == std::string::npos) return;  // the usual case, no copy
+  *s = absl::StrReplaceAll(*s, {{from, to}});
 }
 
-std::string CleanUpText(std::string s) {
-  static constexpr std::pair<const char*, const char*> kPython[] = {
-      {" .", "."},   {" ?", "?"},   {" !", "!"},   {" ,", ","},   {" ' ", "'"},
+// HF cleans decoded text twice: the WordPiece decoder (Rust) cleans each piece, then transformers'
+// clean_up_tokenization cleans the joined text. The lists differ by " do not"; each replacement
+// runs over the whole string before the next.
+void CleanUpPiece(std::string* s) {
+  static constexpr std::pair<absl::string_view, absl::string_view> kRust[] = {
+      {" .", "."}, {" ?", "?"}, {" !", "!"}, {" ,", ","}, {" ' ", "'"}, {" n't", "n't"},
+      {" 'm", "'m"}, {" do not", " don't"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"},
+  };
+  for (const auto& [from, to] : kRust) ReplaceAll(s, from, to);
+}
+
+void CleanUpText(std::string* s) {
+  static constexpr std::pair<absl::string_view, absl::string_view> kPython[] = {
+      {" .", "."},     {" ?", "?"},   {" !", "!"},   {" ,", ","},     {" ' ", "'"},
       {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"},
   };
-  for (const auto& [from, to] : kPython) s = absl::StrReplaceAll(s, {{from, to}});
-  return s;
+  for (const auto& [from, to] : kPython) ReplaceAll(s, from, to);
 }
 
 }  // namespace
@@ -375,14 +379,15 @@ absl::StatusOr<Encoding> WordPieceTokenizer::Encode(absl::string_view text, std:
   Encoding e;
   if (options.max_length > 0 && total > options.max_length) {
     if (!options.truncation) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          pair.has_value() ? "the text pair is " : "the text is ", total, " tokens with [CLS]/[SEP]; the model takes at most ",
-          options.max_length, " (truncation can be requested to cut it to that length)"));
+      return absl::InvalidArgumentError(absl::StrCat(pair.has_value() ? "the text pair is " : "the text is ", total,
+                                                     " tokens with [CLS]/[SEP]; the model takes at most ",
+                                                     options.max_length,
+                                                     " (truncation can be requested to cut it to that length)"));
     }
     if (options.max_length < added) {
       return absl::InvalidArgumentError(absl::StrCat("max_length ", options.max_length, " leaves no room for [CLS] and ",
-                                                     pair.has_value() ? "two [SEP]s" : "[SEP]", " (at least ", added,
-                                                     ")"));
+                                                     pair.has_value() ? "two [SEP]s" : "[SEP]", " (at least ",
+                                                     added, ")"));
     }
     const size_t room = static_cast<size_t>(options.max_length - added);
     if (!pair.has_value()) {
@@ -445,10 +450,12 @@ std::string WordPieceTokenizer::Decode(const std::vector<int64_t>& ids) const {
     } else {
       piece = absl::StrCat(" ", *token);
     }
-    absl::StrAppend(&text, CleanUpPiece(std::move(piece)));
+    CleanUpPiece(&piece);
+    text += piece;
     first = false;
   }
-  return CleanUpText(std::move(text));
+  CleanUpText(&text);
+  return text;
 }
 
 const std::string* WordPieceTokenizer::IdToToken(int64_t id) const {
