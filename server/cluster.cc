@@ -546,7 +546,12 @@ absl::StatusOr<Cluster::Serving> Cluster::ServingFor(const std::string& job_id) 
 }
 
 absl::StatusOr<BatchOutputs> Cluster::ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged,
-                                                   int micro_batches, absl::Time deadline) {
+                                                   int micro_batches, absl::Time /*callers' latest deadline*/) {
+  // Not the callers' deadline: a rank call cut short by one fails the job (the ranks' order can no
+  // longer be vouched for), and the workers finish the forward anyway. Callers whose deadline passes
+  // get DEADLINE_EXCEEDED from the batch queue at once; the forward itself is bounded by the
+  // server's own limit (the workers' collectives time out well before it when a peer is gone).
+  const absl::Time deadline = absl::Now() + options_.forward_timeout;
   std::vector<RankStub> ranks;
   v1::ForwardRequest forward;
   {

@@ -55,6 +55,9 @@ struct ClusterOptions {
   absl::Duration heartbeat_interval = absl::Seconds(1);
   absl::Duration load_timeout = absl::Minutes(10);
   int collective_timeout_seconds = 60;  // rendezvous and collectives on the workers
+  // How long one (batched) forward may take on the ranks before its job is failed: the callers'
+  // own deadlines end their calls, never the forward (see Infer).
+  absl::Duration forward_timeout = absl::Minutes(10);
   // After a start, how long READY and LOADING jobs from the database wait for their ranks to
   // come back (workers register again within about a heartbeat interval of the start).
   absl::Duration readopt_grace = absl::Seconds(10);

@@ -69,11 +69,16 @@ absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const 
       if (!e.ok()) {
         return absl::Status(e.status().code(), absl::StrCat("text ", i, ": ", e.status().message()));
       }
-      // A text that is empty after cleaning (nothing but whitespace or control characters) would
-      // run as [CLS] [SEP] alone: almost certainly a client bug, so it is refused.
-      const size_t specials = pair.has_value() ? 3 : 2;
-      if (e->input_ids.size() <= specials || (pair.has_value() && text->texts(i).empty())) {
+      // A segment that is empty after cleaning (nothing but whitespace or control characters)
+      // would run as its [SEP] alone: almost certainly a client bug, so it is refused. Segment 0
+      // holds [CLS] and its [SEP]; segment 1 its [SEP].
+      const auto type0 = std::count(e->token_type_ids.begin(), e->token_type_ids.end(), 0);
+      const auto type1 = static_cast<decltype(type0)>(e->token_type_ids.size()) - type0;
+      if (type0 <= 2) {
         return absl::InvalidArgumentError(absl::StrCat("text ", i, " is empty (no tokens after cleaning)"));
+      }
+      if (pair.has_value() && type1 <= 1) {
+        return absl::InvalidArgumentError(absl::StrCat("text_pairs ", i, " is empty (no tokens after cleaning)"));
       }
       longest = std::max<int64_t>(longest, static_cast<int64_t>(e->input_ids.size()));
       prepared.truncated.push_back(e->truncated);
