@@ -17,18 +17,11 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "bertshard/v1/plan.pb.h"
+#include "common/token_view.h"
 
 namespace bertshard::planner {
 
-// Row-major [rows, seq] values; rows = batch x choices.
-struct TokenView {
-  int64_t rows = 0;
-  int64_t seq = 0;
-  int64_t choices = 1;
-  absl::Span<const int64_t> input_ids;
-  absl::Span<const int64_t> attention_mask;
-  absl::Span<const int64_t> token_type_ids;
-};
+using TokenView = common::TokenView;
 
 // INVALID_ARGUMENT naming the first problem.
 absl::Status CheckTokens(const TokenView& tokens, const v1::ShardPlan& plan);

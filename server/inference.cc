@@ -177,7 +177,7 @@ absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, c
                                                     const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
                                                     int top_k) {
   std::vector<v1::Prediction> predictions;
-  const serving::TokenRows rows{tokens.rows(), tokens.seq(),
+  const serving::TokenRows rows{tokens.rows(), tokens.seq(), 1,
                                 {tokens.input_ids().data(), static_cast<size_t>(tokens.input_ids_size())},
                                 {tokens.attention_mask().data(), static_cast<size_t>(tokens.attention_mask_size())},
                                 {tokens.token_type_ids().data(), static_cast<size_t>(tokens.token_type_ids_size())}};

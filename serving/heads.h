@@ -27,17 +27,13 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/token_view.h"
 
 namespace bertshard::serving {
 
-// The token batch the model ran, row-major [rows, seq].
-struct TokenRows {
-  int64_t rows = 0;
-  int64_t seq = 0;
-  absl::Span<const int64_t> input_ids;       // rows * seq
-  absl::Span<const int64_t> attention_mask;  // rows * seq values 0/1, or empty: all ones
-  absl::Span<const int64_t> token_type_ids;  // rows * seq, or empty: all zeros
-};
+// The token batch the model ran, row-major [rows, seq]; an empty attention_mask means all ones,
+// an empty token_type_ids all zeros. `choices` is not read here.
+using TokenRows = common::TokenView;
 
 // A classification checkpoint's labels, as transformers' PretrainedConfig reads config.json.
 struct Labels {
