@@ -17,6 +17,7 @@
 #include "model/bert_shard.h"
 #include "nlohmann/json.hpp"
 #include "worker/gloo_collectives.h"
+#include "worker/math_threads.h"
 #ifdef BERTSHARD_WITH_NCCL
 #include <ATen/Context.h>
 
@@ -74,7 +75,7 @@ absl::Status WriteOutputs(const std::string& path, const std::map<std::string, a
 }  // namespace
 
 absl::Status RunRank(const RankOptions& o) {
-  at::set_num_threads(std::max(1, o.threads));
+  SetMathThreads(o.threads);
   const auto start = Clock::now();
   ASSIGN_OR_RETURN(std::string plan_bytes, common::ReadFileToString(o.plan_path, "plan"));
   v1::ShardPlan plan;

@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
 #include "worker/gloo_collectives.h"
+#include "worker/math_threads.h"
 
 namespace bertshard::worker {
 namespace {
@@ -153,7 +154,7 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   job->threads = request->threads() > 0 ? request->threads() : options_.default_threads;
   job->rank = request->rank();
   job->world_size = plan.world_size();
-  at::set_num_threads(job->threads);
+  SetMathThreads(job->threads);
   auto ckpt = checkpoint::Checkpoint::Open(request->checkpoint());
   if (!ckpt.ok()) {
     absl::Status s = ckpt.status();
@@ -242,7 +243,7 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
   };
   model::ModelInputs inputs{tensor(in.input_ids()), tensor(in.attention_mask()), tensor(in.token_type_ids()),
                             std::max<int64_t>(1, in.choices())};
-  at::set_num_threads(job->threads);
+  SetMathThreads(job->threads);
   const auto start = std::chrono::steady_clock::now();
   auto outputs = job->shard->Forward(inputs, std::max(1, request->micro_batches()), job->comm.get());
   ++job->next_sequence;

@@ -1,0 +1,24 @@
+// File: worker/math_threads.h
+// -----------------------------------------------------------------------------
+// How many threads a rank's math may use, for LibTorch's intra-op pool and for the BLAS under it.
+// at::set_num_threads alone leaves Debian's OpenBLAS (which LibTorch calls for its matrix products)
+// at one thread per core, whose workers spin between calls: a `--threads=1` worker then used about
+// two cores, and four such workers on one machine slowed each other down (bench/README.md).
+// `shardctl run` sets OPENBLAS_NUM_THREADS for its rank processes; a worker daemon serves many jobs
+// with per-job thread counts, so it sets both at run time instead.
+//
+// Example:
+//   SetMathThreads(job->threads);  // before each forward: jobs on one worker may differ
+//
+// Thread safety: process-wide settings; call from the thread that runs the forward.
+#ifndef BERTSHARD_WORKER_MATH_THREADS_H_
+#define BERTSHARD_WORKER_MATH_THREADS_H_
+
+namespace bertshard::worker {
+
+// LibTorch's intra-op threads and, when the process has OpenBLAS, its threads: max(1, threads).
+void SetMathThreads(int threads);
+
+}  // namespace bertshard::worker
+
+#endif  // BERTSHARD_WORKER_MATH_THREADS_H_
