@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -27,6 +26,7 @@
 #include "grpcpp/grpcpp.h"
 #include "planner/model_config.h"
 #include "planner/plan_format.h"
+#include "serving/pooling.h"
 
 namespace bertshard::client {
 namespace {
@@ -278,32 +278,29 @@ absl::Status Infer(const CommandLine& cl, std::FILE* out) {
   return absl::OkStatus();
 }
 
+// The pooling names serving/pooling.h parses, as the enum.
 absl::StatusOr<v1::Pooling> ParsePoolingFlag(const std::string& name) {
-  if (name == "mean") return v1::POOLING_MEAN;
-  if (name == "cls") return v1::POOLING_CLS;
-  if (name == "max") return v1::POOLING_MAX;
-  if (name == "mean_sqrt_len") return v1::POOLING_MEAN_SQRT_LEN;
-  return absl::InvalidArgumentError(absl::StrCat("unknown --pooling '", name, "' (valid: mean, cls, max, mean_sqrt_len)"));
+  auto pooling = serving::ParsePooling(name);
+  if (!pooling.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown --pooling '", name, "' (valid: mean, cls, max, mean_sqrt_len)"));
+  }
+  switch (*pooling) {
+    case serving::Pooling::kMean: return v1::POOLING_MEAN;
+    case serving::Pooling::kCls: return v1::POOLING_CLS;
+    case serving::Pooling::kMax: return v1::POOLING_MAX;
+    case serving::Pooling::kMeanSqrtLen: return v1::POOLING_MEAN_SQRT_LEN;
+  }
+  return absl::InternalError("unreachable");
 }
 
 std::string PoolingFlagName(v1::Pooling p) {
   switch (p) {
-    case v1::POOLING_MEAN: return "mean";
-    case v1::POOLING_CLS: return "cls";
-    case v1::POOLING_MAX: return "max";
-    case v1::POOLING_MEAN_SQRT_LEN: return "mean_sqrt_len";
+    case v1::POOLING_MEAN: return serving::PoolingName(serving::Pooling::kMean);
+    case v1::POOLING_CLS: return serving::PoolingName(serving::Pooling::kCls);
+    case v1::POOLING_MAX: return serving::PoolingName(serving::Pooling::kMax);
+    case v1::POOLING_MEAN_SQRT_LEN: return serving::PoolingName(serving::Pooling::kMeanSqrtLen);
     default: return "unspecified";
   }
-}
-
-double Cosine(const v1::Embedding& a, const v1::Embedding& b) {
-  double dot = 0, na = 0, nb = 0;
-  for (int i = 0; i < a.values_size() && i < b.values_size(); ++i) {
-    dot += static_cast<double>(a.values(i)) * b.values(i);
-    na += static_cast<double>(a.values(i)) * a.values(i);
-    nb += static_cast<double>(b.values(i)) * b.values(i);
-  }
-  return na > 0 && nb > 0 ? dot / std::sqrt(na * nb) : 0.0;
 }
 
 // shardctl embed ID TEXT... | --file FILE | --input TOKENS.json
@@ -371,12 +368,14 @@ absl::Status Embed(const CommandLine& cl, std::FILE* out) {
                  absl::StrJoin(head, ", ", [](std::string* o, float f) { absl::StrAppend(o, absl::StrFormat("%.4f", f)); }).c_str());
   }
   if (n > 1) {
+    std::vector<std::vector<float>> vectors;
+    for (const auto& e : response.embeddings()) vectors.emplace_back(e.values().begin(), e.values().end());
     std::fprintf(out, "\ncosine similarity\n     ");
     for (int j = 0; j < n; ++j) std::fprintf(out, " %6s", absl::StrCat("[", j, "]").c_str());
     std::fprintf(out, "\n");
     for (int i = 0; i < n; ++i) {
       std::fprintf(out, "%-5s", absl::StrCat("[", i, "]").c_str());
-      for (int j = 0; j < n; ++j) std::fprintf(out, " %6.3f", Cosine(response.embeddings(i), response.embeddings(j)));
+      for (int j = 0; j < n; ++j) std::fprintf(out, " %6.3f", serving::Cosine(vectors[static_cast<size_t>(i)], vectors[static_cast<size_t>(j)]));
       std::fprintf(out, "\n");
     }
   }

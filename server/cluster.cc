@@ -637,10 +637,7 @@ absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request
   // position table bounds the rest.
   const int64_t max_length = std::min(config.max_seq_length.value_or(plan.config().max_position_embeddings()),
                                       plan.config().max_position_embeddings());
-  if (!v1::Pooling_IsValid(request.pooling()) || !v1::Normalize_IsValid(request.normalize())) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown pooling ", request.pooling(), " or normalize ",
-                                                   request.normalize(), " (see the Pooling and Normalize enums)"));
-  }
+  ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
   ASSIGN_OR_RETURN(PreparedInput input,
                    PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
                                 request.has_text() ? &request.text() : nullptr, plan, *serving.assets, max_length,
@@ -658,7 +655,7 @@ absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request
   v1::EmbedResponse response;
   google::protobuf::RepeatedPtrField<v1::NamedTensor> outputs;
   for (auto& t : result.outputs) *outputs.Add() = std::move(t);
-  RETURN_IF_ERROR(PoolEmbeddings(request, config, input.tokens, outputs, &response));
+  RETURN_IF_ERROR(PoolEmbeddings(mode, input.tokens, outputs, &response));
   response.set_max_length(static_cast<int32_t>(max_length));
   for (int32_t n : input.token_counts) response.add_token_counts(n);
   for (bool t : input.truncated) response.add_truncated(t);

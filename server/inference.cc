@@ -289,41 +289,44 @@ absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, c
   return predictions;
 }
 
-absl::Status PoolEmbeddings(const v1::EmbedRequest& request, const serving::EmbeddingConfig& config,
-                            const v1::TokenInputs& tokens,
-                            const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
-                            v1::EmbedResponse* response) {
-  serving::Pooling pooling = config.pooling;
+absl::StatusOr<EmbeddingMode> ResolveEmbeddingMode(const v1::EmbedRequest& request,
+                                                   const serving::EmbeddingConfig& config) {
+  EmbeddingMode mode{config.pooling, config.normalize};
   switch (request.pooling()) {
     case v1::POOLING_UNSPECIFIED: break;
-    case v1::POOLING_MEAN: pooling = serving::Pooling::kMean; break;
-    case v1::POOLING_CLS: pooling = serving::Pooling::kCls; break;
-    case v1::POOLING_MAX: pooling = serving::Pooling::kMax; break;
-    case v1::POOLING_MEAN_SQRT_LEN: pooling = serving::Pooling::kMeanSqrtLen; break;
+    case v1::POOLING_MEAN: mode.pooling = serving::Pooling::kMean; break;
+    case v1::POOLING_CLS: mode.pooling = serving::Pooling::kCls; break;
+    case v1::POOLING_MAX: mode.pooling = serving::Pooling::kMax; break;
+    case v1::POOLING_MEAN_SQRT_LEN: mode.pooling = serving::Pooling::kMeanSqrtLen; break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("unknown pooling ", request.pooling(),
                                                      " (valid: MEAN, CLS, MAX, MEAN_SQRT_LEN, or unset for the checkpoint's)"));
   }
-  bool normalize = config.normalize;
   switch (request.normalize()) {
     case v1::NORMALIZE_UNSPECIFIED: break;
-    case v1::NORMALIZE_ON: normalize = true; break;
-    case v1::NORMALIZE_OFF: normalize = false; break;
+    case v1::NORMALIZE_ON: mode.normalize = true; break;
+    case v1::NORMALIZE_OFF: mode.normalize = false; break;
     default:
       return absl::InvalidArgumentError(absl::StrCat("unknown normalize ", request.normalize(), " (valid: ON, OFF, unset)"));
   }
+  return mode;
+}
+
+absl::Status PoolEmbeddings(const EmbeddingMode& mode, const v1::TokenInputs& tokens,
+                            const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
+                            v1::EmbedResponse* response) {
   ASSIGN_OR_RETURN(const v1::NamedTensor* hidden, Output(outputs, "last_hidden_state", 3));
   ASSIGN_OR_RETURN(auto vectors, serving::Pool(Values(*hidden), hidden->shape(0), hidden->shape(1), hidden->shape(2),
                                                {tokens.attention_mask().data(), static_cast<size_t>(tokens.attention_mask_size())},
-                                               pooling, normalize));
+                                               mode.pooling, mode.normalize));
   for (auto& v : vectors) response->add_embeddings()->mutable_values()->Add(v.begin(), v.end());
-  switch (pooling) {
+  switch (mode.pooling) {
     case serving::Pooling::kMean: response->set_pooling(v1::POOLING_MEAN); break;
     case serving::Pooling::kCls: response->set_pooling(v1::POOLING_CLS); break;
     case serving::Pooling::kMax: response->set_pooling(v1::POOLING_MAX); break;
     case serving::Pooling::kMeanSqrtLen: response->set_pooling(v1::POOLING_MEAN_SQRT_LEN); break;
   }
-  response->set_normalized(normalize);
+  response->set_normalized(mode.normalize);
   return absl::OkStatus();
 }
 

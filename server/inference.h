@@ -76,10 +76,18 @@ absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, c
                                                     const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
                                                     int top_k);
 
-// The embeddings of `tokens` from a BertModel's last_hidden_state, pooled as `request` asks or as
-// the checkpoint says. Fills embeddings, pooling and normalized of `response`.
-absl::Status PoolEmbeddings(const v1::EmbedRequest& request, const serving::EmbeddingConfig& config,
-                            const v1::TokenInputs& tokens,
+// How a request's embeddings are pooled: its overrides, else the checkpoint's. Resolved before the
+// forward, so an unknown pooling or normalize value (INVALID_ARGUMENT) costs no compute.
+struct EmbeddingMode {
+  serving::Pooling pooling = serving::Pooling::kMean;
+  bool normalize = false;
+};
+absl::StatusOr<EmbeddingMode> ResolveEmbeddingMode(const v1::EmbedRequest& request,
+                                                   const serving::EmbeddingConfig& config);
+
+// The embeddings of `tokens` from a BertModel's last_hidden_state, pooled as `mode` says. Fills
+// embeddings, pooling and normalized of `response`.
+absl::Status PoolEmbeddings(const EmbeddingMode& mode, const v1::TokenInputs& tokens,
                             const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
                             v1::EmbedResponse* response);
 

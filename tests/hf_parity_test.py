@@ -101,13 +101,22 @@ def tokenize(tokenizer, multiple_of):
     return {k: batch[k].to(torch.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
 
 
+def st_pooling(last_hidden_state, attention_mask, mode, normalize):
+    """sentence-transformers' Pooling for cls / max / mean (models/Pooling.py), then Normalize."""
+    h = torch.as_tensor(last_hidden_state, dtype=torch.float32)
+    mask = torch.as_tensor(attention_mask).unsqueeze(-1).expand(h.size()).float()
+    if mode == "cls":
+        v = h[:, 0]
+    elif mode == "max":
+        v = torch.max(h.masked_fill(mask == 0, -1e9), 1)[0]
+    else:
+        v = torch.sum(h * mask, 1) / torch.clamp(mask.sum(1), min=1e-9)
+    return (F.normalize(v, p=2, dim=1) if normalize else v).numpy()
+
+
 def sentence_embedding(last_hidden_state, attention_mask):
-    """sentence-transformers' Pooling (mean tokens) then Normalize, as they compute it."""
-    token_embeddings = torch.as_tensor(last_hidden_state, dtype=torch.float32)
-    input_mask_expanded = torch.as_tensor(attention_mask).unsqueeze(-1).expand(token_embeddings.size()).float()
-    sum_embeddings = torch.sum(token_embeddings * input_mask_expanded, 1)
-    sum_mask = torch.clamp(input_mask_expanded.sum(1), min=1e-9)
-    return F.normalize(sum_embeddings / sum_mask, p=2, dim=1).numpy()
+    """sentence-transformers' Pooling (mean tokens) then Normalize: the checkpoint's modules."""
+    return st_pooling(last_hidden_state, attention_mask, "mean", True)
 
 
 def outputs_from_hidden(last_hidden_state, pooler_output, attention_mask):
@@ -194,19 +203,6 @@ SERVICE_PATHS = [
     ("infer", service_infer_outputs),
     ("embed", service_embed_outputs),
 ]
-
-
-def st_pooling(last_hidden_state, attention_mask, mode, normalize):
-    """sentence-transformers' Pooling for cls / max / mean (models/Pooling.py), then Normalize."""
-    h = torch.as_tensor(last_hidden_state, dtype=torch.float32)
-    mask = torch.as_tensor(attention_mask).unsqueeze(-1).expand(h.size()).float()
-    if mode == "cls":
-        v = h[:, 0]
-    elif mode == "max":
-        v = torch.max(h.masked_fill(mask == 0, -1e9), 1)[0]
-    else:
-        v = torch.sum(h * mask, 1) / torch.clamp(mask.sum(1), min=1e-9)
-    return (F.normalize(v, p=2, dim=1) if normalize else v).numpy()
 
 
 def check_text_embeddings(opts, job, tokenizer, model):
