@@ -38,6 +38,10 @@ class Collectives {
   // tensor of the expected shape.
   virtual absl::Status Send(const at::Tensor& tensor, int dst_rank, int tag) = 0;
   virtual absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) = 0;
+
+  // Returns once every rank of the world has called it (benchmarks time one forward from a common
+  // start; forwards themselves never need it).
+  virtual absl::Status Barrier() = 0;
 };
 
 // One rank, no peers: collectives are identities and transfers are errors.
@@ -54,6 +58,7 @@ class SingleRankCollectives final : public Collectives {
   absl::Status Recv(at::Tensor&, int, int) override {
     return absl::InternalError("a single rank has no pipeline peer to receive from");
   }
+  absl::Status Barrier() override { return absl::OkStatus(); }
 };
 
 }  // namespace bertshard::model

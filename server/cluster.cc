@@ -271,6 +271,7 @@ void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::Jo
   if (runtime != runtimes_.end()) {
     for (auto& context : runtime->second->load_contexts) context->TryCancel();
     runtime->second->recovery.reset();
+    runtime->second->serving = false;
     if (auto batcher = std::move(runtime->second->batcher); batcher != nullptr) {
       // Waiting requests fail now; the queue is destroyed off this lock (its destructor waits for
       // the running batch, which may be the caller of this very function).
@@ -371,8 +372,8 @@ void Cluster::LoadJob(std::string job_id) {
   runtime->load_contexts.clear();
   if (std::count(loaded.begin(), loaded.end(), 1) != static_cast<long>(loaded.size())) return;
   auto job = store_->Get(job_id);
-  if (job.ok() && job->state() == v1::LOADING) {
-    (void)store_->Transition(job_id, v1::READY, "");
+  if (job.ok() && job->state() == v1::LOADING && store_->Transition(job_id, v1::READY, "").ok()) {
+    runtime->serving = true;
     changed_.SignalAll();
   }
 }
@@ -516,9 +517,14 @@ absl::StatusOr<Cluster::Serving> Cluster::ServingFor(const std::string& job_id) 
     absl::MutexLock lock(&mu_);
     // ~Cluster takes every batch queue out as it sets stopping_; none may be made after.
     if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
-    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(job_id));
-    RETURN_IF_ERROR(CheckServing(job));
-    serving.runtime = runtimes_.at(job.id());
+    auto found = runtimes_.find(job_id);
+    if (found == runtimes_.end() || !found->second->serving) {
+      // Not serving: the stored job says why (unknown, recovering, or its state).
+      ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(job_id));
+      RETURN_IF_ERROR(CheckServing(job));
+      return absl::UnavailableError(absl::StrCat("job ", job_id, " is not serving yet; retry"));
+    }
+    serving.runtime = found->second;
     JobRuntime& runtime = *serving.runtime;
     if (runtime.batcher == nullptr) {
       BatchPadding padding;
@@ -556,9 +562,12 @@ absl::StatusOr<BatchOutputs> Cluster::ForwardBatch(const std::string& job_id, co
   v1::ForwardRequest forward;
   {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(job_id));
-    RETURN_IF_ERROR(CheckServing(job));
-    JobRuntime& runtime = *runtimes_.at(job_id);
+    auto found = runtimes_.find(job_id);
+    if (found == runtimes_.end() || !found->second->serving) {
+      // It ended while this batch waited (its queue is closed by now too).
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
+    }
+    JobRuntime& runtime = *found->second;
     for (const std::string& w : runtime.rank_workers) {
       const Worker& worker = *workers_.at(w);
       ranks.push_back({w, worker.info.address(), worker.stub});

@@ -54,6 +54,10 @@ struct Cluster::JobRuntime {
   // The next forward's number. Advanced only by the batch queue's thread (one forward at a time, so
   // every rank sees one order), and set by recovery before the job serves again.
   int64_t next_sequence = 0;
+  // READY and not recovering: what the stored job says, kept here so that serving a request needs
+  // no database read. Set where the job becomes READY (loaded, or adopted after a restart), cleared
+  // when it fails or is cancelled (FailJobLocked).
+  bool serving = false;
   // Merges concurrent Infer/Embed calls into forwards; made on the first call, closed (and
   // released off the lock) when the job ends.
   std::shared_ptr<BatchQueue> batcher;

@@ -139,6 +139,8 @@ void Cluster::DecideRecoveryLocked(const std::string& job_id) {
     (void)store_->Transition(job_id, v1::READY,
                              absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"));
   }
+  job = store_->Get(job_id);
+  runtime.serving = job.ok() && job->state() == v1::READY;
   changed_.SignalAll();
 }
 

@@ -332,9 +332,11 @@ absl::Status PoolEmbeddings(const EmbeddingMode& mode, const v1::TokenInputs& to
 
 namespace {
 
-// What the calls of one fan-out share; each call's thread holds it, so it outlives an early return.
+// What the calls of one fan-out share; every call's completion holds it, so it outlives an early
+// return.
 struct FanOut {
-  explicit FanOut(size_t n) : responses(n), contexts(n) {}
+  FanOut(size_t n, const v1::ForwardRequest& forward) : request(forward), responses(n), contexts(n) {}
+  const v1::ForwardRequest request;
   absl::Mutex mu;
   std::vector<v1::ForwardResponse> responses;                 // each written by its own call only
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;  // set before any call starts
@@ -347,25 +349,24 @@ struct FanOut {
 
 ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::ForwardRequest& forward,
                                  absl::Time deadline) {
-  auto fan = std::make_shared<FanOut>(ranks.size());
-  auto request = std::make_shared<const v1::ForwardRequest>(forward);
+  auto fan = std::make_shared<FanOut>(ranks.size(), forward);
   for (auto& context : fan->contexts) {
     context = std::make_unique<grpc::ClientContext>();
     context->set_deadline(absl::ToChronoTime(deadline));
   }
   for (size_t r = 0; r < ranks.size(); ++r) {
-    // Detached: after an early return the remaining calls end by cancellation on their own.
-    std::thread([fan, request, stub = ranks[r].stub, r] {
-      v1::ForwardResponse response;
-      const grpc::Status status = stub->Forward(fan->contexts[r].get(), *request, &response);
-      absl::MutexLock lock(&fan->mu);
-      fan->responses[r] = std::move(response);
-      ++fan->answered;
-      if (!status.ok() && fan->failed_rank < 0) {
-        fan->failed_rank = static_cast<int>(r);
-        fan->failure = status;
-      }
-    }).detach();
+    // gRPC's callback API: no thread per rank and forward. The completion owns the fan-out and the
+    // stub (so the channel), so after an early return the remaining calls end by cancellation on
+    // their own.
+    ranks[r].stub->async()->Forward(fan->contexts[r].get(), &fan->request, &fan->responses[r],
+                                    [fan, stub = ranks[r].stub, r](grpc::Status status) {
+                                      absl::MutexLock lock(&fan->mu);
+                                      ++fan->answered;
+                                      if (!status.ok() && fan->failed_rank < 0) {
+                                        fan->failed_rank = static_cast<int>(r);
+                                        fan->failure = std::move(status);
+                                      }
+                                    });
   }
   ForwardOutcome outcome;
   absl::MutexLock lock(&fan->mu);

@@ -35,6 +35,7 @@ struct GlooCollectives::Groups {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> world;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> tp;  // null when tp_size == 1
   int tp_rank = 0;
+  int64_t barriers = 0;  // Barrier() calls so far: each uses its own store keys
 };
 
 GlooCollectives::GlooCollectives(std::unique_ptr<Groups> groups) : groups_(std::move(groups)) {}
@@ -129,6 +130,10 @@ absl::Status GlooCollectives::Recv(at::Tensor& tensor, int src_rank, int tag) {
     std::vector<at::Tensor> tensors = {tensor};
     groups_->world->recv(tensors, src_rank, tag)->wait();
   });
+}
+
+absl::Status GlooCollectives::Barrier() {
+  return StoreBarrier(*groups_->store, absl::StrCat("barrier/", groups_->barriers++), groups_->options.world_size);
 }
 
 }  // namespace bertshard::worker

@@ -4,9 +4,11 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/free_port.h"
 #include "gtest/gtest.h"
 
@@ -51,6 +53,50 @@ TEST(GlooCollectives, TensorParallelAndPipelineOpsOnFourRanks) {
   for (int r = 0; r < 4; ++r) threads.emplace_back(run, r);
   for (auto& t : threads) t.join();
   for (int r = 0; r < 4; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+// Nobody leaves a barrier before the last rank arrives: each rank records the arrivals it saw on
+// leaving; rank 2 arrives late on purpose. Twice in a row, so each call's keys are its own.
+TEST(GlooCollectives, BarrierWaitsForEveryRank) {
+  const int port = FreePort();
+  std::atomic<int> arrived{0};
+  std::vector<std::string> failures(3);
+  auto run = [&](int rank) {
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
+                        .world_size = 3, .tp_size = 1, .timeout = std::chrono::milliseconds(30000)};
+    auto comm = GlooCollectives::Connect(options);
+    if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
+    for (int round = 1; round <= 2; ++round) {
+      if (rank == 2) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      arrived.fetch_add(1);
+      if (absl::Status s = (*comm)->Barrier(); !s.ok()) return void(failures[rank] = std::string(s.message()));
+      if (arrived.load() < 3 * round) failures[rank] += absl::StrCat("left round ", round, " early; ");
+      // Everyone must have left round 1's check before rank 2 counts round 2 in.
+      if (absl::Status s = (*comm)->Barrier(); !s.ok()) return void(failures[rank] = std::string(s.message()));
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) threads.emplace_back(run, r);
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+TEST(GlooCollectives, BarrierWithoutPeersTimesOutAsUnavailable) {
+  const int port = FreePort();
+  std::thread peer([&] {
+    // Rank 1 joins the rendezvous, then never calls Barrier.
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = 1,
+                        .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500)};
+    auto comm = GlooCollectives::Connect(options);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  });
+  GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = 0,
+                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500)};
+  auto comm = GlooCollectives::Connect(options);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  EXPECT_EQ((*comm)->Barrier().code(), absl::StatusCode::kUnavailable);
+  peer.join();
 }
 
 TEST(GlooCollectives, RendezvousWithoutPeersTimesOutAsUnavailable) {

@@ -48,6 +48,7 @@ struct NcclCollectives::State {
   ncclComm_t world = nullptr;
   ncclComm_t tp = nullptr;
   c10::intrusive_ptr<c10d::Store> store;
+  int64_t barriers = 0;  // Barrier() calls so far: each uses its own store keys
 
   // Waits for a communicator to finish initialising or for the stream's work, polling NCCL's
   // asynchronous error; past the deadline both communicators are aborted.
@@ -199,6 +200,11 @@ absl::Status NcclCollectives::Recv(at::Tensor& tensor, int src_rank, int /*tag*/
   RETURN_IF_ERROR(NcclStatus(ncclRecv(tensor.data_ptr<float>(), static_cast<size_t>(tensor.numel()), ncclFloat,
                                       src_rank, state_->world, state_->stream), "ncclRecv"));
   return state_->WaitStream(state_->world, absl::StrCat("receive from rank ", src_rank));
+}
+
+absl::Status NcclCollectives::Barrier() {
+  // Through the rendezvous store: needs no device buffer, and waits with the store's timeout.
+  return StoreBarrier(*state_->store, absl::StrCat("barrier/", state_->barriers++), state_->options.world_size);
 }
 
 }  // namespace bertshard::worker

@@ -123,6 +123,10 @@ absl::Status RunRank(const RankOptions& o) {
   std::map<std::string, at::Tensor> outputs;
   std::vector<double> forward_seconds;
   for (int i = 0; i < std::max(1, o.iterations); ++i) {
+    // All ranks start each forward together, so that the slowest rank's time is one forward's
+    // latency. Without it, stage 0 would start forward i+1 while the last stage still runs i, and
+    // back-to-back pipeline iterations would look faster than any single forward is.
+    if (o.iterations > 1) RETURN_IF_ERROR(comm->Barrier());
     const auto forward_start = Clock::now();
     ASSIGN_OR_RETURN(outputs, shard->Forward(inputs, o.micro_batches, comm.get()));
     forward_seconds.push_back(Seconds(forward_start));

@@ -26,7 +26,8 @@ struct RankOptions {
   std::string report_path;      // JSON report of this rank
   int threads = 1;              // LibTorch intra-op threads
   int timeout_seconds = 120;    // rendezvous and collectives
-  int iterations = 1;           // forwards to run (benchmarks); the outputs are the last one's
+  // Forwards to run (benchmarks), each started by all ranks together; the outputs are the last one's.
+  int iterations = 1;
   std::string backend = "gloo"; // "gloo" (CPU) or "nccl" (CUDA; a --config=cuda build)
 };
 

@@ -20,4 +20,15 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const GlooOptions& 
   }
 }
 
+absl::Status StoreBarrier(c10d::Store& store, const std::string& key, int world_size) {
+  try {
+    // The last to arrive opens the gate; wait() gives up after the store's timeout.
+    if (store.add(key + "/arrived", 1) == world_size) store.set(key + "/open", std::vector<uint8_t>{1});
+    store.wait({key + "/open"});
+    return absl::OkStatus();
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("barrier ", key, " failed: ", e.what()));
+  }
+}
+
 }  // namespace bertshard::worker

@@ -10,6 +10,8 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <string>
+
 #include "absl/status/statusor.h"
 #include "worker/gloo_collectives.h"
 
@@ -17,6 +19,11 @@ namespace bertshard::worker {
 
 // UNAVAILABLE if the store cannot be hosted or reached in time.
 absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const GlooOptions& options);
+
+// Returns once all `world_size` ranks have called it with the same `key` (each key once): a
+// barrier through the store, the same for every backend and on no device. UNAVAILABLE when the
+// store's timeout passes first (a peer is gone).
+absl::Status StoreBarrier(c10d::Store& store, const std::string& key, int world_size);
 
 }  // namespace bertshard::worker
 
