@@ -138,6 +138,7 @@ BatchQueue::BatchQueue(BatchLimits limits, BatchPadding padding, RunBatchFn run,
         limits.max_batch_tokens = std::max<int64_t>(1, limits.max_batch_tokens);
         limits.max_batch_requests = std::max(1, limits.max_batch_requests);
         limits.max_batch_delay = std::max(absl::ZeroDuration(), limits.max_batch_delay);
+        limits.regroup_delay = std::max(absl::ZeroDuration(), limits.regroup_delay);
         return limits;
       }()),
       padding_(padding),
@@ -301,13 +302,29 @@ std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
     std::vector<Request*> batch = FormBatchLocked(&full);
     const Request* oldest = batch.front();
     const int64_t oldest_id = oldest->id;
-    // Wait for more to merge with, from the arrival of the batch's first request: one that
-    // already waited through the previous batch goes at once.
-    const absl::Time until = std::min(oldest->enqueued + limits_.max_batch_delay, oldest->deadline);
-    if (!full && absl::Now() < until) {
-      // `oldest` may leave the queue (and be freed) meanwhile: compare ids.
-      auto changed = [this, oldest_id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // A full batch goes at once. Otherwise it waits until neither rule below asks to wait any
+    // longer; `until` is the later of their ends (InfinitePast: neither asks).
+    absl::Time until = absl::InfinitePast();
+    bool regrouping = false;
+    if (!full) {
+      const absl::Time now = absl::Now();
+      // max_batch_delay: more to merge with, from the arrival of the batch's first request (one
+      // that already waited through the previous batch goes at once).
+      const absl::Time delay_until = std::min(oldest->enqueued + limits_.max_batch_delay, oldest->deadline);
+      if (now < delay_until) until = delay_until;
+      // regroup_delay: the callers the last forward answered, from its end; ends early once as
+      // many requests came in since. Never past the oldest's deadline: it would only be dropped.
+      const absl::Time regroup_until = std::min(last_end_ + limits_.regroup_delay, oldest->deadline);
+      regrouping = limits_.regroup_delay > absl::ZeroDuration() && !RegroupedLocked() && now < regroup_until;
+      if (regrouping) until = std::max(until, regroup_until);
+    }
+    if (until != absl::InfinitePast()) {
+      // `oldest` may leave the queue (and be freed) meanwhile: compare ids. Each end wakes the
+      // loop once to look again (a regroup that completes does not wake it twice: `regrouping`
+      // is false next time).
+      auto changed = [this, oldest_id, regrouping]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         if (stopping_ || waiting_.empty() || waiting_.front()->id != oldest_id) return true;
+        if (regrouping && RegroupedLocked()) return true;
         bool now_full = false;
         FormBatchLocked(&now_full);
         return now_full;
@@ -403,7 +420,14 @@ void BatchQueue::RunBatch(std::vector<std::shared_ptr<Request>> batch) {
     batch[i]->result = std::move(results[i]);
     batch[i]->done = true;
   }
+  // Callers that left while it ran (deadline, cancelled) count too: a client that gave up usually
+  // sends its next request, or a retry, right away.
+  last_end_ = absl::Now();
+  last_requests_ = static_cast<int>(batch.size());
+  ids_at_last_end_ = next_id_;
 }
+
+bool BatchQueue::RegroupedLocked() const { return next_id_ - ids_at_last_end_ >= last_requests_; }
 
 void BatchQueue::Loop() {
   while (true) {

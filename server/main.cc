@@ -39,6 +39,10 @@ ABSL_FLAG(int, max_batch_requests, 32, "most Infer/Embed requests merged into on
 ABSL_FLAG(int, max_batch_delay_ms, 0,
           "how long the first request of a batch may wait for others (0: none; requests arriving while a forward "
           "runs are merged anyway)");
+ABSL_FLAG(int, max_batch_regroup_ms, 5,
+          "after a forward that answered k requests, how long the next batch may wait for k requests to come in "
+          "(its callers sending again), so closed-loop clients merge instead of alternating between two batches; "
+          "ends early once k came in or the batch is full (0: no regrouping)");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
@@ -63,13 +67,15 @@ int main(int argc, char** argv) {
   options.cluster.batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.cluster.batching.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
   options.cluster.batching.max_batch_delay = absl::Milliseconds(absl::GetFlag(FLAGS_max_batch_delay_ms));
+  options.cluster.batching.regroup_delay = absl::Milliseconds(absl::GetFlag(FLAGS_max_batch_regroup_ms));
   if (options.cluster.batching.max_batch_tokens < 1 || options.cluster.batching.max_batch_requests < 1 ||
-      absl::GetFlag(FLAGS_max_batch_delay_ms) < 0) {
+      absl::GetFlag(FLAGS_max_batch_delay_ms) < 0 || absl::GetFlag(FLAGS_max_batch_regroup_ms) < 0) {
     std::fprintf(stderr,
                  "bertshard-coordinator: --max_batch_tokens and --max_batch_requests must be >= 1 and "
-                 "--max_batch_delay_ms >= 0 (got %lld, %d, %d)\n",
+                 "--max_batch_delay_ms and --max_batch_regroup_ms >= 0 (got %lld, %d, %d, %d)\n",
                  static_cast<long long>(options.cluster.batching.max_batch_tokens),
-                 options.cluster.batching.max_batch_requests, absl::GetFlag(FLAGS_max_batch_delay_ms));
+                 options.cluster.batching.max_batch_requests, absl::GetFlag(FLAGS_max_batch_delay_ms),
+                 absl::GetFlag(FLAGS_max_batch_regroup_ms));
     return 2;
   }
 
