@@ -10,10 +10,18 @@ transformers' BertTokenizerFast built from the same vocab.txt, and for every tex
   - decoded: tokenizer.decode(ids, skip_special_tokens=True).
 A failure prints the first differing texts (repr) of each kind with both sides, and then fails.
 
-Configurations: uncased (tests/testdata/vocab/bert-base-uncased-vocab.txt, do_lower_case=True,
-strip_accents unset, so accents stripped) and cased (the same file - no cased vocabulary is available
-offline - with do_lower_case=False, strip_accents unset, so not stripped); for the generated texts and
-every code point also lower-casing without stripping and stripping without lower-casing.
+Configurations, each with its own vocabulary (--uncased_vocab, --cased_vocab; the output names the
+file, its size and sha256 for each):
+  - uncased: tests/testdata/vocab/bert-base-uncased-vocab.txt, do_lower_case=True, strip_accents
+    unset, so accents stripped (bert-base-uncased's settings);
+  - cased: tests/testdata/vocab/bert-base-cased-vocab.txt (the real bert-base-cased vocabulary,
+    tests/testdata/vocab/README.md), do_lower_case=False, strip_accents unset, so not stripped
+    (bert-base-cased's settings, as BertTokenizerFast has them for it);
+  - lower (lower-casing without stripping) and strip (stripping without lower-casing), for the
+    generated texts and every code point, with the uncased vocabulary.
+The uncased and cased configurations see the same texts: the fortune entries, the generated edge
+cases, truncation, decoding, and the ids and decoding of every code point (besides its words in
+cased and its normalised form in uncased).
 
 Texts:
   1. Real text: entries of Debian's fortune databases - the '%'-separated entries of every regular
@@ -35,7 +43,9 @@ Texts:
      3,000 seeded random mixtures of all of these.
   3. Every Unicode code point (surrogates aside) between two letters, 256 to a text: the words in
      the cased configuration (cleaning and splitting of each character), the normalised characters
-     in the others (accent stripping and lower-casing of each character).
+     in the others (accent stripping and lower-casing of each character); and in the uncased and
+     cased configurations the ids and decoded text of every code point through the vocabulary,
+     alone and between two letters.
   4. Truncation (truncation=True): single texts at max_length 2..512; pairs of every length split
      up to 8 + 8 tokens and of real texts, where ids and token types must equal HF's and `truncated`
      must say whether HF cut anything.
@@ -46,6 +56,7 @@ Python's, the fast one's are older; the fast one is the reference the C++ tokeni
 """
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -197,8 +208,19 @@ def every_code_point_texts():
 
 
 class Config:
-    def __init__(self, name, lower, strip):
-        self.name, self.lower, self.strip = name, lower, strip
+    def __init__(self, name, vocab, lower, strip):
+        self.name, self.vocab, self.lower, self.strip = name, vocab, lower, strip
+
+    def vocab_sha256(self):
+        with open(self.vocab, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def describe(self):
+        with open(self.vocab, "rb") as f:
+            lines = f.read().count(b"\n")
+        strip = "unset (follows do_lower_case)" if self.strip is None else self.strip
+        return (f"{self.name}: vocab {os.path.basename(self.vocab)} ({lines} tokens, sha256 {self.vocab_sha256()}), "
+                f"do_lower_case={self.lower}, strip_accents={strip}")
 
     def tool_flags(self):
         strip = "" if self.strip is None else ("true" if self.strip else "false")
@@ -271,6 +293,14 @@ def show_text(text):
     return repr(text) if len(text) <= 300 else repr(text[:300]) + f"... ({len(text)} characters)"
 
 
+# What each configuration compared, for the summary: {config name: ["what count", ...]}.
+COMPARED = {}
+
+
+def tally(config, what):
+    COMPARED.setdefault(config.name, []).append(what)
+
+
 class Mismatches:
     def __init__(self):
         self.count = {}
@@ -298,8 +328,9 @@ def vocab_tokens(fast):
     return [t for t, _ in sorted(fast.vocab.items(), key=lambda kv: kv[1])]
 
 
-def compare(tool, vocab, config, texts, label, mismatches, slow_sample=()):
+def compare(tool, config, texts, label, mismatches, slow_sample=()):
     """ids, words and decoded text of every text."""
+    vocab = config.vocab
     t0 = time.time()
     run = ToolRun(tool, vocab, config, [{"text": t} for t in texts])
     fast = BertTokenizerFast(vocab, **config.hf_kwargs())
@@ -319,6 +350,7 @@ def compare(tool, vocab, config, texts, label, mismatches, slow_sample=()):
             mismatches.add(f"{config.name}: words", text, words, o["words"])
         if o["decoded"] != decoded:
             mismatches.add(f"{config.name}: decode", text, decoded, o["decoded"])
+    tally(config, f"{label} {len(texts)}")
     log(f"  {config.name:>7} {label}: {len(texts)} texts, ids/words/decode compared in {time.time() - t0:.1f}s "
         f"(tokenize_tool {run.seconds:.1f}s)")
     if slow_sample:
@@ -343,8 +375,9 @@ def report_slow(vocab, config, texts, sample, hf_ids, tokens, label):
             f"\n        slow: {window(slow_tokens, j)}")
 
 
-def compare_every_code_point(tool, vocab, config, chunks, mismatches, full_words):
+def compare_every_code_point(tool, config, chunks, mismatches, full_words):
     """Words (full_words) or just the normalised characters of the every-code-point texts."""
+    vocab = config.vocab
     t0 = time.time()
     texts = [text for _, _, text in chunks]
     run = ToolRun(tool, vocab, config, [{"text": t} for t in texts])
@@ -360,12 +393,45 @@ def compare_every_code_point(tool, vocab, config, chunks, mismatches, full_words
         ours = o.get("words", []) if full_words else "".join(o.get("words", []))
         if "error" in o or ours != e:
             mismatches.add(what, f"U+{first:04X}..U+{last:04X}, each as 'a?b'", e, o.get("error", ours))
+    tally(config, f"every code point {len(texts)} texts ({'words' if full_words else 'normalised characters'})")
     log(f"  {config.name:>7} every code point: {len(texts)} texts of 256, "
         f"{'words' if full_words else 'normalised characters'} compared in {time.time() - t0:.1f}s")
 
 
-def compare_truncation(tool, vocab, config, corpus, mismatches):
+def compare_every_code_point_ids(tool, config, chunks, mismatches):
+    """Ids and decoded text of every code point through this configuration's vocabulary: each
+    character alone (a word-initial piece) and between two letters (a '##' piece after 'a', unless
+    it is split off), 256 to a text."""
+    vocab = config.vocab
+    t0 = time.time()
+    texts, where = [], []
+    for first, last, text in chunks:
+        texts.append(text)
+        where.append(f"U+{first:04X}..U+{last:04X}, each as 'a?b'")
+        # The same code points, each alone between spaces.
+        texts.append(" ".join(chr(cp) for cp in range(first, last + 1) if not 0xD800 <= cp <= 0xDFFF))
+        where.append(f"U+{first:04X}..U+{last:04X}, each alone")
+    run = ToolRun(tool, vocab, config, [{"text": t} for t in texts])
+    fast = BertTokenizerFast(vocab, **config.hf_kwargs())
+    tokens = vocab_tokens(fast)
+    hf_ids = fast(texts)["input_ids"]
+    hf_decoded = hf_decode(fast, hf_ids)
+    for w, o, ids, decoded in zip(where, run.wait(), hf_ids, hf_decoded):
+        if "error" in o:
+            mismatches.add(f"{config.name}: every code point, tool error", w, "", o["error"])
+            continue
+        if o["ids"] != ids:
+            mismatches.add(f"{config.name}: every code point, ids", w, ids, o["ids"], tokens)
+        if o["decoded"] != decoded:
+            mismatches.add(f"{config.name}: every code point, decode", w, decoded, o["decoded"])
+    tally(config, f"every code point {len(texts)} texts (ids, decode)")
+    log(f"  {config.name:>7} every code point: {len(texts)} texts of 256 (alone and as 'a?b'), ids and decode "
+        f"compared in {time.time() - t0:.1f}s")
+
+
+def compare_truncation(tool, config, corpus, mismatches):
     """truncation=True: single texts and pairs, synthetic lengths and real texts."""
+    vocab = config.vocab
     t0 = time.time()
     fast = BertTokenizerFast(vocab, **config.hf_kwargs())
     tokens = vocab_tokens(fast)
@@ -414,6 +480,7 @@ def compare_truncation(tool, vocab, config, corpus, mismatches):
         elif o["truncated"] != was_cut:
             mismatches.add(label + " flag", what, was_cut, o["truncated"])
         n_cut += was_cut
+    tally(config, f"truncation {len(requests)} encodings ({len(pairs)} pairs)")
     log(f"  {config.name:>7} truncation: {len(requests)} encodings ({n_cut} cut, {len(pairs)} pairs) compared in "
         f"{time.time() - t0:.1f}s")
 
@@ -421,7 +488,8 @@ def compare_truncation(tool, vocab, config, corpus, mismatches):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tool", required=True, help="tokenize_tool")
-    parser.add_argument("--vocab", required=True)
+    parser.add_argument("--uncased_vocab", required=True, help="bert-base-uncased's vocab.txt")
+    parser.add_argument("--cased_vocab", required=True, help="bert-base-cased's vocab.txt")
     parser.add_argument("--per_language", type=int, default=2000, help="fortune entries per language")
     parser.add_argument("--slow_sample", type=int, default=300, help="of those, how many the slow tokenizer sees")
     args = parser.parse_args()
@@ -445,21 +513,33 @@ def main():
     log(f"generated edge cases: {len(generated)}; every code point: {len(chunks)} texts")
 
     mismatches = Mismatches()
-    uncased, cased = Config("uncased", True, None), Config("cased", False, None)
-    lower, strip = Config("lower", True, False), Config("strip", False, True)
+    uncased = Config("uncased", args.uncased_vocab, True, None)
+    cased = Config("cased", args.cased_vocab, False, None)
+    lower = Config("lower", args.uncased_vocab, True, False)
+    strip = Config("strip", args.uncased_vocab, False, True)
+    configs = (uncased, cased, lower, strip)
+    for config in configs:
+        log("configuration " + config.describe())
+    if cased.vocab_sha256() == uncased.vocab_sha256():
+        sys.exit("FAILED: the cased configuration was given the uncased vocabulary")
     for config in (uncased, cased):
-        compare(args.tool, args.vocab, config, real, "fortunes", mismatches, slow_sample)
-        compare(args.tool, args.vocab, config, generated, "generated", mismatches, range(len(generated)))
-        compare_truncation(args.tool, args.vocab, config, corpus, mismatches)
+        compare(args.tool, config, real, "fortunes", mismatches, slow_sample)
+        compare(args.tool, config, generated, "generated", mismatches, range(len(generated)))
+        compare_truncation(args.tool, config, corpus, mismatches)
     for config in (lower, strip):
-        compare(args.tool, args.vocab, config, generated, "generated", mismatches)
+        compare(args.tool, config, generated, "generated", mismatches)
     # Each character's cleaning and splitting (cased: nothing else happens to it), accent stripping
     # and lower-casing on their own, and both (uncased).
-    compare_every_code_point(args.tool, args.vocab, cased, chunks, mismatches, full_words=True)
+    compare_every_code_point(args.tool, cased, chunks, mismatches, full_words=True)
     for config in (strip, lower, uncased):
-        compare_every_code_point(args.tool, args.vocab, config, chunks, mismatches, full_words=False)
+        compare_every_code_point(args.tool, config, chunks, mismatches, full_words=False)
+    # And what each vocabulary makes of every code point, word-initial and as a continuation.
+    for config in (uncased, cased):
+        compare_every_code_point_ids(args.tool, config, chunks, mismatches)
 
-    log(f"done in {time.time() - t0:.1f}s")
+    log(f"done in {time.time() - t0:.1f}s; compared:")
+    for config in configs:
+        log(f"  {config.name} ({os.path.basename(config.vocab)}): " + ", ".join(COMPARED.get(config.name, [])))
     if mismatches.count:
         log("FAILED: " + ", ".join(f"{n} {what}" for what, n in mismatches.count.items()))
         return 1

@@ -44,6 +44,18 @@ const WordPieceTokenizer& Cased() {
   return *tok;
 }
 
+// The real bert-base-cased vocabulary with its settings (tests/testdata/vocab/README.md).
+const WordPieceTokenizer& RealCased() {
+  static const auto* tok = [] {
+    TokenizerOptions options;
+    options.do_lower_case = false;
+    auto t = WordPieceTokenizer::FromVocabFile("tests/testdata/vocab/bert-base-cased-vocab.txt", options);
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t->release();
+  }();
+  return *tok;
+}
+
 std::string Repeat(absl::string_view s, int n) {
   std::string out;
   for (int i = 0; i < n; ++i) out.append(s.data(), s.size());
@@ -76,6 +88,19 @@ TEST(WordPiece, KnownUncasedTokenisations) {
   EXPECT_EQ(Uncased().Encode("i like strawberries", std::nullopt)->input_ids,
             (Ids{101, 1045, 2066, 13137, 20968, 102}));
   EXPECT_EQ(*Uncased().TokenIds(""), Ids{});
+}
+
+TEST(WordPiece, KnownCasedTokenisations) {
+  // tests/testdata/vocab/README.md (HF tokenizers' own bert-base-cased test, and HF's ids for it).
+  EXPECT_EQ(*RealCased().Tokenize("Hey there dear friend!"), (Pieces{"Hey", "there", "dear", "friend", "!"}));
+  EXPECT_EQ(RealCased().Encode("Hey there dear friend!", std::nullopt)->input_ids,
+            (Ids{101, 4403, 1175, 7059, 1910, 106, 102}));
+  // Case and accents kept, "##" pieces with accents.
+  const std::string text = "Hello, World! na\u00efve Caf\u00e9";
+  EXPECT_EQ(*RealCased().Tokenize(text),
+            (Pieces{"Hello", ",", "World", "!", "na", "##\u00ef", "##ve", "Caf\u00e9"}));
+  EXPECT_EQ(*RealCased().TokenIds(text), (Ids{8667, 117, 1291, 106, 9468, 28203, 2707, 21036}));
+  EXPECT_EQ(RealCased().Decode(*RealCased().TokenIds(text)), text);
 }
 
 TEST(WordPiece, LowercasesStripsAccentsSplitsPunctuationAndCjk) {
