@@ -12,7 +12,8 @@
 # TPxPP:THREADS for THREADS LibTorch threads per rank),
 # BATCH_FLAGS (extra coordinator flags, e.g. "--max_batch_delay_ms=2"), THREADS (LibTorch threads
 # per rank, locally and on the workers; default cores / ranks, at least 1), BLAS_ENV (see
-# start_workers_threads), RESULTS (output file).
+# start_workers_threads), WORKER_ENV (extra VAR=VALUE words for the workers' environment, e.g.
+# "OMP_WAIT_POLICY=PASSIVE"), RESULTS (output file).
 #
 # Targets (figures, not asserts; the exit status is 0 unless something fails):
 #   throughput: 16 concurrent one-sentence clients >= 70% of 16 / (local forward of the 16 batched)
@@ -124,6 +125,7 @@ start_workers_threads() {
   local count=$1 threads=$2
   local env=()
   [ "$BLAS_ENV" = 0 ] || env=(OMP_NUM_THREADS="$threads" OPENBLAS_NUM_THREADS="$threads")
+  env+=(${WORKER_ENV:-})
   for i in $(seq "$count"); do
     env "${env[@]}" "$WORKER_BIN" --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads="$threads" \
       >"$WORK/worker$i.log" 2>&1 &
@@ -177,8 +179,9 @@ PY
 results=$work/results.jsonl
 : > "$results"
 
-# Local forwards of tokens-N.json, ITERATIONS / 2 back to back in one `shardctl run --local`:
-# per iteration the slowest rank, the first iteration dropped; appends the seconds, one per line,
+# Local forwards of tokens-N.json, ITERATIONS / 2 in one `shardctl run --local` (the ranks start
+# each one together: one forward's latency): per iteration the slowest rank, the first iteration
+# dropped; appends the seconds, one per line,
 # to FILE. Each baseline runs twice, right before and right after the service run it is compared
 # with (this machine's speed drifts); the figure is the median of both halves together.
 local_forwards() {
@@ -312,7 +315,7 @@ p(f"Machine: {cores} cores, {cpu}; CPUs {busy_before}% busy in the 2 s before th
   f"CPU used by other processes while each configuration ran: {foreign} (the figures mean something on an otherwise "
   f"idle machine only). Commit {commit}. "
   f"Model all-MiniLM-L6-v2 (BertModel, 6 layers, hidden 384), CPU ranks (Gloo). Coordinator batching flags: "
-  f"{batch_flags or 'defaults (--max_batch_tokens=16384 --max_batch_requests=32 --max_batch_delay_ms=0)'}. "
+  f"{batch_flags or 'defaults (--max_batch_tokens=16384 --max_batch_requests=32 --max_batch_delay_ms=0 --max_batch_regroup_ms=5)'}. "
   + ("Workers run with `--threads=T` and OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = T, as `shardctl run` gives its ranks "
      "(BLAS_ENV=1)." if blas_env != "0" else
      "Workers run with `--threads=T` only, as tools/local_cluster.sh starts them (BLAS_ENV=0): OpenBLAS then keeps "
@@ -323,9 +326,10 @@ p(f"Sentences: 16, {min(lengths['words'])}-{max(lengths['words'])} words, {min(l
   f"first N sentences (client i starts at sentence i and cycles), one sentence per Embed request, closed loop, {duration} s "
   f"after 3 warm-up requests per client; each client is a thread of bench/embed_load with its own gRPC channel and "
   f"connection, on the same machine as the service. Local: `shardctl run --local` of the same N sentences as one padded "
-  f"batch, the same threads per rank: two runs of {int(iterations) // 2} back-to-back forwards, right before and right "
-  f"after the service run (the cluster idle), the first forward of each dropped, the median of the slowest rank's "
-  f"times (each run's median in the last column).")
+  f"batch, the same threads per rank: two runs of {int(iterations) // 2} forwards, each started by all ranks together "
+  f"(a barrier, so that one figure is one forward's latency, pipeline stages one after the other as in the service), "
+  f"right before and right after the service run (the cluster idle), the first forward of each dropped, the median of "
+  f"the slowest rank's times (each run's median in the last column).")
 p("")
 p("| config | clients | service req/s | p50 ms | p90 ms | p99 ms | merged: mean BatchInfo.requests / requests per forward | local forward of the N batched, ms | local req/s (N / forward) | service / local req/s | local before / after, ms |")
 p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -359,9 +363,9 @@ p("")
 out.extend(verdicts)
 if any(int(c.split(":")[0].split("x")[1]) > 1 for c in configs):
     p("")
-    p("With PP > 1 the local figure is the period of back-to-back forwards, whose pipeline stages overlap (stage 0 "
-      "starts forward i+1 while the last stage finishes i), not the latency of one forward alone; the service runs "
-      "one job's forwards one at a time, so its lone forward is the sum of the stages.")
+    p("With PP > 1 both figures are one forward's latency, its pipeline stages one after the other: the service runs "
+      "one job's forwards one at a time, and the local ranks start every forward together (no overlap of forward i+1 "
+      "on stage 0 with forward i on the last stage, which would make back-to-back forwards look faster than one is).")
 p("")
 p("Where the time goes. Infer on the same job (5 s) reports the ranks' forward time (the rank with the outputs) next "
   "to BatchInfo's queue time; the rest is tokenising, gRPC between client, coordinator and workers, merging and "
