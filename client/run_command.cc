@@ -23,6 +23,7 @@
 #include "common/file.h"
 #include "common/free_port.h"
 #include "common/status_macros.h"
+#include "model/gemm_flag.h"
 #include "nlohmann/json.hpp"
 #include "planner/plan_format.h"
 #include "planner/planner.h"
@@ -138,6 +139,20 @@ absl::Status WaitForRanks(std::vector<RankProcess>& ranks, std::chrono::seconds 
 }
 
 
+// "blas", "onednn", or under --gemm auto what was picked with the figures it was picked on:
+// "onednn (auto: blas 80.1, onednn 95.3 GFLOP/s)".
+std::string GemmColumn(const json& report) {
+  std::string column = report.value("gemm", std::string("?"));
+  if (auto it = report.find("gemm_gflops"); it != report.end() && it->is_object()) {
+    std::vector<std::string> figures;
+    for (const auto& [path, gflops] : it->items()) {
+      if (gflops.is_number()) figures.push_back(absl::StrFormat("%s %.1f", path, gflops.get<double>()));
+    }
+    absl::StrAppend(&column, " (auto: ", absl::StrJoin(figures, ", "), " GFLOP/s)");
+  }
+  return column;
+}
+
 absl::Status Run(const CommandLine& cl, std::FILE* out) {
   const auto& v = cl.values;
   if (!cl.switches.count("local")) {
@@ -164,6 +179,9 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   if (v.count("timeout") && (!absl::SimpleAtoi(v.at("timeout"), &timeout_s) || timeout_s < 1)) {
     return Invalid("--timeout needs a positive number of seconds");
   }
+  // Checked here, before any rank starts; each rank resolves "auto" itself (its own threads).
+  const std::string gemm = v.count("gemm") ? v.at("gemm") : "auto";
+  RETURN_IF_ERROR(model::ParseGemmFlag(gemm).status());
 
   v1::PlanRequest request;
   RETURN_IF_ERROR(ApplyPlanFlags(cl, &request));
@@ -235,6 +253,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
         absl::StrCat("--timeout_s=", std::min<int64_t>(timeout_s, 600)),
         absl::StrCat("--iterations=", iterations),
         absl::StrCat("--backend=", backend),
+        absl::StrCat("--gemm=", gemm),
     };
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -254,20 +273,20 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   }
   RETURN_IF_ERROR(WaitForRanks(ranks, std::chrono::seconds(timeout_s)));
 
-  std::string table = absl::StrFormat("%-5s %-6s %-3s %9s %9s %10s %12s %12s\n", "RANK", "STAGE", "TP",
-                                      "LOAD s", "FORWARD s", "PEAK RSS", "CKPT READ", "PARAM BYTES");
+  std::string table = absl::StrFormat("%-5s %-6s %-3s %9s %9s %10s %12s %12s  %s\n", "RANK", "STAGE", "TP",
+                                      "LOAD s", "FORWARD s", "PEAK RSS", "CKPT READ", "PARAM BYTES", "GEMM");
   json reports = json::array();
   for (int rank = 0; rank < world; ++rank) {
     ASSIGN_OR_RETURN(std::string text, common::ReadFileToString(absl::StrCat(dir, "/rank_", rank, ".json"), "rank report"));
     const json report = json::parse(text, nullptr, false);
     if (report.is_discarded()) return absl::InternalError(absl::StrCat("rank ", rank, " wrote a bad report"));
     reports.push_back(report);
-    absl::StrAppend(&table, absl::StrFormat("%-5d %-6d %-3d %9.3f %9.3f %10s %12d %12d\n", rank,
+    absl::StrAppend(&table, absl::StrFormat("%-5d %-6d %-3d %9.3f %9.3f %10s %12d %12d  %s\n", rank,
                                             report.value("stage", 0), report.value("tp_rank", 0),
                                             report.value("load_seconds", 0.0), report.value("forward_seconds", 0.0),
                                             planner::HumanBytes(report.value("peak_rss_bytes", int64_t{0})),
                                             report.value("checkpoint_bytes_read", int64_t{0}),
-                                            report.value("param_bytes", int64_t{0})));
+                                            report.value("param_bytes", int64_t{0}), GemmColumn(report)));
   }
   ASSIGN_OR_RETURN(auto written, checkpoint::SafetensorsFile::Open(v.at("output")));
   std::vector<std::string> shapes;
@@ -290,7 +309,8 @@ const std::set<std::string>& RunValueFlags() {
   static const auto* flags = [] {
     auto* f = new std::set<std::string>(PlanValueFlags());
     for (const char* drop : {"request", "server", "output", "batch"}) f->erase(drop);
-    for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout", "report", "iterations"}) {
+    for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout", "report",
+                             "iterations", "gemm"}) {
       f->insert(add);
     }
     return f;

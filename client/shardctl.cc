@@ -25,8 +25,10 @@ constexpr char kUsage[] = R"(usage: shardctl plan [REQUEST.json] [flags]
 plan: how a BERT model is sharded over tensor- and pipeline-parallel ranks.
 run: the sharded forward, one process per rank on this machine (Gloo on loopback); --tp, --pp,
   --pp-style, --chunks, --sp-mode as for plan, plus --micro-batches M, --threads T (per rank),
+  --gemm auto|blas|onednn (CPU matrix products: OpenBLAS via at::linear, or oneDNN with weights
+  prepacked at load; auto, the default, times both in each rank and takes the faster),
   --backend gloo, --timeout SECONDS, --rank-binary PATH. Prints per-rank load/forward time, peak
-  RSS and checkpoint bytes read; writes the outputs (float32, HF names).
+  RSS, checkpoint bytes read and GEMM path; writes the outputs (float32, HF names).
 init-checkpoint: a randomly initialised HF model directory (config.json + model.safetensors).
 
 On a coordinator (--server HOST:PORT, default $BERTSHARD_SERVER or 127.0.0.1:50051):

@@ -6,9 +6,11 @@
 #include <limits>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "model/gemm.h"
 #include "planner/model_config.h"
 #include "planner/stage_layout.h"
 
@@ -18,6 +20,10 @@ namespace {
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
+
+// The lookup tables of the embeddings: the only 2-D parameters that no linear reads (except the
+// word embeddings tied to the LM decoder, which are read under both names).
+bool IsEmbeddingTable(const std::string& name) { return absl::EndsWith(name, "_embeddings.weight"); }
 
 // One pipeline slot in route order: which stage runs it and the layers it covers.
 struct Slot {
@@ -29,7 +35,8 @@ struct Slot {
 
 class BertShard::Impl {
  public:
-  Impl(const v1::ShardPlan& plan, int rank, c10::Device device) : plan_(plan), rank_(rank), device_(device) {
+  Impl(const v1::ShardPlan& plan, int rank, c10::Device device, GemmPath gemm)
+      : plan_(plan), rank_(rank), device_(device), gemm_(device.is_cpu() ? gemm : GemmPath::kBlas) {
     const auto& sc = plan.shard_config();
     tp_ = std::max(1, sc.tensor_parallel_size());
     stage_ = rank / tp_;
@@ -100,8 +107,12 @@ class BertShard::Impl {
       for (int i = 1; i < t.local_shape_size(); ++i) row_elements *= t.local_shape(i);
       padding_bytes_ += t.padding() * row_elements * 4;
       local = local.to(device_);
-      params_[t.name()] = local;
-      for (const auto& a : aliases) params_[a] = local;
+      // On the oneDNN path a weight that only linears read is held once, packed.
+      const bool dense_needed = PackIfLinearWeight(t, local);
+      if (dense_needed) {
+        params_[t.name()] = local;
+        for (const auto& a : aliases) params_[a] = local;
+      }
       shards_[t.name()] = &t;
       if (progress && !progress(static_cast<int>(shards_.size()), mine->tensors_size(), *param_bytes,
                                 mine->param_bytes())) {
@@ -113,6 +124,7 @@ class BertShard::Impl {
 
   bool holds_heads() const { return stage_ == head_stage_; }
   int64_t padding_bytes() const { return padding_bytes_; }
+  GemmPath gemm_path() const { return gemm_; }
 
   absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& in, int micro_batches,
                                                             Collectives* comm) {
@@ -182,6 +194,29 @@ class BertShard::Impl {
 
   const at::Tensor& P(const std::string& name) const { return params_.at(name); }
 
+  // On the oneDNN path, packs `local` (tensor `t` of the plan) once if a linear reads it, under
+  // each of its names. Returns whether the dense copy is still needed: always on the BLAS path;
+  // on the oneDNN path for everything but linear weights, and for the word embeddings tied to the
+  // LM decoder where this rank looks them up (a decoder on a later stage has them as an alias it
+  // never looks up).
+  bool PackIfLinearWeight(const v1::TensorShard& t, const at::Tensor& local) {
+    if (gemm_ != GemmPath::kOneDnn || local.dim() != 2) return true;
+    std::vector<std::string> names = {t.name()};
+    names.insert(names.end(), t.aliases().begin(), t.aliases().end());
+    bool read_by_linear = false, looked_up = false;
+    for (const std::string& name : names) {
+      if (IsEmbeddingTable(name)) {
+        looked_up |= !route_.empty() && route_.front().stage == stage_;  // this stage runs the embeddings
+      } else {
+        read_by_linear = true;
+      }
+    }
+    if (!read_by_linear) return true;
+    const at::Tensor packed = PackOneDnnWeight(local);
+    for (const std::string& name : names) packed_[name] = packed;
+    return looked_up;
+  }
+
   at::Tensor Act(const at::Tensor& x) const {
     const std::string& act = plan_.config().hidden_act();
     if (act == "relu") return at::relu(x);
@@ -195,13 +230,15 @@ class BertShard::Impl {
   }
 
   at::Tensor Linear(const at::Tensor& x, const std::string& module) const {
+    if (gemm_ == GemmPath::kOneDnn) return OneDnnLinear(x, packed_.at(module + ".weight"), P(module + ".bias"));
     return at::linear(x, P(module + ".weight"), P(module + ".bias"));
   }
 
   // Linear1D_Row: this rank's input features times its weight columns, summed over the group
   // (or reduce-scattered along the sequence under split_gather), then the whole bias once.
   absl::StatusOr<at::Tensor> RowLinear(const at::Tensor& x, const std::string& module) {
-    at::Tensor y = at::matmul(x, P(module + ".weight").t());
+    at::Tensor y = gemm_ == GemmPath::kOneDnn ? OneDnnLinear(x, packed_.at(module + ".weight"), at::Tensor())
+                                              : at::matmul(x, P(module + ".weight").t());
     if (tp_ > 1) {
       if (sp_) {
         ASSIGN_OR_RETURN(y, comm_->ReduceScatter(y, 1));
@@ -306,7 +343,10 @@ class BertShard::Impl {
     t = Norm(t, "cls.predictions.transform.LayerNorm");
     // VocabParallelLMHead1D with gather_output (PaddingLMHead without TP): padded rows are zero
     // weights and bias, and are cut off after the gather.
-    at::Tensor logits = at::linear(t, P("cls.predictions.decoder.weight"), P("cls.predictions.bias"));
+    at::Tensor logits =
+        gemm_ == GemmPath::kOneDnn
+            ? OneDnnLinear(t, packed_.at("cls.predictions.decoder.weight"), P("cls.predictions.bias"))
+            : at::linear(t, P("cls.predictions.decoder.weight"), P("cls.predictions.bias"));
     if (tp_ > 1) {
       ASSIGN_OR_RETURN(logits, comm_->AllGather(logits, logits.dim() - 1));
     }
@@ -392,11 +432,13 @@ class BertShard::Impl {
   const v1::ShardPlan plan_;
   const int rank_;
   const c10::Device device_;
+  const GemmPath gemm_;
   int tp_ = 1, stage_ = 0, tp_rank_ = 0, head_stage_ = 0;
   bool sp_ = false;
   std::string prefix_;
   std::vector<Slot> route_;
   std::map<std::string, at::Tensor> params_;  // by state-dict name and alias
+  std::map<std::string, at::Tensor> packed_;  // oneDNN path: the linears' weights, by name and alias
   std::map<std::string, const v1::TensorShard*> shards_;  // points into plan_
   Collectives* comm_ = nullptr;  // set for the duration of Forward
   int64_t padding_bytes_ = 0;
@@ -409,23 +451,37 @@ BertShard::~BertShard() = default;
 
 bool BertShard::holds_heads() const { return impl_->holds_heads(); }
 int64_t BertShard::padding_bytes() const { return impl_->padding_bytes(); }
+GemmPath BertShard::gemm_path() const { return impl_->gemm_path(); }
 
 absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& plan, int rank,
                                                            const checkpoint::Checkpoint& checkpoint,
                                                            c10::Device device, const Progress& progress) {
+  return Load(plan, rank, checkpoint, LoadOptions{device, GemmPath::kBlas, progress});
+}
+
+absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& plan, int rank,
+                                                           const checkpoint::Checkpoint& checkpoint,
+                                                           const LoadOptions& options) {
   if (rank < 0 || rank >= plan.world_size()) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside the plan's world of ",
                                                    plan.world_size()));
   }
   try {
-    auto impl = std::make_unique<Impl>(plan, rank, device);
+    auto impl = std::make_unique<Impl>(plan, rank, options.device, options.gemm);
+    RETURN_IF_ERROR(GemmPathAvailable(impl->gemm_path()));  // before reading anything
     int64_t bytes = 0;
-    RETURN_IF_ERROR(impl->LoadTensors(checkpoint, progress, &bytes));
+    RETURN_IF_ERROR(impl->LoadTensors(checkpoint, options.progress, &bytes));
     const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
     return std::unique_ptr<BertShard>(new BertShard(std::move(impl), rank / tp, bytes));
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("loading rank ", rank, ": ", e.what()));
   }
+}
+
+GemmChoice PickGemmPathForPlan(const v1::ShardPlan& plan) {
+  constexpr int64_t kRows = 8 * 128;
+  const int64_t tp = std::max(1, plan.shard_config().tensor_parallel_size());
+  return PickGemmPath(kRows, plan.config().hidden_size(), plan.config().intermediate_size() / tp);
 }
 
 absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs,

@@ -29,6 +29,7 @@
 #include "bertshard/v1/plan.pb.h"
 #include "checkpoint/checkpoint.h"
 #include "model/collectives.h"
+#include "model/gemm.h"
 
 namespace bertshard::model {
 
@@ -57,6 +58,19 @@ class BertShard {
                                                          c10::Device device = c10::Device(c10::kCPU),
                                                          const Progress& progress = nullptr);
 
+  struct LoadOptions {
+    c10::Device device = c10::Device(c10::kCPU);
+    // How the linears multiply (model/gemm.h). kOneDnn prepacks every linear weight at load and
+    // needs a LibTorch with MKL-DNN (else FAILED_PRECONDITION). CUDA devices always take
+    // at::linear, whatever this says.
+    GemmPath gemm = GemmPath::kBlas;
+    Progress progress;
+  };
+  // As above, with the GEMM path.
+  static absl::StatusOr<std::unique_ptr<BertShard>> Load(const v1::ShardPlan& plan, int rank,
+                                                         const checkpoint::Checkpoint& checkpoint,
+                                                         const LoadOptions& options);
+
   ~BertShard();
 
   // fp32 bytes of the tensors this rank holds.
@@ -64,6 +78,8 @@ class BertShard {
   // Of those, the zero rows that pad the vocabulary (never read from the checkpoint).
   int64_t padding_bytes() const;
   int stage() const { return stage_; }
+  // The path the linears take: LoadOptions::gemm on CPU, kBlas on CUDA.
+  GemmPath gemm_path() const;
   // Whether this rank's stage ends the pipeline route (and so returns the outputs).
   bool holds_heads() const;
 
@@ -83,6 +99,11 @@ class BertShard {
   const int stage_;
   const int64_t param_bytes_;
 };
+
+// "--gemm=auto" for a rank of `plan`: PickGemmPath (model/gemm.h) on its largest product, the
+// intermediate linear as this rank holds it (hidden -> intermediate / tp), at a typical batch of
+// 8 sequences of 128 tokens. Call after setting the LibTorch threads the forwards will use.
+GemmChoice PickGemmPathForPlan(const v1::ShardPlan& plan);
 
 }  // namespace bertshard::model
 

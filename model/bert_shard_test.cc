@@ -90,6 +90,58 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, UnshardedReference,
                                            "sequence_classification_f16", "token_classification_bf16",
                                            "multiple_choice", "question_answering"));
 
+// The oneDNN path against the BLAS path on the same weights, for every variant: every kind of
+// head, the LM decoder tied to the word embeddings (pretraining_tied, lm_head_decoder: its packed
+// weight and the dense embedding table are one tensor under two names) and untied
+// (masked_lm_untied), F16/BF16 checkpoints. TP > 1 runs in tests/sharded_run_test.cc.
+class OneDnnPath : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(OneDnnPath, EqualsBlasPath) {
+  const std::string dir = std::string(kData) + GetParam();
+  v1::PlanRequest request;
+  request.set_checkpoint(dir);
+  auto plan = planner::Plan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto ckpt = checkpoint::Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  BertShard::LoadOptions options;
+  options.gemm = GemmPath::kOneDnn;
+  auto onednn = BertShard::Load(*plan, 0, **ckpt, options);
+  if (!at::hasMKLDNN()) {
+    EXPECT_EQ(onednn.status().code(), absl::StatusCode::kFailedPrecondition) << onednn.status();
+    GTEST_SKIP() << "this LibTorch has no MKL-DNN";
+  }
+  ASSERT_TRUE(onednn.ok()) << onednn.status();
+  EXPECT_EQ((*onednn)->gemm_path(), GemmPath::kOneDnn);
+  EXPECT_EQ((*onednn)->param_bytes(), plan->ranks(0).param_bytes());
+  auto blas = BertShard::Load(*plan, 0, **ckpt);
+  ASSERT_TRUE(blas.ok()) << blas.status();
+  EXPECT_EQ((*blas)->gemm_path(), GemmPath::kBlas);
+  SingleRankCollectives single;
+  const ModelInputs inputs = ReadInputs(dir + "/input.json");
+  for (int micro_batches : {1, 2}) {
+    auto want = (*blas)->Forward(inputs, micro_batches, &single);
+    ASSERT_TRUE(want.ok()) << want.status();
+    auto got = (*onednn)->Forward(inputs, micro_batches, &single);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->size(), want->size());
+    for (const auto& [name, expected] : *want) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(got->count(name));
+      const at::Tensor& actual = got->at(name);
+      EXPECT_FALSE(actual.is_mkldnn());
+      ASSERT_EQ(actual.sizes(), expected.sizes());
+      EXPECT_LE((actual - expected).abs().max().item<float>(), 1e-4f);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, OneDnnPath,
+                         ::testing::Values("bert_model", "pretraining_tied", "lm_head_decoder",
+                                           "masked_lm_untied", "next_sentence",
+                                           "sequence_classification_f16", "token_classification_bf16",
+                                           "multiple_choice", "question_answering"));
+
 TEST(BertShardInputs, RefusesBadInputsBeforeRunning) {
   const std::string dir = std::string(kData) + "masked_lm_untied";
   v1::PlanRequest request;

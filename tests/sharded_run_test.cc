@@ -3,8 +3,10 @@
 // cover every path: TP 1/2/4, PP 2 (1F1B), interleaved (PP 2 x 2 chunks), ZBV, split_gather (also
 // with pipelines, and RING run as split_gather), tied and untied LM heads, a vocabulary that
 // needs padding (99 rows: 128 at TP 2, 256 at TP 4, where ranks hold only padding), padded
-// attention masks, micro-batches, and F16/BF16 checkpoints. Also: bad input is refused before any
-// rank starts, and a failing rank stops the others.
+// attention masks, micro-batches, and F16/BF16 checkpoints; and once the oneDNN GEMM path (the
+// others run --gemm auto, whichever it picks) with TP, split_gather and a decoder tied across
+// stages. Also: bad input is refused before any rank starts, and a failing rank stops the others.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -47,19 +49,25 @@ std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> ReadT
 struct Launch {
   const char* model;
   std::vector<std::string> flags;
+  const char* name = nullptr;  // the test's name, when not the model's
 };
+
+const char* Name(const Launch& launch) { return launch.name != nullptr ? launch.name : launch.model; }
 
 class ShardedRun : public ::testing::TestWithParam<Launch> {};
 
 TEST_P(ShardedRun, EqualsUnshardedReference) {
   const Launch& launch = GetParam();
   const std::string dir = std::string("tests/testdata/model/") + launch.model;
-  const std::string output = TempDir() + "/" + launch.model + ".safetensors";
-  const std::string report = TempDir() + "/" + launch.model + ".report.json";
+  const std::string output = TempDir() + "/" + Name(launch) + ".safetensors";
+  const std::string report = TempDir() + "/" + Name(launch) + ".report.json";
   std::vector<std::string> args = {"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json",
                                    "--output", output, "--report", report, "--threads", "1", "--timeout", "120"};
   args.insert(args.end(), launch.flags.begin(), launch.flags.end());
   Result r = Shardctl(args);
+  if (r.exit_code != 0 && absl::StrContains(r.err, "needs a LibTorch built with MKL-DNN")) {
+    GTEST_SKIP() << "this LibTorch has no MKL-DNN";
+  }
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto got = ReadTensors(output);
   const auto want = ReadTensors(dir + "/expected.safetensors");
@@ -81,7 +89,7 @@ TEST_P(ShardedRun, EqualsUnshardedReference) {
   Result plan_json = Shardctl([&] {
     std::vector<std::string> plan_args = {"plan", "--checkpoint", dir, "--output", "json"};
     for (size_t i = 0; i < launch.flags.size(); i += 2) {
-      if (launch.flags[i] != "--micro-batches") {
+      if (launch.flags[i] != "--micro-batches" && launch.flags[i] != "--gemm") {
         plan_args.push_back(launch.flags[i]);
         plan_args.push_back(launch.flags[i + 1]);
       }
@@ -96,6 +104,16 @@ TEST_P(ShardedRun, EqualsUnshardedReference) {
     const int64_t param = rank["param_bytes"].get<int64_t>();
     EXPECT_EQ(param, plan["ranks"][rank["rank"].get<size_t>()]["param_bytes"].get<int64_t>());
     EXPECT_EQ(rank["checkpoint_bytes_read"].get<int64_t>() * scale, param - rank["padding_bytes"].get<int64_t>());
+    // The path each rank took; under auto, with the figures it chose on.
+    const auto gemm_flag = std::find(launch.flags.begin(), launch.flags.end(), "--gemm");
+    if (gemm_flag != launch.flags.end()) {
+      EXPECT_EQ(rank["gemm"], *(gemm_flag + 1));
+      EXPECT_FALSE(rank.contains("gemm_gflops"));
+    } else {
+      ASSERT_TRUE(rank.contains("gemm_gflops"));
+      EXPECT_GT(rank["gemm_gflops"]["blas"].get<double>(), 0);
+      EXPECT_TRUE(rank["gemm"] == "blas" || rank["gemm"] == "onednn");
+    }
   }
 }
 
@@ -110,8 +128,12 @@ INSTANTIATE_TEST_SUITE_P(
         Launch{"sequence_classification_f16", {"--tp", "2", "--pp", "2", "--sp-mode", "split_gather", "--micro-batches", "2"}},
         Launch{"token_classification_bf16", {"--tp", "4", "--sp-mode", "split_gather"}},
         Launch{"multiple_choice", {"--tp", "2", "--pp", "2", "--pp-style", "interleaved", "--micro-batches", "2"}},
-        Launch{"question_answering", {"--tp", "2", "--pp", "2", "--pp-style", "zbv", "--sp-mode", "ring"}}),
-    [](const ::testing::TestParamInfo<Launch>& info) { return std::string(info.param.model); });
+        Launch{"question_answering", {"--tp", "2", "--pp", "2", "--pp-style", "zbv", "--sp-mode", "ring"}},
+        // The decoder is on stage 1, the word embeddings it is tied to on stage 0.
+        Launch{"pretraining_tied",
+               {"--tp", "2", "--pp", "2", "--sp-mode", "split_gather", "--micro-batches", "2", "--gemm", "onednn"},
+               "pretraining_tied_onednn"}),
+    [](const ::testing::TestParamInfo<Launch>& info) { return std::string(Name(info.param)); });
 
 TEST(ShardedRunErrors, BadInputIsRefusedBeforeAnyRankStarts) {
   const std::string dir = "tests/testdata/model/masked_lm_untied";
@@ -176,6 +198,18 @@ TEST(ShardedRunErrors, NcclBackendWithoutCudaFailsClearly) {
   Result bad = Shardctl({"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json", "--output",
                          TempDir() + "/x.safetensors", "--backend", "mpi"});
   EXPECT_EQ(bad.exit_code, 2);
+}
+
+TEST(ShardedRunErrors, BadGemmValueIsRefused) {
+  const std::string dir = "tests/testdata/model/bert_model";
+  Result r = Shardctl({"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json", "--output",
+                       TempDir() + "/gemm.safetensors", "--gemm", "mkl", "--rank-binary", "/nonexistent"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(r.err, "--gemm 'mkl' is not one of auto, blas, onednn")) << r.err;
+  // The rank binary itself, as a launcher other than shardctl would start it.
+  Result rank = testing::Run({"worker/shard-rank", "--gemm=mkl"});
+  EXPECT_EQ(rank.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(rank.err, "is not one of auto, blas, onednn")) << rank.err;
 }
 
 TEST(InitCheckpoint, WritesAModelTheRunnerLoads) {

@@ -15,6 +15,7 @@
 #include "common/file.h"
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
+#include "model/gemm.h"
 #include "nlohmann/json.hpp"
 #include "worker/gloo_collectives.h"
 #include "worker/math_threads.h"
@@ -98,9 +99,23 @@ absl::Status RunRank(const RankOptions& o) {
   } else if (o.backend != "gloo") {
     return absl::InvalidArgumentError(absl::StrCat("unknown backend ", o.backend, "; valid: gloo, nccl"));
   }
+  model::BertShard::LoadOptions load;
+  load.device = device;
+  std::optional<model::GemmChoice> measured;
+  double pick_seconds = 0;
+  if (o.gemm.has_value()) {
+    load.gemm = *o.gemm;
+  } else if (device.is_cpu()) {
+    // The threads are set: the figures are those of the forwards.
+    const auto pick_start = Clock::now();
+    measured = model::PickGemmPathForPlan(plan);
+    pick_seconds = Seconds(pick_start);
+    load.gemm = measured->path;
+  }
   ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(o.checkpoint));
-  ASSIGN_OR_RETURN(auto shard, model::BertShard::Load(plan, o.rank, *ckpt, device));
-  const double load_seconds = Seconds(start);
+  ASSIGN_OR_RETURN(auto shard, model::BertShard::Load(plan, o.rank, *ckpt, load));
+  // Without the pick, so that load times compare with runs that name their path.
+  const double load_seconds = Seconds(start) - pick_seconds;
 
   const auto connect_start = Clock::now();
   GlooOptions gloo;
@@ -147,7 +162,14 @@ absl::Status RunRank(const RankOptions& o) {
       {"param_bytes", shard->param_bytes()},
       {"padding_bytes", shard->padding_bytes()},
       {"wrote_outputs", writes_outputs},
+      {"gemm", std::string(model::GemmPathName(shard->gemm_path()))},
   };
+  if (measured.has_value()) {
+    nlohmann::json gflops = {{"blas", measured->blas_gflops}};
+    if (measured->onednn_gflops > 0) gflops["onednn"] = measured->onednn_gflops;
+    report["gemm_gflops"] = gflops;
+    report["gemm_pick_seconds"] = pick_seconds;
+  }
   std::ofstream out(o.report_path);
   out << report.dump() << "\n";
   if (!out) return absl::InternalError(absl::StrCat("cannot write report ", o.report_path));

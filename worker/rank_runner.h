@@ -8,9 +8,11 @@
 #ifndef BERTSHARD_WORKER_RANK_RUNNER_H_
 #define BERTSHARD_WORKER_RANK_RUNNER_H_
 
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
+#include "model/gemm_flag.h"
 
 namespace bertshard::worker {
 
@@ -29,6 +31,9 @@ struct RankOptions {
   // Forwards to run (benchmarks), each started by all ranks together; the outputs are the last one's.
   int iterations = 1;
   std::string backend = "gloo"; // "gloo" (CPU) or "nccl" (CUDA; a --config=cuda build)
+  // How the linears multiply on CPU; nullopt ("auto"): the faster on this machine, measured at
+  // start with `threads` (model::PickGemmPathForPlan). CUDA ignores it.
+  std::optional<model::GemmPath> gemm;
 };
 
 // Errors name what failed; a collective failure is UNAVAILABLE.

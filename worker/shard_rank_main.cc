@@ -1,10 +1,11 @@
 // shard-rank: one rank process of a sharded BERT forward, started by `shardctl run --local`
-// (spawn + exec, one per rank). Exits 0 on success; otherwise prints the error and exits 1, and
-// the launcher stops the other ranks.
+// (spawn + exec, one per rank). Exits 0 on success, 2 on a bad flag value; otherwise prints the
+// error and exits 1, and the launcher stops the other ranks.
 #include <cstdio>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "model/gemm_flag.h"
 #include "worker/rank_runner.h"
 
 ABSL_FLAG(std::string, plan, "", "ShardPlan (binary protobuf)");
@@ -20,6 +21,9 @@ ABSL_FLAG(int, threads, 1, "LibTorch intra-op threads");
 ABSL_FLAG(int, timeout_s, 120, "rendezvous and collective timeout, seconds");
 ABSL_FLAG(int, iterations, 1, "forwards to run (benchmarks)");
 ABSL_FLAG(std::string, backend, "gloo", "gloo (CPU) or nccl (CUDA, --config=cuda builds)");
+ABSL_FLAG(std::string, gemm, "auto",
+          "CPU matrix products: blas (at::linear), onednn (MKL-DNN, weights prepacked at load), or auto "
+          "(time both at start with --threads, take the faster)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
@@ -37,6 +41,12 @@ int main(int argc, char** argv) {
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_s);
   options.iterations = absl::GetFlag(FLAGS_iterations);
   options.backend = absl::GetFlag(FLAGS_backend);
+  const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
+  if (!gemm.ok()) {
+    std::fprintf(stderr, "shard-rank %d: %s\n", options.rank, std::string(gemm.status().message()).c_str());
+    return 2;
+  }
+  options.gemm = *gemm;
   const absl::Status status = bertshard::worker::RunRank(options);
   if (!status.ok()) {
     std::fprintf(stderr, "shard-rank %d: %s\n", options.rank, status.ToString().c_str());

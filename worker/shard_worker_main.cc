@@ -4,6 +4,7 @@
 //   shard-worker --listen=0.0.0.0:50061 --threads=2
 //
 // SIGTERM or SIGINT: health goes NOT_SERVING, in-flight calls get --drain_timeout, then exit 0.
+// A bad flag value exits 2.
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -15,6 +16,7 @@
 #include "common/grpc_serving.h"
 #include "common/metrics.h"
 #include "common/metrics_endpoint.h"
+#include "model/gemm.h"
 #include "worker/registration.h"
 #include "worker/worker_service.h"
 
@@ -25,9 +27,20 @@ ABSL_FLAG(std::string, coordinator, "", "coordinator host:port to register with 
 ABSL_FLAG(std::string, advertise, "", "host:port the coordinator reaches this worker at; default 127.0.0.1:<port>");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port for the Prometheus endpoint GET /metrics (port 0: any free port; empty: none)");
+ABSL_FLAG(std::string, gemm, "auto",
+          "CPU matrix products of loaded shards: blas (at::linear), onednn (MKL-DNN, weights prepacked at "
+          "load), or auto (time both for each job's shape and threads at its load, take the faster)");
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
+  // Refused here rather than by every load: this LibTorch will not grow MKL-DNN.
+  const absl::Status gemm_usable =
+      !gemm.ok() ? gemm.status() : bertshard::model::GemmPathAvailable(gemm->value_or(bertshard::model::GemmPath::kBlas));
+  if (!gemm_usable.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(gemm_usable.message()).c_str());
+    return 2;
+  }
   bertshard::common::InstallShutdownHandlers();
   // Declared before the service, so they outlive it; the endpoint is stopped before the service goes.
   bertshard::common::MetricsRegistry metrics;
@@ -52,7 +65,8 @@ int main(int argc, char** argv) {
   }
   bertshard::worker::WorkerService service({.default_threads = absl::GetFlag(FLAGS_threads),
                                             .bind_host = bind_host,
-                                            .metrics = worker_metrics ? &*worker_metrics : nullptr});
+                                            .metrics = worker_metrics ? &*worker_metrics : nullptr,
+                                            .gemm = *gemm});
   bertshard::common::MetricsRegistry::CollectorHandle shards_loaded;
   if (metrics_endpoint != nullptr) {
     auto handle = service.ExportLoadedShards(&metrics);

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <chrono>
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
+#include "model/gemm.h"
 #include "worker/gloo_collectives.h"
 #include "worker/math_threads.h"
 
@@ -127,6 +129,25 @@ absl::StatusOr<common::MetricsRegistry::CollectorHandle> WorkerService::ExportLo
                                 });
 }
 
+model::GemmPath WorkerService::GemmPathFor(const v1::ShardPlan& plan, int rank, const std::string& job_id,
+                                          int threads) {
+  if (options_.gemm.has_value()) return *options_.gemm;
+  const auto key = std::make_tuple(threads, plan.config().hidden_size(), plan.config().intermediate_size(),
+                                   plan.shard_config().tensor_parallel_size());
+  {
+    absl::MutexLock lock(&gemm_mu_);
+    if (auto it = gemm_choices_.find(key); it != gemm_choices_.end()) return it->second.path;
+  }
+  // Measured outside the lock (~0.1-0.3 s); two first loads of one shape may both measure.
+  const model::GemmChoice choice = model::PickGemmPathForPlan(plan);
+  std::fprintf(stderr,
+               "shard-worker: job %s rank %d: --gemm=auto picked %s (blas %.1f, onednn %.1f GFLOP/s; %d LibTorch threads)\n",
+               job_id.c_str(), rank, std::string(model::GemmPathName(choice.path)).c_str(), choice.blas_gflops,
+               choice.onednn_gflops, threads);
+  absl::MutexLock lock(&gemm_mu_);
+  return gemm_choices_.emplace(key, choice).first->second.path;
+}
+
 grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::LoadShardRequest* request,
                                       grpc::ServerWriter<v1::LoadProgress>* writer) {
   const v1::ShardPlan& plan = request->plan();
@@ -177,7 +198,10 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
     progress.set_bytes_total(total_bytes);
     return writer->Write(progress);
   };
-  auto shard = model::BertShard::Load(plan, request->rank(), **ckpt, c10::Device(c10::kCPU), report);
+  model::BertShard::LoadOptions load;
+  load.gemm = GemmPathFor(plan, request->rank(), request->job_id(), job->threads);  // after SetMathThreads
+  load.progress = report;
+  auto shard = model::BertShard::Load(plan, request->rank(), **ckpt, load);
   if (!shard.ok()) return common::ToGrpcStatus(shard.status());
   job->shard = *std::move(shard);
 

@@ -14,13 +14,16 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "common/metrics.h"
+#include "model/gemm.h"
 
 namespace bertshard::worker {
 
@@ -44,6 +47,9 @@ struct WorkerServiceOptions {
   // transport binds to it. Empty: the rendezvous master's address (single-host loopback only).
   std::string bind_host;
   const WorkerMetrics* metrics = nullptr;  // optional; must outlive the service
+  // How loaded shards multiply (model/gemm.h); nullopt ("auto"): the faster on this machine for
+  // the job's shape and threads, measured at its first load and remembered.
+  std::optional<model::GemmPath> gemm;
 };
 
 class WorkerService final : public v1::Worker::Service {
@@ -75,9 +81,16 @@ class WorkerService final : public v1::Worker::Service {
 
  private:
   struct LoadedJob;
+  // options_.gemm, or under "auto" the measured choice for a plan's rank at `threads`.
+  model::GemmPath GemmPathFor(const v1::ShardPlan& plan, int rank, const std::string& job_id, int threads);
+
   const WorkerServiceOptions options_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<LoadedJob>> jobs_ ABSL_GUARDED_BY(mu_);
+  // "auto" choices by (threads, hidden size, intermediate size, tp size), which fix the product
+  // PickGemmPathForPlan times: measured once each.
+  absl::Mutex gemm_mu_;
+  std::map<std::tuple<int, int64_t, int64_t, int>, model::GemmChoice> gemm_choices_ ABSL_GUARDED_BY(gemm_mu_);
 };
 
 }  // namespace bertshard::worker

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -28,9 +29,9 @@ struct RunningWorker {
   std::unique_ptr<v1::Worker::Stub> stub;
 };
 
-RunningWorker StartWorker() {
+RunningWorker StartWorker(WorkerServiceOptions options = {}) {
   RunningWorker w;
-  w.service = std::make_unique<WorkerService>(WorkerServiceOptions{});
+  w.service = std::make_unique<WorkerService>(options);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -62,13 +63,21 @@ v1::TokenInputs Inputs() {
   return t;
 }
 
-TEST(WorkerService, LoadsForwardsInOrderAndUnloads) {
+// By the workers' --gemm: auto (the default), blas, onednn.
+class WorkerServicePaths : public ::testing::TestWithParam<std::optional<model::GemmPath>> {};
+
+TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
+  if (GetParam().has_value() && !model::GemmPathAvailable(*GetParam()).ok()) {
+    GTEST_SKIP() << model::GemmPathAvailable(*GetParam());
+  }
+  WorkerServiceOptions options;
+  options.gemm = GetParam();
   v1::PlanRequest request;
   request.set_checkpoint(kModel);
   request.mutable_parallel()->set_tp_size(2);
   auto plan = planner::Plan(request);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  RunningWorker workers[2] = {StartWorker(), StartWorker()};
+  RunningWorker workers[2] = {StartWorker(options), StartWorker(options)};
   const int port = FreePort();
 
   std::vector<v1::LoadProgress> last(2);
@@ -172,6 +181,13 @@ TEST(WorkerService, LoadsForwardsInOrderAndUnloads) {
   EXPECT_EQ(workers[0].stub->Forward(Context().get(), stale, &response).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
 }
+
+INSTANTIATE_TEST_SUITE_P(Gemm, WorkerServicePaths,
+                         ::testing::Values(std::nullopt, model::GemmPath::kBlas, model::GemmPath::kOneDnn),
+                         [](const ::testing::TestParamInfo<std::optional<model::GemmPath>>& info) {
+                           return info.param.has_value() ? std::string(model::GemmPathName(*info.param))
+                                                         : std::string("auto");
+                         });
 
 TEST(WorkerService, RefusesBadLoadRequests) {
   RunningWorker worker = StartWorker();

@@ -1,0 +1,99 @@
+#include "model/gemm.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <functional>
+#include <vector>
+
+namespace bertshard::model {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Of the timed runs, both paths: small next to a shard's load, short enough for every process
+// start. One run of each is taken whatever it costs: a product that alone takes longer is timed
+// once (BERT-base's 1024 x 768 x 3072 is ~60 ms a run on one AVX2 core).
+constexpr double kBudgetSeconds = 0.1;
+constexpr int kMaxRuns = 3;
+
+double SecondsOf(const std::function<void()>& call) {
+  const auto start = Clock::now();
+  call();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// The lower median: of two runs the faster, as other work on the machine only ever adds time.
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[(values.size() - 1) / 2];
+}
+
+}  // namespace
+
+absl::Status GemmPathAvailable(GemmPath path) {
+  if (path == GemmPath::kOneDnn && !at::hasMKLDNN()) {
+    return absl::FailedPreconditionError(
+        "--gemm=onednn needs a LibTorch built with MKL-DNN (oneDNN); this one has none: use --gemm=blas or auto");
+  }
+  return absl::OkStatus();
+}
+
+at::Tensor PackOneDnnWeight(const at::Tensor& weight) { return weight.contiguous().to_mkldnn(); }
+
+at::Tensor OneDnnLinear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& bias) {
+  // to_mkldnn makes a contiguous copy itself (the pooler's input is a strided slice).
+  const c10::optional<at::Tensor> b = bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+  return at::mkldnn_linear(x.to_mkldnn(), packed_weight, b).to_dense();
+}
+
+GemmChoice PickGemmPath(int64_t rows, int64_t in, int64_t out) {
+  GemmChoice choice;
+  if (rows < 1 || in < 1 || out < 1) return choice;
+  const double flop = 2.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
+  try {
+    // The product itself, not a smaller one: which path wins depends on the rows (on two AVX2
+    // cores oneDNN is twice OpenBLAS's speed at 128 rows, and no faster at 1024).
+    const at::Tensor x = at::randn({rows, in});
+    // A trained layer's scale; the figures do not depend on the values, but denormals would.
+    const at::Tensor weight = at::randn({out, in}) / std::sqrt(static_cast<double>(in));
+    const at::Tensor bias = at::randn({out});
+    const std::function<void()> blas = [&] { at::linear(x, weight, bias); };
+    // Warm-ups. BLAS: a few rows wake its threads. oneDNN: the first call of a shape creates the
+    // primitive (and JIT code) for it, so it is the whole product.
+    at::linear(x.narrow(0, 0, std::min<int64_t>(rows, 64)), weight, bias);
+    std::function<void()> onednn;
+    at::Tensor packed;
+    if (GemmPathAvailable(GemmPath::kOneDnn).ok()) {
+      try {
+        packed = PackOneDnnWeight(weight);
+        OneDnnLinear(x, packed, bias);
+        onednn = [&] { OneDnnLinear(x, packed, bias); };
+      } catch (const std::exception&) {
+        // A oneDNN that fails here would fail in the forward: BLAS it is.
+      }
+    }
+    // Runs alternate between the paths, so that a burst of other work on the machine slows both.
+    std::vector<double> blas_runs, onednn_runs;
+    double spent = 0;
+    while (blas_runs.size() < static_cast<size_t>(kMaxRuns) && (blas_runs.empty() || spent < kBudgetSeconds)) {
+      blas_runs.push_back(SecondsOf(blas));
+      spent += blas_runs.back();
+      if (onednn) {
+        onednn_runs.push_back(SecondsOf(onednn));
+        spent += onednn_runs.back();
+      }
+    }
+    choice.blas_gflops = flop / std::max(1e-9, Median(blas_runs)) / 1e9;
+    if (!onednn_runs.empty()) choice.onednn_gflops = flop / std::max(1e-9, Median(onednn_runs)) / 1e9;
+  } catch (const std::exception&) {
+    return GemmChoice{};
+  }
+  if (choice.onednn_gflops > choice.blas_gflops) choice.path = GemmPath::kOneDnn;
+  return choice;
+}
+
+}  // namespace bertshard::model

@@ -1,0 +1,58 @@
+// File: model/gemm.h
+// -----------------------------------------------------------------------------
+// How a CPU shard runs its linears: LibTorch's BLAS path (at::linear) or oneDNN (at::mkldnn_linear
+// on a weight prepacked once), and a start-up micro-benchmark that picks the faster on this
+// machine. Neither wins everywhere: with AVX-512 oneDNN's fp32 products are several times faster
+// than a generic OpenBLAS; on a 2-core AVX2-only EPYC OpenBLAS is faster with one thread, and which
+// wins with two depends on the rows -- so "auto" measures instead of guessing, and the figures are
+// reported.
+//
+// Example:
+//   at::set_num_threads(threads);  // first: the figures depend on the threads
+//   const GemmChoice choice = PickGemmPath(/*rows=*/8 * 128, hidden, intermediate);
+//   const at::Tensor packed = PackOneDnnWeight(weight);  // once, at load
+//   y = choice.path == GemmPath::kOneDnn ? OneDnnLinear(x, packed, bias) : at::linear(x, weight, bias);
+//
+// Thread safety: thread-compatible; PickGemmPath uses the calling thread's LibTorch threads and
+// should not share the cores with other work while it runs (its figures would be the other work's).
+#ifndef BERTSHARD_MODEL_GEMM_H_
+#define BERTSHARD_MODEL_GEMM_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "model/gemm_flag.h"
+
+namespace bertshard::model {
+
+// OK for kBlas; for kOneDnn, FAILED_PRECONDITION when this LibTorch was built without MKL-DNN.
+absl::Status GemmPathAvailable(GemmPath path);
+
+// The weight of a linear ([out, in], CPU float32) in oneDNN's layout, made once at load.
+at::Tensor PackOneDnnWeight(const at::Tensor& weight);
+
+// x [..., in] (dense, CPU) times the packed weight, plus `bias` ([out], dense) if defined: dense
+// [..., out]. Converts x to oneDNN's layout and the product back -- those copies are part of the
+// path's cost, and PickGemmPath times them too.
+at::Tensor OneDnnLinear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& bias);
+
+struct GemmChoice {
+  GemmPath path = GemmPath::kBlas;
+  // Measured throughput of each path on the product shape; 0 when not measured (oneDNN where
+  // LibTorch has no MKL-DNN, or where it failed).
+  double blas_gflops = 0;
+  double onednn_gflops = 0;
+};
+
+// Times [rows, in] x [in, out] + bias on both paths with the current LibTorch threads (a warm-up,
+// then the median of up to 3 runs of each, alternating; runs stop once they have taken ~100 ms,
+// after at least one of each) and returns the faster: BLAS on a tie or when oneDNN is unavailable.
+// Never fails: anything unexpected leaves the BLAS path, today's. Allocates the product's operands
+// (rows x in, out x in, rows x out floats).
+GemmChoice PickGemmPath(int64_t rows, int64_t in, int64_t out);
+
+}  // namespace bertshard::model
+
+#endif  // BERTSHARD_MODEL_GEMM_H_

@@ -1,0 +1,105 @@
+// The --gemm flag, the oneDNN linear against at::linear, and the start-up choice between them.
+#include "model/gemm.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace bertshard::model {
+namespace {
+
+TEST(ParseGemmFlag, NamesThePathsAndAuto) {
+  auto parsed = ParseGemmFlag("auto");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_FALSE(parsed->has_value());
+  parsed = ParseGemmFlag("blas");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(*parsed, GemmPath::kBlas);
+  parsed = ParseGemmFlag("onednn");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(*parsed, GemmPath::kOneDnn);
+  for (GemmPath path : {GemmPath::kBlas, GemmPath::kOneDnn}) {
+    auto round_trip = ParseGemmFlag(GemmPathName(path));
+    ASSERT_TRUE(round_trip.ok());
+    EXPECT_EQ(*round_trip, path);
+  }
+}
+
+TEST(ParseGemmFlag, RefusesOtherValuesNamingTheValidOnes) {
+  for (const char* bad : {"", "BLAS", "mkldnn", "onednn ", "openblas"}) {
+    auto parsed = ParseGemmFlag(bad);
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(parsed.status().message().find("auto, blas, onednn"), std::string::npos) << parsed.status();
+  }
+}
+
+TEST(GemmPathAvailable, OneDnnExactlyWithMkldnn) {
+  EXPECT_TRUE(GemmPathAvailable(GemmPath::kBlas).ok());
+  const absl::Status onednn = GemmPathAvailable(GemmPath::kOneDnn);
+  if (at::hasMKLDNN()) {
+    EXPECT_TRUE(onednn.ok()) << onednn;
+  } else {
+    EXPECT_EQ(onednn.code(), absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+TEST(OneDnnLinear, EqualsAtLinear) {
+  if (!at::hasMKLDNN()) GTEST_SKIP() << "this LibTorch has no MKL-DNN";
+  at::manual_seed(3);
+  // BERT-base's intermediate shape (oneDNN's blocked kernels), and a small one.
+  for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{{768, 3072}, {32, 5}}) {
+    SCOPED_TRACE(::testing::Message() << in << " -> " << out);
+    const at::Tensor x = at::randn({2, 16, in});
+    const at::Tensor w = at::randn({out, in}) / std::sqrt(static_cast<double>(in));
+    const at::Tensor b = at::randn({out});
+    const at::Tensor packed = PackOneDnnWeight(w);
+    const at::Tensor got = OneDnnLinear(x, packed, b);
+    ASSERT_EQ(got.sizes(), (std::vector<int64_t>{2, 16, out}));
+    EXPECT_FALSE(got.is_mkldnn());
+    EXPECT_LE((got - at::linear(x, w, b)).abs().max().item<float>(), 1e-4f);
+    // Without bias (a row-parallel linear adds it after the sum), and a strided 2-D input (the
+    // pooler's first token).
+    EXPECT_LE((OneDnnLinear(x, packed, at::Tensor()) - at::matmul(x, w.t())).abs().max().item<float>(), 1e-4f);
+    const at::Tensor first = x.select(1, 0);
+    ASSERT_FALSE(first.is_contiguous());
+    EXPECT_LE((OneDnnLinear(first, packed, b) - at::linear(first, w, b)).abs().max().item<float>(), 1e-4f);
+  }
+}
+
+TEST(PickGemmPath, ReturnsThePathWithTheLargerFigure) {
+  const GemmChoice choice = PickGemmPath(/*rows=*/256, /*in=*/256, /*out=*/1024);
+  EXPECT_GT(choice.blas_gflops, 0);
+  if (at::hasMKLDNN()) {
+    EXPECT_GT(choice.onednn_gflops, 0);
+  } else {
+    EXPECT_EQ(choice.onednn_gflops, 0);
+  }
+  const double chosen = choice.path == GemmPath::kOneDnn ? choice.onednn_gflops : choice.blas_gflops;
+  EXPECT_EQ(chosen, std::max(choice.blas_gflops, choice.onednn_gflops))
+      << "blas " << choice.blas_gflops << ", onednn " << choice.onednn_gflops << ", picked "
+      << GemmPathName(choice.path);
+}
+
+TEST(PickGemmPath, StopsTimingALargeProductEarly) {
+  // BERT-base's intermediate product at batch 8 x seq 128 (~4.8 GFLOP, tens of ms a run): a
+  // warm-up and about one run of each path, not three (~0.2 s; loose for loaded CI).
+  const auto start = std::chrono::steady_clock::now();
+  const GemmChoice choice = PickGemmPath(/*rows=*/1024, /*in=*/768, /*out=*/3072);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GT(choice.blas_gflops, 0);
+  EXPECT_LT(seconds, 5.0);
+}
+
+TEST(PickGemmPath, DegenerateShapesKeepBlas) {
+  const GemmChoice choice = PickGemmPath(0, 768, 3072);
+  EXPECT_EQ(choice.path, GemmPath::kBlas);
+  EXPECT_EQ(choice.blas_gflops, 0);
+}
+
+}  // namespace
+}  // namespace bertshard::model
