@@ -4,9 +4,12 @@
 #   tools/python_env.sh                  # tools/requirements-test.txt (metrics parser, validators)
 #   tools/python_env.sh hf               # tools/requirements-hf.txt (transformers, tokenizers), with
 #                                        # system site packages: Debian's python3-torch and numpy
+#   tools/python_env.sh bench            # tools/requirements-bench.txt (hf's, plus onnxruntime and
+#                                        # onnx for bench/peers_benchmark.sh), system site packages too
 #
-# The environment lives outside the tree, keyed by the requirements' hash, so a changed pin builds a
-# new one and an unchanged one is reused. Needs python3-venv (install_deps.sh).
+# The environment lives outside the tree, keyed by the requirements' hash (with those of the files it
+# includes with -r), so a changed pin builds a new one and an unchanged one is reused. Needs
+# python3-venv (install_deps.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 req=tools/requirements-test.txt
@@ -15,9 +18,15 @@ name=venv
 case "${1:-}" in
   "") ;;
   hf) req=tools/requirements-hf.txt; venv_flags=(--system-site-packages); name=venv-hf ;;
-  *) echo "python_env: unknown environment '$1' (known: hf)" >&2; exit 2 ;;
+  bench) req=tools/requirements-bench.txt; venv_flags=(--system-site-packages); name=venv-bench ;;
+  *) echo "python_env: unknown environment '$1' (known: hf, bench)" >&2; exit 2 ;;
 esac
-key=$(sha256sum "$req" | cut -c1-12)
+# The requirements file and those it includes (-r FILE, relative to it; one level deep).
+req_files=("$req")
+while read -r included; do
+  req_files+=("$(dirname "$req")/$included")
+done < <(sed -n 's/^-r[[:space:]]*\([^[:space:]#]*\).*/\1/p' "$req")
+key=$(cat "${req_files[@]}" | sha256sum | cut -c1-12)
 venv="${BERTSHARD_VENV_ROOT:-$HOME/.cache/bertshard}/$name-$key"
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
