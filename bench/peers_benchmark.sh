@@ -64,46 +64,9 @@ else
   model_name="BERT-base shape, random weights (shardctl init-checkpoint --variant BertModel --seed $SEED)"
 fi
 
-# Share of the CPUs busy over 2 s before the run, and (monitor below) the CPU that processes outside
-# this script's process group used while it ran: the figures mean something on an idle machine only.
-busy_percent() {
-  local a b
-  read -r -a a < <(head -n 1 /proc/stat)
-  sleep 2
-  read -r -a b < <(head -n 1 /proc/stat)
-  local total=0 idle=$(( (b[4] + b[5]) - (a[4] + a[5]) ))
-  for i in 1 2 3 4 5 6 7 8; do total=$((total + b[i] - a[i])); done
-  echo $(( total > 0 ? 100 * (total - idle) / total : 0 ))
-}
-busy_before=$(busy_percent)
-[ "$busy_before" -lt 10 ] || echo "peers_benchmark: warning: the CPUs were $busy_before% busy before the run; other work skews the figures" >&2
-/usr/bin/python3 - "$work/foreign" "$(ps -o pgid= $$ | tr -d ' ')" <<'PY' &
-import os, sys, time
-out, pgid = sys.argv[1], int(sys.argv[2])
-hz, cores = os.sysconf("SC_CLK_TCK"), os.cpu_count()
-def sample():
-    ticks = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) != pgid:  # fields[2]: pgrp
-            ticks[pid] = int(fields[11]) + int(fields[12])
-    return ticks
-start, prev, foreign = time.monotonic(), sample(), 0
-while True:
-    time.sleep(1)
-    now = sample()
-    foreign += sum(max(0, t - prev.get(pid, t)) for pid, t in now.items())
-    prev = now
-    with open(out + ".tmp", "w") as f:
-        f.write(f"{foreign} {int((time.monotonic() - start) * hz * cores)}\n")
-    os.replace(out + ".tmp", out)
-PY
-monitor_pid=$!
+# Share of the CPUs busy before the run, and the CPU other processes use while it runs.
+BENCH_NAME=peers_benchmark
+source bench/cpu_watch.sh  # (the script runs from the repo root)
 
 echo "peers_benchmark: $MODEL, batch $BATCH x seq $SEQ, $THREADS threads, $ITERATIONS forwards per engine after a warm-up" >&2
 # The same thread count for the peers' BLAS/OpenMP pools as shardctl gives its ranks (ORT uses its own).
