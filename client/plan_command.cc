@@ -78,6 +78,10 @@ absl::StatusOr<google::protobuf::Struct> NormaliseRequest(google::protobuf::Stru
     ASSIGN_OR_RETURN(v1::ModelVariant v, planner::ParseVariant(it->second.string_value()));
     it->second.set_string_value(v1::ModelVariant_Name(v));
   }
+  if (auto it = fields.find("dtype"); it != fields.end() && it->second.has_string_value()) {
+    ASSIGN_OR_RETURN(v1::Dtype d, planner::ParseDtype(it->second.string_value()));
+    it->second.set_string_value(v1::Dtype_Name(d));
+  }
   if (auto it = fields.find("parallel"); it != fields.end() && it->second.has_struct_value()) {
     auto& parallel = *it->second.mutable_struct_value()->mutable_fields();
     if (auto s = parallel.find("pp_style"); s != parallel.end() && s->second.has_string_value()) {
@@ -174,7 +178,7 @@ int ReportError(std::FILE* err, const absl::Status& status) {
 const std::set<std::string>& PlanValueFlags() {
   static const auto* flags = new std::set<std::string>{
       "request", "variant", "config", "checkpoint", "tp", "pp", "pp-style", "chunks",
-      "layers-per-stage", "sp-mode", "vocab-multiple", "server", "output", "batch", "timeout"};
+      "layers-per-stage", "sp-mode", "vocab-multiple", "dtype", "server", "output", "batch", "timeout"};
   return *flags;
 }
 
@@ -258,6 +262,10 @@ absl::Status ApplyPlanFlags(const CommandLine& cl, v1::PlanRequest* request) {
     ASSIGN_OR_RETURN(int64_t n, ParseInt("vocab-multiple", it->second));
     p->set_make_vocab_size_divisible_by(n);
   }
+  if (auto it = v.find("dtype"); it != v.end()) {
+    ASSIGN_OR_RETURN(v1::Dtype dtype, planner::ParseDtype(it->second));
+    request->set_dtype(dtype);
+  }
   if (cl.switches.count("fused-norm")) p->set_enable_fused_normalization(true);
   if (cl.switches.count("jit-fused")) p->set_enable_jit_fused(true);
   if (cl.switches.count("all-optimization")) p->set_enable_all_optimization(true);
@@ -289,7 +297,7 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
       return ReportError(err, absl::InvalidArgumentError("--batch writes JSON lines: use it with --output json"));
     }
     for (const char* flag : {"request", "variant", "config", "checkpoint", "tp", "pp", "pp-style",
-                             "chunks", "layers-per-stage", "sp-mode", "vocab-multiple"}) {
+                             "chunks", "layers-per-stage", "sp-mode", "vocab-multiple", "dtype"}) {
       if (v.count(flag)) {
         return ReportError(err, absl::InvalidArgumentError(absl::StrCat(
                                     "--batch takes each request from its file; --", flag, " cannot be combined with it")));

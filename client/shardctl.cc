@@ -58,6 +58,9 @@ Request (a JSON file in the plan contract's format, and/or flags; flags win):
   --layers-per-stage A,B,.. explicit layer count per pipeline slot (stages x chunks)
   --sp-mode M               none, split_gather, ring (all_to_all, ring_attn are refused)
   --vocab-multiple N        make_vocab_size_divisible_by (default 64)
+  --dtype D                 fp32 (default), bf16 or fp16: the dtype ranks hold weights and compute
+                            in (converted at load from any float checkpoint; outputs stay float32;
+                            param bytes follow it). fp16 needs CUDA: a CPU rank refuses it
   --fused-norm --jit-fused --all-optimization --fp8
 
 Where and how:

@@ -1,6 +1,9 @@
 #include "model/bert_shard.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <limits>
@@ -25,6 +28,36 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 // word embeddings tied to the LM decoder, which are read under both names).
 bool IsEmbeddingTable(const std::string& name) { return absl::EndsWith(name, "_embeddings.weight"); }
 
+// A tiny run of every op the forward uses, in `dtype` on `device`: LibTorch 1.13 has no CPU kernel
+// for fp16 products, norms or activations, and finding that out at load beats failing mid-forward.
+absl::Status ProbeKernels(at::ScalarType dtype, c10::Device device, const std::string& name) {
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  const char* op = "";
+  try {
+    const at::Tensor x = at::ones({1, 2, 4}, options), w = at::ones({4, 4}, options), b = at::ones({4}, options);
+    op = "linear";
+    at::linear(x, w, b);
+    op = "matmul";
+    at::matmul(x, x.transpose(-1, -2));
+    op = "layer_norm";
+    at::layer_norm(x, {4}, b, b, 1e-12);
+    op = "softmax";
+    at::softmax(x, -1);
+    op = "gelu";
+    at::gelu(x);
+    at::gelu(x, "tanh");
+    op = "tanh";
+    at::tanh(x);
+    op = "embedding";
+    at::embedding(w, at::zeros({1, 2}, at::TensorOptions().dtype(at::kLong).device(device)));
+  } catch (const std::exception&) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "dtype ", name, " cannot run on ", device.str(), " with this LibTorch (", TORCH_VERSION,
+        "): it has no ", op, " kernel for it", device.is_cpu() ? "; on CPU use fp32 or bf16" : ""));
+  }
+  return absl::OkStatus();
+}
+
 // One pipeline slot in route order: which stage runs it and the layers it covers.
 struct Slot {
   int stage = 0;
@@ -36,7 +69,11 @@ struct Slot {
 class BertShard::Impl {
  public:
   Impl(const v1::ShardPlan& plan, int rank, c10::Device device, GemmPath gemm)
-      : plan_(plan), rank_(rank), device_(device), gemm_(device.is_cpu() ? gemm : GemmPath::kBlas) {
+      : plan_(plan),
+        rank_(rank),
+        device_(device),
+        gemm_(device.is_cpu() ? gemm : GemmPath::kBlas),
+        dtype_(ScalarTypeOf(plan.dtype())) {
     const auto& sc = plan.shard_config();
     tp_ = std::max(1, sc.tensor_parallel_size());
     stage_ = rank / tp_;
@@ -105,8 +142,10 @@ class BertShard::Impl {
       *param_bytes += t.bytes();
       int64_t row_elements = 1;
       for (int i = 1; i < t.local_shape_size(); ++i) row_elements *= t.local_shape(i);
-      padding_bytes_ += t.padding() * row_elements * 4;
-      local = local.to(device_);
+      padding_bytes_ += t.padding() * row_elements * static_cast<int64_t>(c10::elementSize(dtype_));
+      // Read as float32 whatever the file holds (the reader converts F16/BF16 exactly), then
+      // converted once: bf16 and fp16 files round-trip unchanged, fp32 ones round to nearest.
+      local = local.to(device_, dtype_);
       // On the oneDNN path a weight that only linears read is held once, packed.
       const bool dense_needed = PackIfLinearWeight(t, local);
       if (dense_needed) {
@@ -125,6 +164,7 @@ class BertShard::Impl {
   bool holds_heads() const { return stage_ == head_stage_; }
   int64_t padding_bytes() const { return padding_bytes_; }
   GemmPath gemm_path() const { return gemm_; }
+  at::ScalarType dtype() const { return dtype_; }
 
   absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& in, int micro_batches,
                                                             Collectives* comm) {
@@ -145,7 +185,7 @@ class BertShard::Impl {
       for (auto& [name, t] : outputs) pieces[name].push_back(t);
     }
     std::map<std::string, at::Tensor> outputs;
-    for (auto& [name, list] : pieces) outputs[name] = at::cat(list, 0).to(at::kCPU);
+    for (auto& [name, list] : pieces) outputs[name] = at::cat(list, 0).to(at::kCPU, at::kFloat);
     return outputs;
   }
 
@@ -193,6 +233,28 @@ class BertShard::Impl {
   }
 
   const at::Tensor& P(const std::string& name) const { return params_.at(name); }
+
+  static at::ScalarType ScalarTypeOf(v1::Dtype dtype) {
+    switch (dtype) {
+      case v1::BF16:
+        return at::kBFloat16;
+      case v1::FP16:
+        return at::kHalf;
+      default:
+        return at::kFloat;
+    }
+  }
+
+  double Lowest() const {
+    switch (dtype_) {
+      case at::kBFloat16:
+        return static_cast<double>(std::numeric_limits<c10::BFloat16>::lowest());
+      case at::kHalf:
+        return static_cast<double>(std::numeric_limits<c10::Half>::lowest());
+      default:
+        return std::numeric_limits<float>::lowest();
+    }
+  }
 
   // On the oneDNN path, packs `local` (tensor `t` of the plan) once if a linear reads it, under
   // each of its names. Returns whether the dense copy is still needed: always on the BLAS path;
@@ -272,20 +334,21 @@ class BertShard::Impl {
     return Norm(x, prefix_ + "embeddings.LayerNorm");
   }
 
-  // HF's extended mask: 0 where attended, the dtype's lowest value where masked; decoders also
-  // mask future positions. [mb, 1, 1 or seq, seq].
+  // HF's extended mask: 0 where attended, the dtype's lowest value where masked (finfo(dtype).min,
+  // made in the dtype: float's lowest would round to -inf in bf16); decoders also mask future
+  // positions. [mb, 1, 1 or seq, seq].
   at::Tensor ExtendedMask(const at::Tensor& attention_mask) const {
-    at::Tensor m = attention_mask.to(at::kFloat);
+    at::Tensor m = attention_mask.to(dtype_);
     at::Tensor keep;
     if (plan_.variant() == v1::BERT_LM_HEAD_MODEL && plan_.config().is_decoder()) {
       const int64_t seq = m.size(1);
       const at::Tensor ids = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device_));
-      const at::Tensor causal = (ids.unsqueeze(0) <= ids.unsqueeze(1)).to(at::kFloat);  // [q, k]
+      const at::Tensor causal = (ids.unsqueeze(0) <= ids.unsqueeze(1)).to(dtype_);  // [q, k]
       keep = (causal.unsqueeze(0) * m.unsqueeze(1)).unsqueeze(1);
     } else {
       keep = m.unsqueeze(1).unsqueeze(2);
     }
-    return (1.0 - keep) * std::numeric_limits<float>::lowest();
+    return (1.0 - keep) * Lowest();
   }
 
   // One encoder layer on this rank's heads. `x` is [mb, seq or seq/tp (split_gather), H].
@@ -416,7 +479,7 @@ class BertShard::Impl {
         ASSIGN_OR_RETURN(hidden, Embeddings(mb));
       } else if (route_[static_cast<size_t>(k) - 1].stage != stage_) {
         hidden = at::empty({mb.input_ids.size(0), mb.input_ids.size(1), plan_.config().hidden_size()},
-                           at::TensorOptions().dtype(at::kFloat).device(device_));
+                           at::TensorOptions().dtype(dtype_).device(device_));
         RETURN_IF_ERROR(comm_->Recv(hidden, peer(route_[static_cast<size_t>(k) - 1].stage), tag(k)));
       }
       ASSIGN_OR_RETURN(hidden, RunSlot(slot, hidden, ext_mask));
@@ -433,6 +496,7 @@ class BertShard::Impl {
   const int rank_;
   const c10::Device device_;
   const GemmPath gemm_;
+  const at::ScalarType dtype_;
   int tp_ = 1, stage_ = 0, tp_rank_ = 0, head_stage_ = 0;
   bool sp_ = false;
   std::string prefix_;
@@ -452,6 +516,7 @@ BertShard::~BertShard() = default;
 bool BertShard::holds_heads() const { return impl_->holds_heads(); }
 int64_t BertShard::padding_bytes() const { return impl_->padding_bytes(); }
 GemmPath BertShard::gemm_path() const { return impl_->gemm_path(); }
+at::ScalarType BertShard::dtype() const { return impl_->dtype(); }
 
 absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& plan, int rank,
                                                            const checkpoint::Checkpoint& checkpoint,
@@ -469,6 +534,7 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
   try {
     auto impl = std::make_unique<Impl>(plan, rank, options.device, options.gemm);
     RETURN_IF_ERROR(GemmPathAvailable(impl->gemm_path()));  // before reading anything
+    RETURN_IF_ERROR(ProbeKernels(impl->dtype(), options.device, planner::DtypeName(plan.dtype())));
     int64_t bytes = 0;
     RETURN_IF_ERROR(impl->LoadTensors(checkpoint, options.progress, &bytes));
     const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
@@ -481,7 +547,8 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
 GemmChoice PickGemmPathForPlan(const v1::ShardPlan& plan) {
   constexpr int64_t kRows = 8 * 128;
   const int64_t tp = std::max(1, plan.shard_config().tensor_parallel_size());
-  return PickGemmPath(kRows, plan.config().hidden_size(), plan.config().intermediate_size() / tp);
+  const at::ScalarType dtype = plan.dtype() == v1::BF16 ? at::kBFloat16 : at::kFloat;  // fp16: CUDA, no pick
+  return PickGemmPath(kRows, plan.config().hidden_size(), plan.config().intermediate_size() / tp, dtype);
 }
 
 absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs,

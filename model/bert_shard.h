@@ -50,8 +50,11 @@ class BertShard {
   // `device` is where the parameters live and the forward runs (CPU, or a CUDA device with a
   // CUDA-enabled LibTorch).
   //
-  // `progress`, if set, is called after each tensor with (tensors loaded, tensors in total, fp32
-  // bytes loaded, param_bytes); returning false stops the load with CANCELLED.
+  // The parameters are converted to the plan's dtype; FAILED_PRECONDITION, before reading any
+  // tensor, when this LibTorch has no kernels for it on `device` (fp16 on CPU with LibTorch 1.13).
+  //
+  // `progress`, if set, is called after each tensor with (tensors loaded, tensors in total, bytes
+  // loaded in the plan's dtype, param_bytes); returning false stops the load with CANCELLED.
   using Progress = std::function<bool(int loaded, int total, int64_t bytes, int64_t total_bytes)>;
   static absl::StatusOr<std::unique_ptr<BertShard>> Load(const v1::ShardPlan& plan, int rank,
                                                          const checkpoint::Checkpoint& checkpoint,
@@ -73,13 +76,16 @@ class BertShard {
 
   ~BertShard();
 
-  // fp32 bytes of the tensors this rank holds.
+  // Bytes of the tensors this rank holds, in the plan's dtype.
   int64_t param_bytes() const { return param_bytes_; }
   // Of those, the zero rows that pad the vocabulary (never read from the checkpoint).
   int64_t padding_bytes() const;
   int stage() const { return stage_; }
   // The path the linears take: LoadOptions::gemm on CPU, kBlas on CUDA.
   GemmPath gemm_path() const;
+  // What the parameters are held and the forward computes in: the plan's dtype (float32 when the
+  // plan leaves it unset). Outputs are float32 whatever it is.
+  at::ScalarType dtype() const;
   // Whether this rank's stage ends the pipeline route (and so returns the outputs).
   bool holds_heads() const;
 

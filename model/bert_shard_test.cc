@@ -15,6 +15,10 @@ namespace bertshard::model {
 namespace {
 
 constexpr char kData[] = "tests/testdata/model/";
+// Relative to the outputs' largest magnitude (see RelativeError). Measured worst case over the nine
+// test models, both GEMM paths: 0.035 (a pooler output, after two layers, a dense layer and tanh);
+// a wrong mask or a weight left out costs O(1).
+constexpr float kBf16Tolerance = 0.05f;
 
 ModelInputs ReadInputs(const std::string& path) {
   std::ifstream in(path);
@@ -141,6 +145,95 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, OneDnnPath,
                                            "masked_lm_untied", "next_sentence",
                                            "sequence_classification_f16", "token_classification_bf16",
                                            "multiple_choice", "question_answering"));
+
+// bf16: weights converted at load, the forward in bf16, outputs float32, against the same fp32
+// references within a bf16 tolerance, on both GEMM paths. The outputs must also differ from the
+// fp32 ones: a shard that ignored the dtype would pass the tolerance alone.
+class Bf16Compute : public ::testing::TestWithParam<const char*> {};
+
+// Largest |got - want| over the largest |want| (at least 1): bf16 keeps 8 significant bits, so
+// errors scale with the outputs' magnitude.
+float RelativeError(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<float>() / std::max(1.0f, want.abs().max().item<float>());
+}
+
+TEST_P(Bf16Compute, MatchesFp32ReferenceWithinBf16Tolerance) {
+  const std::string dir = std::string(kData) + GetParam();
+  v1::PlanRequest request;
+  request.set_checkpoint(dir);
+  auto fp32_plan = planner::Plan(request);
+  ASSERT_TRUE(fp32_plan.ok()) << fp32_plan.status();
+  request.set_dtype(v1::BF16);
+  auto plan = planner::Plan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->dtype(), v1::BF16);
+  EXPECT_EQ(plan->ranks(0).param_bytes() * 2, fp32_plan->ranks(0).param_bytes());
+  auto ckpt = checkpoint::Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const auto expected = ReadExpected(dir + "/expected.safetensors");
+  const ModelInputs inputs = ReadInputs(dir + "/input.json");
+  SingleRankCollectives single;
+  for (GemmPath path : {GemmPath::kBlas, GemmPath::kOneDnn}) {
+    SCOPED_TRACE(GemmPathName(path));
+    if (path == GemmPath::kOneDnn && !at::hasMKLDNN()) continue;
+    BertShard::LoadOptions options;
+    options.gemm = path;
+    auto shard = BertShard::Load(*plan, 0, **ckpt, options);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    EXPECT_EQ((*shard)->dtype(), at::kBFloat16);
+    EXPECT_EQ((*shard)->param_bytes(), plan->ranks(0).param_bytes());
+    for (int micro_batches : {1, 2}) {
+      auto outputs = (*shard)->Forward(inputs, micro_batches, &single);
+      ASSERT_TRUE(outputs.ok()) << outputs.status();
+      ASSERT_EQ(outputs->size(), expected.size());
+      float largest_difference = 0;
+      for (const auto& [name, want] : expected) {
+        SCOPED_TRACE(name);
+        ASSERT_TRUE(outputs->count(name));
+        const at::Tensor& got = outputs->at(name);
+        EXPECT_EQ(got.scalar_type(), at::kFloat);
+        ASSERT_EQ(got.sizes(), want.sizes());
+        EXPECT_LE(RelativeError(got, want), kBf16Tolerance);
+        largest_difference = std::max(largest_difference, (got - want).abs().max().item<float>());
+      }
+      EXPECT_GT(largest_difference, 1e-5f) << "bf16 outputs equal the fp32 ones: the dtype was not used";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllVariants, Bf16Compute,
+                         ::testing::Values("bert_model", "pretraining_tied", "lm_head_decoder",
+                                           "masked_lm_untied", "next_sentence",
+                                           "sequence_classification_f16", "token_classification_bf16",
+                                           "multiple_choice", "question_answering"));
+
+TEST(BertShardDtype, Fp16OnCpuIsRefusedBeforeReadingWhereLibTorchLacksKernels) {
+  const std::string dir = std::string(kData) + "bert_model";
+  v1::PlanRequest request;
+  request.set_checkpoint(dir);
+  request.set_dtype(v1::FP16);
+  auto plan = planner::Plan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto ckpt = checkpoint::Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  bool has_half_kernels = true;
+  try {
+    at::linear(at::ones({1, 2}, at::kHalf), at::ones({2, 2}, at::kHalf));
+    at::layer_norm(at::ones({1, 2}, at::kHalf), {2});
+  } catch (const std::exception&) {
+    has_half_kernels = false;
+  }
+  auto shard = BertShard::Load(*plan, 0, **ckpt);
+  if (has_half_kernels) {
+    // A LibTorch with CPU fp16 kernels (2.x) runs it; fp16 has 11 significant bits.
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    GTEST_SKIP() << "this LibTorch has fp16 CPU kernels: nothing to refuse";
+  }
+  EXPECT_EQ(shard.status().code(), absl::StatusCode::kFailedPrecondition) << shard.status();
+  EXPECT_NE(shard.status().message().find("dtype fp16 cannot run on cpu"), std::string::npos) << shard.status();
+  EXPECT_NE(shard.status().message().find("use fp32 or bf16"), std::string::npos) << shard.status();
+  EXPECT_EQ((*ckpt)->bytes_read(), 0);
+}
 
 TEST(BertShardInputs, RefusesBadInputsBeforeRunning) {
   const std::string dir = std::string(kData) + "masked_lm_untied";

@@ -50,17 +50,17 @@ at::Tensor OneDnnLinear(const at::Tensor& x, const at::Tensor& packed_weight, co
   return at::mkldnn_linear(x.to_mkldnn(), packed_weight, b).to_dense();
 }
 
-GemmChoice PickGemmPath(int64_t rows, int64_t in, int64_t out) {
+GemmChoice PickGemmPath(int64_t rows, int64_t in, int64_t out, at::ScalarType dtype) {
   GemmChoice choice;
   if (rows < 1 || in < 1 || out < 1) return choice;
   const double flop = 2.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
   try {
     // The product itself, not a smaller one: which path wins depends on the rows (on two AVX2
     // cores oneDNN is twice OpenBLAS's speed at 128 rows, and no faster at 1024).
-    const at::Tensor x = at::randn({rows, in});
+    const at::Tensor x = at::randn({rows, in}).to(dtype);
     // A trained layer's scale; the figures do not depend on the values, but denormals would.
-    const at::Tensor weight = at::randn({out, in}) / std::sqrt(static_cast<double>(in));
-    const at::Tensor bias = at::randn({out});
+    const at::Tensor weight = (at::randn({out, in}) / std::sqrt(static_cast<double>(in))).to(dtype);
+    const at::Tensor bias = at::randn({out}).to(dtype);
     const std::function<void()> blas = [&] { at::linear(x, weight, bias); };
     // Warm-ups. BLAS: a few rows wake its threads. oneDNN: the first call of a shape creates the
     // primitive (and JIT code) for it, so it is the whole product.

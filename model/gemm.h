@@ -30,7 +30,7 @@ namespace bertshard::model {
 // OK for kBlas; for kOneDnn, FAILED_PRECONDITION when this LibTorch was built without MKL-DNN.
 absl::Status GemmPathAvailable(GemmPath path);
 
-// The weight of a linear ([out, in], CPU float32) in oneDNN's layout, made once at load.
+// The weight of a linear ([out, in], CPU float32 or bfloat16) in oneDNN's layout, made once at load.
 at::Tensor PackOneDnnWeight(const at::Tensor& weight);
 
 // x [..., in] (dense, CPU) times the packed weight, plus `bias` ([out], dense) if defined: dense
@@ -51,7 +51,8 @@ struct GemmChoice {
 // after at least one of each) and returns the faster: BLAS on a tie or when oneDNN is unavailable.
 // Never fails: anything unexpected leaves the BLAS path, today's. Allocates the product's operands
 // (rows x in, out x in, rows x out floats).
-GemmChoice PickGemmPath(int64_t rows, int64_t in, int64_t out);
+// `dtype` is the operands' (kFloat or kBFloat16).
+GemmChoice PickGemmPath(int64_t rows, int64_t in, int64_t out, at::ScalarType dtype = at::kFloat);
 
 }  // namespace bertshard::model
 

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/proto_json.h"
@@ -80,6 +81,28 @@ absl::StatusOr<v1::ModelVariant> ParseVariant(absl::string_view name) {
       "unknown model variant '", name, "'; valid variants: ", ValidVariantNames(),
       " (or their enum names, e.g. BERT_FOR_MASKED_LM)"));
 }
+
+absl::StatusOr<v1::Dtype> ParseDtype(absl::string_view name) {
+  const std::string lower = absl::AsciiStrToLower(name);
+  if (lower == "fp32" || lower == "float32") return v1::FP32;
+  if (lower == "bf16" || lower == "bfloat16") return v1::BF16;
+  if (lower == "fp16" || lower == "float16" || lower == "half") return v1::FP16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown dtype '", name, "'; valid: fp32, bf16, fp16 (or float32, bfloat16, float16)"));
+}
+
+std::string DtypeName(v1::Dtype dtype) {
+  switch (dtype) {
+    case v1::BF16:
+      return "bf16";
+    case v1::FP16:
+      return "fp16";
+    default:
+      return "fp32";
+  }
+}
+
+int64_t DtypeBytes(v1::Dtype dtype) { return dtype == v1::BF16 || dtype == v1::FP16 ? 2 : 4; }
 
 v1::BertConfig WithHfDefaults(const v1::BertConfig& config) {
   v1::BertConfig c = config;

@@ -36,6 +36,14 @@ bool HasPooler(v1::ModelVariant variant);
 // INVALID_ARGUMENT lists the valid names.
 absl::StatusOr<v1::ModelVariant> ParseVariant(absl::string_view name);
 
+// Accepts fp32/float32, bf16/bfloat16, fp16/float16/half and the enum names (FP32, BF16, FP16).
+// INVALID_ARGUMENT lists the valid names.
+absl::StatusOr<v1::Dtype> ParseDtype(absl::string_view name);
+// "fp32", "bf16", "fp16"; DTYPE_UNSPECIFIED reads as fp32.
+std::string DtypeName(v1::Dtype dtype);
+// Bytes per element: 4 for fp32 (and unspecified), 2 for bf16 and fp16.
+int64_t DtypeBytes(v1::Dtype dtype);
+
 // Comma-separated HF class names of all nine variants, for error messages.
 std::string ValidVariantNames();
 

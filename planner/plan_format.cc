@@ -104,7 +104,8 @@ std::string FormatPlanTable(const v1::ShardPlan& plan) {
   std::string out;
   absl::StrAppend(&out, VariantLabel(plan), ": ", c.num_hidden_layers(), " layers, hidden ",
                   c.hidden_size(), ", ", c.num_attention_heads(), " heads, intermediate ",
-                  c.intermediate_size(), ", vocab ", c.vocab_size(), ", ", c.hidden_act(), "\n");
+                  c.intermediate_size(), ", vocab ", c.vocab_size(), ", ", c.hidden_act(), "; ",
+                  DtypeName(plan.dtype()), "\n");
   absl::StrAppend(&out, "parallel: tp ", sc.tensor_parallel_size(), " x pp ", sc.pp_size());
   if (sc.pp_style() != v1::PIPELINE_STYLE_UNSPECIFIED) {
     absl::StrAppend(&out, " (", v1::PipelineStyle_Name(sc.pp_style()), ", ", sc.num_model_chunks(),
@@ -132,7 +133,7 @@ std::string FormatPlanTable(const v1::ShardPlan& plan) {
                                           Ranges(s), absl::StrJoin(CompressModules(s), ", ")));
   }
   absl::StrAppend(&out, "\n", absl::StrFormat("%-6s %-6s %-4s %-8s %s\n", "RANK", "STAGE", "TP",
-                                              "TENSORS", "PARAM BYTES"));
+                                              "TENSORS", absl::StrCat("PARAM BYTES (", DtypeName(plan.dtype()), ")")));
   int64_t total = 0;
   for (const v1::RankShard& r : plan.ranks()) {
     total += r.param_bytes();

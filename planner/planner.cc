@@ -83,6 +83,7 @@ struct Resolved {
   v1::SequenceParallelMode sp = v1::SP_NONE;  // effective: SP_NONE or SPLIT_GATHER
   bool fused_norm = false, jit = false, all_opt = false, fp8 = false;
   int64_t vocab_multiple = 64;  // make_vocab_size_divisible_by
+  v1::Dtype dtype = v1::FP32;
   std::vector<std::string> warnings;
 };
 
@@ -178,6 +179,12 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
   // HF ties the decoder to the word embeddings (the seed checks object identity) only in the
   // three variants that have output embeddings.
   r.tie_weight = IsLmVariant(r.variant) && r.config.tie_word_embeddings();
+
+  // --- dtype ---
+  if (!v1::Dtype_IsValid(request.dtype())) {
+    return Invalid(absl::StrCat("unknown dtype value ", request.dtype(), "; valid: fp32, bf16, fp16"));
+  }
+  r.dtype = request.dtype() == v1::DTYPE_UNSPECIFIED ? v1::FP32 : request.dtype();
 
   // --- parallel sizes ---
   const v1::ParallelConfig& p = request.parallel();
@@ -640,7 +647,7 @@ class TensorTable {
       }
       t->add_local_shape(local_rows);
       if (spec.cols > 0) t->add_local_shape(local_cols);
-      const int64_t bytes = local_rows * std::max<int64_t>(local_cols, 1) * 4;
+      const int64_t bytes = local_rows * std::max<int64_t>(local_cols, 1) * DtypeBytes(r_.dtype);
       t->set_bytes(bytes);
       total += bytes;
       for (const std::string& a : spec.aliases) t->add_aliases(a);
@@ -695,6 +702,7 @@ absl::Status PlanInto(const v1::PlanRequest& request, v1::ShardPlan* plan) {
   plan->set_variant(r.variant);
   *plan->mutable_config() = r.config;
   plan->set_world_size(static_cast<int32_t>(r.tp * r.stages));
+  plan->set_dtype(r.dtype);
 
   v1::ShardConfig* sc = plan->mutable_shard_config();
   sc->set_tensor_parallel_size(static_cast<int32_t>(r.tp));

@@ -27,6 +27,17 @@ absl::Status Guard(absl::string_view what, F&& f) {
   }
 }
 
+// Gloo (in LibTorch 1.13) has no bfloat16. Transfers need no arithmetic, so a bf16 tensor travels
+// as the float16 tensor with the same bits (a view: no copy, exact). Sums never run in 16 bits:
+// see AllReduceSum and ReduceScatter.
+at::Tensor Wire(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t; }
+at::Tensor Unwire(const at::Tensor& t, at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? t.view(at::kBFloat16) : t;
+}
+bool IsNarrowFloat(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+
 }  // namespace
 
 struct GlooCollectives::Groups {
@@ -81,8 +92,12 @@ int GlooCollectives::tp_rank() const { return groups_->tp_rank; }
 absl::Status GlooCollectives::AllReduceSum(at::Tensor& tensor) {
   if (!groups_->tp) return absl::OkStatus();
   return Guard("tensor-parallel all-reduce", [&]() {
-    std::vector<at::Tensor> tensors = {tensor};
+    // bf16/fp16 sum in float32 (fp32 accumulation, as the local products have; Gloo has no bf16
+    // sum and a float16 one would round at every step), and are rounded once at the end.
+    const bool widen = IsNarrowFloat(tensor);
+    std::vector<at::Tensor> tensors = {widen ? tensor.to(at::kFloat) : tensor};
     groups_->tp->allreduce(tensors)->wait();
+    if (widen) tensor.copy_(tensors[0]);
   });
 }
 
@@ -90,11 +105,11 @@ absl::StatusOr<at::Tensor> GlooCollectives::AllGather(const at::Tensor& tensor, 
   if (!groups_->tp) return tensor;
   at::Tensor result;
   absl::Status status = Guard("tensor-parallel all-gather", [&]() {
-    std::vector<at::Tensor> input = {tensor.contiguous()};
+    std::vector<at::Tensor> input = {Wire(tensor.contiguous())};
     std::vector<std::vector<at::Tensor>> output(1);
     for (int i = 0; i < tp_size(); ++i) output[0].push_back(at::empty_like(input[0]));
     groups_->tp->allgather(output, input)->wait();
-    result = at::cat(output[0], dim);
+    result = Unwire(at::cat(output[0], dim), tensor.scalar_type());
   });
   if (!status.ok()) return status;
   return result;
@@ -108,11 +123,13 @@ absl::StatusOr<at::Tensor> GlooCollectives::ReduceScatter(const at::Tensor& tens
   at::Tensor result;
   absl::Status status = Guard("tensor-parallel reduce-scatter", [&]() {
     // Chunk j goes to TP rank j; each rank then sums the chunks it received.
-    at::Tensor input = at::stack(tensor.chunk(tp_size(), dim), 0).contiguous();
+    at::Tensor input = Wire(at::stack(tensor.chunk(tp_size(), dim), 0).contiguous());
     at::Tensor output = at::empty_like(input);
     std::vector<int64_t> equal_splits;
     groups_->tp->alltoall_base(output, input, equal_splits, equal_splits)->wait();
-    result = output.sum(0);
+    // The chunks travel in their own dtype; the sum runs in float32 (as in AllReduceSum).
+    output = Unwire(output, tensor.scalar_type());
+    result = IsNarrowFloat(output) ? output.sum(0, false, at::kFloat).to(tensor.scalar_type()) : output.sum(0);
   });
   if (!status.ok()) return status;
   return result;
@@ -120,14 +137,14 @@ absl::StatusOr<at::Tensor> GlooCollectives::ReduceScatter(const at::Tensor& tens
 
 absl::Status GlooCollectives::Send(const at::Tensor& tensor, int dst_rank, int tag) {
   return Guard(absl::StrCat("send to rank ", dst_rank), [&]() {
-    std::vector<at::Tensor> tensors = {tensor.contiguous()};
+    std::vector<at::Tensor> tensors = {Wire(tensor.contiguous())};
     groups_->world->send(tensors, dst_rank, tag)->wait();
   });
 }
 
 absl::Status GlooCollectives::Recv(at::Tensor& tensor, int src_rank, int tag) {
   return Guard(absl::StrCat("receive from rank ", src_rank), [&]() {
-    std::vector<at::Tensor> tensors = {tensor};
+    std::vector<at::Tensor> tensors = {Wire(tensor)};  // a view: the bytes land in `tensor`
     groups_->world->recv(tensors, src_rank, tag)->wait();
   });
 }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <cmath>
 #include <thread>
 #include <vector>
 
@@ -53,6 +54,48 @@ TEST(GlooCollectives, TensorParallelAndPipelineOpsOnFourRanks) {
   for (int r = 0; r < 4; ++r) threads.emplace_back(run, r);
   for (auto& t : threads) t.join();
   for (int r = 0; r < 4; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+// bf16 over Gloo, which has no bf16: transfers carry the bits unchanged (values far beyond fp16's
+// range survive, so they were not converted to fp16 on the way), and sums run in float32 and round
+// once: 256 + 1 + 1 is 258 in bf16, while summing in bf16 rounds 256 + 1 back to 256 on the way.
+TEST(GlooCollectives, Bf16TravelsExactlyAndSumsInFloat32) {
+  const int port = FreePort();
+  std::vector<std::string> failures(3);
+  auto run = [&](int rank) {
+    auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
+                        .world_size = 3, .tp_size = 3, .timeout = std::chrono::milliseconds(30000)};
+    auto comm = GlooCollectives::Connect(options);
+    if (!comm.ok()) return fail(std::string(comm.status().message()));
+    const auto bf16 = [](std::vector<float> v) { return at::tensor(v).to(at::kBFloat16); };
+    // Column 0: 256, 1, 1 (fp32 sum 258). Column 1: 1e30 * (rank + 1) (sum 6e30).
+    at::Tensor t = bf16({rank == 0 ? 256.f : 1.f, 1e30f * static_cast<float>(rank + 1)});
+    if (absl::Status st = (*comm)->AllReduceSum(t); !st.ok()) return fail(std::string(st.message()));
+    if (t.scalar_type() != at::kBFloat16 || !t.equal(bf16({258.f, 6e30f}))) fail("allreduce value");
+    auto gathered = (*comm)->AllGather(bf16({1e30f * static_cast<float>(rank + 1)}).view({1, 1}), 1);
+    if (!gathered.ok() || gathered->scalar_type() != at::kBFloat16 ||
+        !gathered->equal(bf16({1e30f, 2e30f, 3e30f}).view({1, 3})))
+      fail("allgather");
+    // Each rank holds [256 or 1, ...] x 3 columns; rank j keeps column j of the sum.
+    // (2^100 is exact in bf16 and out of fp16's range.)
+    const float big = std::ldexp(1.f, 100);
+    auto scattered = (*comm)->ReduceScatter(bf16({rank == 0 ? 256.f : 1.f, 1.f, big}).view({1, 3}), 1);
+    const float want = std::vector<float>{258.f, 3.f, 3 * big}[static_cast<size_t>(rank)];
+    if (!scattered.ok() || scattered->scalar_type() != at::kBFloat16 ||
+        !scattered->equal(bf16({want}).view({1, 1})))
+      fail("reduce-scatter");
+    // A pipeline transfer, rank 0 to rank 2.
+    if (rank == 0 && !(*comm)->Send(bf16({3e38f, -1e-30f}), 2, 5).ok()) fail("send");
+    if (rank == 2) {
+      at::Tensor got = at::empty({2}, at::kBFloat16);
+      if (!(*comm)->Recv(got, 0, 5).ok() || !got.equal(bf16({3e38f, -1e-30f}))) fail("recv");
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) threads.emplace_back(run, r);
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
 // Nobody leaves a barrier before the last rank arrives: each rank records the arrivals it saw on

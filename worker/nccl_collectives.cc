@@ -111,6 +111,24 @@ struct NcclCollectives::State {
   }
 };
 
+namespace {
+
+// NCCL sums bf16 and fp16 natively (bf16 since NCCL 2.10), on the device: no widening needed.
+absl::StatusOr<ncclDataType_t> NcclType(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return ncclFloat;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kHalf:
+      return ncclHalf;
+    default:
+      return absl::InternalError(absl::StrCat("no NCCL type for ", c10::toString(t.scalar_type())));
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<int> NcclCollectives::DeviceForRank(int rank) {
   int count = 0;
   RETURN_IF_ERROR(CudaStatus(cudaGetDeviceCount(&count), "no usable CUDA device (cudaGetDeviceCount)"));
@@ -152,8 +170,9 @@ absl::Status NcclCollectives::AllReduceSum(at::Tensor& tensor) {
   if (state_->tp == nullptr) return absl::OkStatus();
   RETURN_IF_ERROR(RequireCuda(tensor));
   at::Tensor t = tensor.contiguous();
-  RETURN_IF_ERROR(NcclStatus(ncclAllReduce(t.data_ptr<float>(), t.data_ptr<float>(), static_cast<size_t>(t.numel()),
-                                           ncclFloat, ncclSum, state_->tp, state_->stream), "ncclAllReduce"));
+  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
+  RETURN_IF_ERROR(NcclStatus(ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
+                                           type, ncclSum, state_->tp, state_->stream), "ncclAllReduce"));
   RETURN_IF_ERROR(state_->WaitStream(state_->tp, "tensor-parallel all-reduce"));
   if (!t.is_same(tensor)) tensor.copy_(t);
   return absl::OkStatus();
@@ -166,8 +185,9 @@ absl::StatusOr<at::Tensor> NcclCollectives::AllGather(const at::Tensor& tensor, 
   std::vector<int64_t> shape = {tp_size()};
   shape.insert(shape.end(), in.sizes().begin(), in.sizes().end());
   at::Tensor out = at::empty(shape, in.options());
-  RETURN_IF_ERROR(NcclStatus(ncclAllGather(in.data_ptr<float>(), out.data_ptr<float>(), static_cast<size_t>(in.numel()),
-                                           ncclFloat, state_->tp, state_->stream), "ncclAllGather"));
+  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(in));
+  RETURN_IF_ERROR(NcclStatus(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()),
+                                           type, state_->tp, state_->stream), "ncclAllGather"));
   RETURN_IF_ERROR(state_->WaitStream(state_->tp, "tensor-parallel all-gather"));
   return at::cat(out.unbind(0), dim);
 }
@@ -179,8 +199,9 @@ absl::StatusOr<at::Tensor> NcclCollectives::ReduceScatter(const at::Tensor& tens
   // Chunk j (along dim) goes to TP rank j.
   const at::Tensor in = at::stack(tensor.chunk(tp_size(), dim), 0).contiguous();
   at::Tensor out = at::empty(in.sizes().slice(1), in.options());
-  RETURN_IF_ERROR(NcclStatus(ncclReduceScatter(in.data_ptr<float>(), out.data_ptr<float>(), static_cast<size_t>(out.numel()),
-                                               ncclFloat, ncclSum, state_->tp, state_->stream), "ncclReduceScatter"));
+  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(in));
+  RETURN_IF_ERROR(NcclStatus(ncclReduceScatter(in.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
+                                               type, ncclSum, state_->tp, state_->stream), "ncclReduceScatter"));
   RETURN_IF_ERROR(state_->WaitStream(state_->tp, "tensor-parallel reduce-scatter"));
   return out;
 }
@@ -189,7 +210,8 @@ absl::Status NcclCollectives::Send(const at::Tensor& tensor, int dst_rank, int /
   // NCCL has no tags; ranks post transfers in the same route order, which pairs them.
   RETURN_IF_ERROR(RequireCuda(tensor));
   const at::Tensor t = tensor.contiguous();
-  RETURN_IF_ERROR(NcclStatus(ncclSend(t.data_ptr<float>(), static_cast<size_t>(t.numel()), ncclFloat, dst_rank,
+  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
+  RETURN_IF_ERROR(NcclStatus(ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), type, dst_rank,
                                       state_->world, state_->stream), "ncclSend"));
   return state_->WaitStream(state_->world, absl::StrCat("send to rank ", dst_rank));
 }
@@ -197,7 +219,8 @@ absl::Status NcclCollectives::Send(const at::Tensor& tensor, int dst_rank, int /
 absl::Status NcclCollectives::Recv(at::Tensor& tensor, int src_rank, int /*tag*/) {
   RETURN_IF_ERROR(RequireCuda(tensor));
   if (!tensor.is_contiguous()) return absl::InternalError("receive buffer must be contiguous");
-  RETURN_IF_ERROR(NcclStatus(ncclRecv(tensor.data_ptr<float>(), static_cast<size_t>(tensor.numel()), ncclFloat,
+  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(tensor));
+  RETURN_IF_ERROR(NcclStatus(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
                                       src_rank, state_->world, state_->stream), "ncclRecv"));
   return state_->WaitStream(state_->world, absl::StrCat("receive from rank ", src_rank));
 }

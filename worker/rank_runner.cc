@@ -17,6 +17,7 @@
 #include "model/bert_shard.h"
 #include "model/gemm.h"
 #include "nlohmann/json.hpp"
+#include "planner/model_config.h"
 #include "worker/gloo_collectives.h"
 #include "worker/math_threads.h"
 #ifdef BERTSHARD_WITH_NCCL
@@ -163,6 +164,7 @@ absl::Status RunRank(const RankOptions& o) {
       {"padding_bytes", shard->padding_bytes()},
       {"wrote_outputs", writes_outputs},
       {"gemm", std::string(model::GemmPathName(shard->gemm_path()))},
+      {"dtype", planner::DtypeName(plan.dtype())},
   };
   if (measured.has_value()) {
     nlohmann::json gflops = {{"blas", measured->blas_gflops}};
