@@ -1,5 +1,6 @@
 #include "client/plan_command.h"
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::client {
@@ -61,12 +62,31 @@ TEST(PlanFlags, FlagsOverrideTheRequest) {
   EXPECT_TRUE(request.parallel().fp8_communication());
 }
 
+TEST(PlanFlags, DtypeFromTheFlagOrTheRequest) {
+  auto cl = ParseCommandLine({"plan", "--variant", "BertModel", "--dtype", "bfloat16"}, PlanValueFlags(),
+                             PlanSwitchFlags());
+  ASSERT_TRUE(cl.ok()) << cl.status();
+  v1::PlanRequest request;
+  ASSERT_TRUE(ApplyPlanFlags(*cl, &request).ok());
+  EXPECT_EQ(request.dtype(), v1::BF16);
+  auto friendly = ParsePlanRequestJson(R"({"variant": "BertModel", "dtype": "fp16"})");
+  ASSERT_TRUE(friendly.ok()) << friendly.status();
+  EXPECT_EQ(friendly->dtype(), v1::FP16);
+  auto contract = ParsePlanRequestJson(R"({"variant": "BERT_MODEL", "dtype": "BF16"})");
+  ASSERT_TRUE(contract.ok()) << contract.status();
+  EXPECT_EQ(contract->dtype(), v1::BF16);
+  auto bad = ParsePlanRequestJson(R"({"variant": "BertModel", "dtype": "int8"})");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "unknown dtype 'int8'")) << bad.status();
+}
+
 TEST(PlanFlags, RejectsNonIntegersAndUnknownStyles) {
   for (auto args : std::vector<std::vector<std::string>>{{"plan", "--tp", "two"},
                                                          {"plan", "--pp-style", "gpipe"},
                                                          {"plan", "--sp-mode", "ulysses"},
                                                          {"plan", "--config", "{not json"},
-                                                         {"plan", "--layers-per-stage", "1,,2"}}) {
+                                                         {"plan", "--layers-per-stage", "1,,2"},
+                                                         {"plan", "--dtype", "fp8"}}) {
     auto cl = ParseCommandLine(args, PlanValueFlags(), PlanSwitchFlags());
     ASSERT_TRUE(cl.ok());
     v1::PlanRequest request;

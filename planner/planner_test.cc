@@ -7,6 +7,7 @@
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
+#include "planner/model_config.h"
 #include "planner/stage_layout.h"
 #include "planner/token_check.h"
 
@@ -324,6 +325,52 @@ TEST(TensorTable, UnshardedBertBaseHoldsItsKnownParameterCount) {
   ASSERT_EQ(plan->ranks_size(), 1);
   EXPECT_EQ(plan->ranks(0).param_bytes(), int64_t{109482240} * 4);
   EXPECT_EQ(plan->ranks(0).tensors_size(), 5 + 12 * 16 + 2);
+}
+
+// Bytes follow the dtype: every tensor of every rank is half its fp32 size in bf16 and fp16, and
+// the plan says which it is (fp32 when the request leaves it unset).
+TEST(PlanDtype, BytesFollowTheDtype) {
+  v1::PlanRequest request = Request(v1::BERT_FOR_PRE_TRAINING, 2, 2);
+  auto fp32 = Plan(request);
+  ASSERT_TRUE(fp32.ok()) << fp32.status();
+  EXPECT_EQ(fp32->dtype(), v1::FP32);
+  for (v1::Dtype dtype : {v1::BF16, v1::FP16}) {
+    request.set_dtype(dtype);
+    auto plan = Plan(request);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->dtype(), dtype);
+    ASSERT_EQ(plan->ranks_size(), fp32->ranks_size());
+    for (int r = 0; r < plan->ranks_size(); ++r) {
+      const v1::RankShard& narrow = plan->ranks(r);
+      const v1::RankShard& wide = fp32->ranks(r);
+      EXPECT_EQ(narrow.param_bytes() * 2, wide.param_bytes());
+      int64_t sum = 0;
+      ASSERT_EQ(narrow.tensors_size(), wide.tensors_size());
+      for (int t = 0; t < narrow.tensors_size(); ++t) {
+        int64_t elements = 1;
+        for (int64_t d : narrow.tensors(t).local_shape()) elements *= d;
+        EXPECT_EQ(narrow.tensors(t).bytes(), elements * 2) << narrow.tensors(t).name();
+        sum += narrow.tensors(t).bytes();
+      }
+      EXPECT_EQ(sum, narrow.param_bytes());
+    }
+  }
+  request.set_dtype(static_cast<v1::Dtype>(9));
+  ExpectInvalid(request, "unknown dtype value 9; valid: fp32, bf16, fp16");
+}
+
+TEST(PlanDtype, ParsesFriendlyAndEnumNames) {
+  EXPECT_EQ(*ParseDtype("bf16"), v1::BF16);
+  EXPECT_EQ(*ParseDtype("BFloat16"), v1::BF16);
+  EXPECT_EQ(*ParseDtype("FP16"), v1::FP16);
+  EXPECT_EQ(*ParseDtype("half"), v1::FP16);
+  EXPECT_EQ(*ParseDtype("float32"), v1::FP32);
+  const auto bad = ParseDtype("fp8");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "unknown dtype 'fp8'; valid: fp32, bf16, fp16"))
+      << bad.status();
+  EXPECT_EQ(DtypeName(v1::DTYPE_UNSPECIFIED), "fp32");
+  EXPECT_EQ(DtypeBytes(v1::BF16), 2);
 }
 
 TEST(TensorTable, TpSlicesPartitionEverySplitTensor) {

@@ -63,18 +63,24 @@ v1::TokenInputs Inputs() {
   return t;
 }
 
-// By the workers' --gemm: auto (the default), blas, onednn.
-class WorkerServicePaths : public ::testing::TestWithParam<std::optional<model::GemmPath>> {};
+// By the workers' --gemm (auto, the default; blas; onednn) and the plan's dtype.
+struct Path {
+  std::optional<model::GemmPath> gemm;
+  v1::Dtype dtype = v1::FP32;
+};
+class WorkerServicePaths : public ::testing::TestWithParam<Path> {};
 
 TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
-  if (GetParam().has_value() && !model::GemmPathAvailable(*GetParam()).ok()) {
-    GTEST_SKIP() << model::GemmPathAvailable(*GetParam());
+  const std::optional<model::GemmPath> gemm = GetParam().gemm;
+  if (gemm.has_value() && !model::GemmPathAvailable(*gemm).ok()) {
+    GTEST_SKIP() << model::GemmPathAvailable(*gemm);
   }
   WorkerServiceOptions options;
-  options.gemm = GetParam();
+  options.gemm = gemm;
   v1::PlanRequest request;
   request.set_checkpoint(kModel);
   request.mutable_parallel()->set_tp_size(2);
+  request.set_dtype(GetParam().dtype);
   auto plan = planner::Plan(request);
   ASSERT_TRUE(plan.ok()) << plan.status();
   RunningWorker workers[2] = {StartWorker(options), StartWorker(options)};
@@ -140,9 +146,18 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
     const v1::NamedTensor& out = responses[0].outputs(0);
     EXPECT_EQ(out.name(), "logits");
     ASSERT_EQ(out.values_size(), static_cast<int>(expected.size()));
-    float max_diff = 0;
-    for (int i = 0; i < out.values_size(); ++i) max_diff = std::max(max_diff, std::fabs(out.values(i) - expected[i]));
-    EXPECT_LE(max_diff, 1e-5f);
+    float max_diff = 0, max_want = 0;
+    for (int i = 0; i < out.values_size(); ++i) {
+      max_diff = std::max(max_diff, std::fabs(out.values(i) - expected[i]));
+      max_want = std::max(max_want, std::fabs(expected[i]));
+    }
+    if (GetParam().dtype == v1::BF16) {
+      // bf16 tolerance as in model/bert_shard_test.cc, and not fp32's result.
+      EXPECT_LE(max_diff / std::max(1.0f, max_want), 0.05f);
+      EXPECT_GT(max_diff, 1e-5f);
+    } else {
+      EXPECT_LE(max_diff, 1e-5f);
+    }
   }
 
   v1::ForwardRequest stale;
@@ -183,9 +198,11 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Gemm, WorkerServicePaths,
-                         ::testing::Values(std::nullopt, model::GemmPath::kBlas, model::GemmPath::kOneDnn),
-                         [](const ::testing::TestParamInfo<std::optional<model::GemmPath>>& info) {
-                           return info.param.has_value() ? std::string(model::GemmPathName(*info.param))
+                         ::testing::Values(Path{std::nullopt}, Path{model::GemmPath::kBlas},
+                                           Path{model::GemmPath::kOneDnn}, Path{std::nullopt, v1::BF16}),
+                         [](const ::testing::TestParamInfo<Path>& info) {
+                           if (info.param.dtype == v1::BF16) return std::string("auto_bf16");
+                           return info.param.gemm.has_value() ? std::string(model::GemmPathName(*info.param.gemm))
                                                          : std::string("auto");
                          });
 
