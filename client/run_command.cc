@@ -25,6 +25,7 @@
 #include "common/status_macros.h"
 #include "model/gemm_flag.h"
 #include "nlohmann/json.hpp"
+#include "planner/model_config.h"
 #include "planner/plan_format.h"
 #include "planner/planner.h"
 #include "planner/token_check.h"
@@ -274,7 +275,8 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   RETURN_IF_ERROR(WaitForRanks(ranks, std::chrono::seconds(timeout_s)));
 
   std::string table = absl::StrFormat("%-5s %-6s %-3s %9s %9s %10s %12s %12s  %s\n", "RANK", "STAGE", "TP",
-                                      "LOAD s", "FORWARD s", "PEAK RSS", "CKPT READ", "PARAM BYTES", "GEMM");
+                                      "LOAD s", "FORWARD s", "PEAK RSS", "CKPT READ",
+                                      absl::StrCat("PARAM B ", planner::DtypeName(plan.dtype())), "GEMM");
   json reports = json::array();
   for (int rank = 0; rank < world; ++rank) {
     ASSIGN_OR_RETURN(std::string text, common::ReadFileToString(absl::StrCat(dir, "/rank_", rank, ".json"), "rank report"));
