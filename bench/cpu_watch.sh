@@ -1,5 +1,6 @@
-# CPU watch shared by the bench scripts (sourced): busy_percent, the idle check before a run, and
-# a monitor of the CPU other processes use meanwhile. Needs $work and BENCH_NAME set.
+# CPU watch shared by the bench scripts (sourced): busy_percent, the idle check before a run, a
+# monitor of the CPU other processes use meanwhile, and foreign_since MARK (the share of it since a
+# mark: `mark=$(cat "$work/foreign" 2>/dev/null || echo "0 0")`). Needs $work and BENCH_NAME set.
 busy_percent() {
   local a b
   read -r -a a < <(head -n 1 /proc/stat)
@@ -41,3 +42,12 @@ while True:
     os.replace(out + ".tmp", out)
 PY
 monitor_pid=$!
+
+# Share (percent) of the machine's CPU that other processes used since MARK ("foreign elapsed").
+foreign_since() {
+  local now
+  now=$(cat "$work/foreign" 2>/dev/null || echo "0 0")
+  /usr/bin/python3 -c "
+a, b = [int(x) for x in '$1'.split()], [int(x) for x in '$now'.split()]
+print(f'{100 * (b[0] - a[0]) / max(1, b[1] - a[1]):.0f}')"
+}

@@ -15,6 +15,11 @@ ORT's last_hidden_state must be within 1e-4 (max abs) of HF's or this script fai
 
 Run with the bench venv's python (`bash tools/python_env.sh bench`); bench/peers_benchmark.sh does.
   python bench/peers.py --checkpoint DIR --batch 8 --seq 128 --threads 2 --iterations 5 --json OUT
+
+--inputs-only writes just the tokens (--inputs-json) and exits; it needs nothing but the standard
+library (numpy, torch and the rest are imported after it), so bench/suite.sh makes the tokens every
+engine runs with Debian's /usr/bin/python3 and the peers later draw the very same ones.
+  /usr/bin/python3 bench/peers.py --inputs-only --checkpoint DIR --batch 8 --seq 128 --inputs-json OUT
 """
 import argparse
 import json
@@ -26,9 +31,6 @@ import statistics
 import sys
 import tempfile
 import time
-
-import numpy as np
-import torch
 
 TOLERANCE = 1e-4
 
@@ -77,6 +79,8 @@ def summary(seconds, batch):
 
 def torch_blas():
     """The BLAS this torch was built with (Debian's: OpenBLAS), from its build configuration."""
+    import torch
+
     match = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
     return match.group(1) if match else "?"
 
@@ -96,6 +100,8 @@ def load_hf(checkpoint):
 
 def export_onnx(model, inputs, path):
     """torch.onnx.export of the HF model (TorchScript exporter of torch 1.13), dynamic batch and seq."""
+    import torch
+
     names = ["input_ids", "attention_mask", "token_type_ids"]
     axes = {n: {0: "batch", 1: "seq"} for n in names}
     axes["last_hidden_state"] = {0: "batch", 1: "seq"}
@@ -128,15 +134,31 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--iterations", type=int, default=5, help="timed forwards per peer, after one warm-up")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", required=True, help="where to write the figures")
+    parser.add_argument("--json", help="where to write the figures (required unless --inputs-only)")
     parser.add_argument("--inputs-json", help="write the inputs here, in shardctl run --local --input format")
     parser.add_argument("--reference", help="write HF's last_hidden_state here (.npy), to check other runs against")
     parser.add_argument("--work-dir", help="keep the exported and optimised ONNX graphs here (default: a temp dir)")
+    parser.add_argument("--inputs-only", action="store_true",
+                        help="write the tokens to --inputs-json (vocab_size from the checkpoint's config.json) and exit")
     opts = parser.parse_args()
     if min(opts.batch, opts.seq, opts.threads, opts.iterations) < 1:
         fail("--batch, --seq, --threads and --iterations must be positive")
+    if opts.inputs_only:
+        if not opts.inputs_json:
+            fail("--inputs-only needs --inputs-json")
+        with open(os.path.join(opts.checkpoint, "config.json")) as f:
+            config = json.load(f)
+        if opts.seq > config.get("max_position_embeddings", opts.seq):
+            fail("--seq %d exceeds max_position_embeddings %d" % (opts.seq, config["max_position_embeddings"]))
+        with open(opts.inputs_json, "w") as f:
+            json.dump(make_inputs(config["vocab_size"], opts.batch, opts.seq, opts.seed), f)
+        return
+    if not opts.json:
+        fail("--json is required")
 
+    import numpy as np
     import onnxruntime as ort
+    import torch
     import transformers
 
     torch.set_num_threads(opts.threads)

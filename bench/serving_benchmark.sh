@@ -56,14 +56,6 @@ cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
 # Share of the CPUs busy before the run, and the CPU other processes use while it runs.
 BENCH_NAME=serving_benchmark
 source bench/cpu_watch.sh  # (the script runs from the repo root)
-# Share (percent) of the machine's CPU that other processes used since MARK ("foreign elapsed").
-foreign_since() {
-  local now
-  now=$(cat "$work/foreign" 2>/dev/null || echo "0 0")
-  /usr/bin/python3 -c "
-a, b = [int(x) for x in '$1'.split()], [int(x) for x in '$now'.split()]
-print(f'{100 * (b[0] - a[0]) / max(1, b[1] - a[1]):.0f}')"
-}
 
 # Like local_cluster.sh's start_coordinator, with the batching flags.
 start_batching_coordinator() {
