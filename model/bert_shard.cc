@@ -1,11 +1,14 @@
 #include "model/bert_shard.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/version.h>
 
+#include <atomic>
 #include <cmath>
+#include <stdexcept>
 #include <limits>
 #include <utility>
 
@@ -56,6 +59,16 @@ absl::Status ProbeKernels(at::ScalarType dtype, c10::Device device, const std::s
         "): it has no ", op, " kernel for it", device.is_cpu() ? "; on CPU use fp32 or bf16" : ""));
   }
   return absl::OkStatus();
+}
+
+// The query, key and value projections of a layer's self-attention, which the shard multiplies as
+// one product (FuseQkv).
+constexpr const char* kQkvParts[] = {"query", "key", "value"};
+bool IsQkvPart(const std::string& name) {
+  for (const char* part : kQkvParts) {
+    if (absl::StrContains(name, absl::StrCat(".attention.self.", part, "."))) return true;
+  }
+  return false;
 }
 
 // One pipeline slot in route order: which stage runs it and the layers it covers.
@@ -158,7 +171,38 @@ class BertShard::Impl {
         return absl::CancelledError(absl::StrCat("loading rank ", rank_, " was cancelled"));
       }
     }
+    FuseQkv();
     return absl::OkStatus();
+  }
+
+  // Each layer's query, key and value weights (this rank's heads of each) become one [3 x local
+  // width, hidden] weight and one bias, in that order: one product with three times the columns
+  // instead of three, which keeps the GEMM's cores busier. The parts are dropped, so the bytes held
+  // are unchanged.
+  void FuseQkv() {
+    for (const Slot& slot : route_) {
+      if (slot.stage != stage_) continue;
+      for (int64_t l = slot.start; l < slot.end; ++l) {
+        const std::string p = absl::StrCat(prefix_, "encoder.layer.", l, ".attention.self.");
+        std::vector<at::Tensor> weights, biases;
+        for (const char* part : kQkvParts) {
+          weights.push_back(params_.at(absl::StrCat(p, part, ".weight")));
+          biases.push_back(params_.at(absl::StrCat(p, part, ".bias")));
+        }
+        at::Tensor weight = at::cat(weights, 0);
+        weights.clear();
+        for (const char* part : kQkvParts) {
+          params_.erase(absl::StrCat(p, part, ".weight"));
+          params_.erase(absl::StrCat(p, part, ".bias"));
+        }
+        params_[p + "qkv.bias"] = at::cat(biases, 0);
+        if (gemm_ == GemmPath::kOneDnn) {
+          packed_[p + "qkv.weight"] = PackOneDnnWeight(weight);
+        } else {
+          params_[p + "qkv.weight"] = weight;
+        }
+      }
+    }
   }
 
   bool holds_heads() const { return stage_ == head_stage_; }
@@ -262,7 +306,7 @@ class BertShard::Impl {
   // LM decoder where this rank looks them up (a decoder on a later stage has them as an alias it
   // never looks up).
   bool PackIfLinearWeight(const v1::TensorShard& t, const at::Tensor& local) {
-    if (gemm_ != GemmPath::kOneDnn || local.dim() != 2) return true;
+    if (gemm_ != GemmPath::kOneDnn || local.dim() != 2 || IsQkvPart(t.name())) return true;
     std::vector<std::string> names = {t.name()};
     names.insert(names.end(), t.aliases().begin(), t.aliases().end());
     bool read_by_linear = false, looked_up = false;
@@ -279,11 +323,12 @@ class BertShard::Impl {
     return looked_up;
   }
 
-  at::Tensor Act(const at::Tensor& x) const {
+  // In place: `x` is always a product's fresh output, so no second buffer of its size is needed.
+  at::Tensor Act(at::Tensor x) const {
     const std::string& act = plan_.config().hidden_act();
-    if (act == "relu") return at::relu(x);
-    if (act == "gelu_new" || act == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
-    return at::gelu(x);  // "gelu": the exact (erf) form
+    if (act == "relu") return at::relu_(x);
+    if (act == "gelu_new" || act == "gelu_pytorch_tanh") return at::gelu_(x, "tanh");
+    return at::gelu_(x);  // "gelu": the exact (erf) form
   }
 
   at::Tensor Norm(const at::Tensor& x, const std::string& module) const {
@@ -297,8 +342,9 @@ class BertShard::Impl {
   }
 
   // Linear1D_Row: this rank's input features times its weight columns, summed over the group
-  // (or reduce-scattered along the sequence under split_gather), then the whole bias once.
-  absl::StatusOr<at::Tensor> RowLinear(const at::Tensor& x, const std::string& module) {
+  // (or reduce-scattered along the sequence under split_gather), then the whole bias once; plus
+  // `residual`. The sums are in place: the product is a fresh buffer.
+  absl::StatusOr<at::Tensor> RowLinear(const at::Tensor& x, const std::string& module, const at::Tensor& residual) {
     at::Tensor y = gemm_ == GemmPath::kOneDnn ? OneDnnLinear(x, packed_.at(module + ".weight"), at::Tensor())
                                               : at::matmul(x, P(module + ".weight").t());
     if (tp_ > 1) {
@@ -308,7 +354,7 @@ class BertShard::Impl {
         RETURN_IF_ERROR(comm_->AllReduceSum(y));
       }
     }
-    return y + P(module + ".bias");
+    return y.add_(P(module + ".bias")).add_(residual);
   }
 
   // [mb, seq] ids -> [mb, seq, H] (full sequence on every TP rank).
@@ -361,27 +407,62 @@ class BertShard::Impl {
       // one gathered input.
       ASSIGN_OR_RETURN(full, comm_->AllGather(x, 1));
     }
-    const int64_t mb = full.size(0), seq = full.size(1);
     const int64_t head_dim = c.hidden_size() / c.num_attention_heads();
-    const int64_t local_heads = c.num_attention_heads() / tp_;
-    auto heads = [&](const at::Tensor& t) { return t.view({mb, seq, local_heads, head_dim}).permute({0, 2, 1, 3}); };
-    const at::Tensor q = heads(Linear(full, p + "attention.self.query"));
-    const at::Tensor k = heads(Linear(full, p + "attention.self.key"));
-    const at::Tensor v = heads(Linear(full, p + "attention.self.value"));
-    at::Tensor scores = at::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(head_dim));
-    scores = scores + ext_mask;
-    const at::Tensor context = at::matmul(at::softmax(scores, -1), v)
-                                   .permute({0, 2, 1, 3})
-                                   .reshape({mb, seq, local_heads * head_dim});
-    ASSIGN_OR_RETURN(at::Tensor attn, RowLinear(context, p + "attention.output.dense"));
-    const at::Tensor x1 = Norm(attn + x, p + "attention.output.LayerNorm");
+    const at::Tensor context =
+        Attention(Linear(full, p + "attention.self.qkv"), ext_mask, c.num_attention_heads() / tp_, head_dim);
+    ASSIGN_OR_RETURN(at::Tensor attn, RowLinear(context, p + "attention.output.dense", x));
+    const at::Tensor x1 = Norm(attn, p + "attention.output.LayerNorm");
     at::Tensor x1_full = x1;
     if (sp_) {
       ASSIGN_OR_RETURN(x1_full, comm_->AllGather(x1, 1));
     }
     const at::Tensor inter = Act(Linear(x1_full, p + "intermediate.dense"));
-    ASSIGN_OR_RETURN(at::Tensor out, RowLinear(inter, p + "output.dense"));
-    return Norm(out + x1, p + "output.LayerNorm");
+    ASSIGN_OR_RETURN(at::Tensor out, RowLinear(inter, p + "output.dense", x1));
+    return Norm(out, p + "output.LayerNorm");
+  }
+
+  // Scaled dot-product attention of `heads` heads from the fused projection `qkv` ([mb, seq, 3 x
+  // heads x head_dim]: all queries, then keys, then values), into [mb, seq, heads x head_dim]:
+  // softmax(q k^T / sqrt(head_dim) + mask) v per head, as HF's BertSelfAttention.
+  at::Tensor Attention(const at::Tensor& qkv, const at::Tensor& ext_mask, int64_t heads, int64_t head_dim) const {
+    const int64_t mb = qkv.size(0), seq = qkv.size(1), width = heads * head_dim;
+    const double root = std::sqrt(static_cast<double>(head_dim));
+    static const DnnlSgemmFn sgemm = DnnlSgemm();
+    if (sgemm != nullptr && qkv.is_cpu() && qkv.scalar_type() == at::kFloat && qkv.is_contiguous()) {
+      // fp32 on CPU: each (sequence, head) is one task on LibTorch's threads, with oneDNN's small
+      // GEMM (several times OpenBLAS's speed at these shapes, and unlike OpenBLAS it runs
+      // concurrent calls in parallel): its scores, scaled and masked, softmax in place, and its
+      // context written straight into its columns of the output. The heads are read where the projection wrote them (the GEMM takes the row
+      // stride), so no head is permuted or copied, and a [seq, seq] block stays in cache from its
+      // product to its softmax to its second product.
+      at::Tensor context = at::empty({mb, seq, width}, qkv.options());
+      at::Tensor scores = at::empty({mb * heads, seq, seq}, qkv.options());
+      const at::Tensor mask = ext_mask.to(at::kFloat);
+      std::atomic<int> failure{0};
+      at::parallel_for(0, mb * heads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t b = i / heads, h = i % heads;
+          const float* rows = qkv.data_ptr<float>() + b * seq * 3 * width;
+          at::Tensor s = scores[i];
+          int status = sgemm('N', 'T', seq, seq, head_dim, 1.f, rows + h * head_dim, 3 * width,
+                             rows + width + h * head_dim, 3 * width, 0.f, s.data_ptr<float>(), seq);
+          // Divided, then masked, as HF does (a scale folded into the product rounds differently).
+          s.div_(root).add_(mask[b][0]);  // mask [1 or seq, seq]
+          at::_softmax_out(s, s, -1, /*half_to_float=*/false);
+          status |= sgemm('N', 'N', seq, head_dim, seq, 1.f, s.data_ptr<float>(), seq, rows + 2 * width + h * head_dim,
+                          3 * width, 0.f, context.data_ptr<float>() + b * seq * width + h * head_dim, width);
+          if (status != 0) failure = status;
+        }
+      });
+      if (failure != 0) throw std::runtime_error(absl::StrCat("dnnl_sgemm failed with status ", failure.load()));
+      return context;
+    }
+    // Other dtypes and devices: batched products (for bf16 on CPU, oneDNN's batched matmul).
+    const auto part = [&](int64_t index) {
+      return qkv.narrow(2, index * width, width).view({mb, seq, heads, head_dim}).permute({0, 2, 1, 3});
+    };
+    at::Tensor scores = at::matmul(part(0), part(1).transpose(-1, -2)).div_(root).add_(ext_mask);
+    return at::matmul(at::softmax(scores, -1), part(2)).permute({0, 2, 1, 3}).reshape({mb, seq, width});
   }
 
   // The layers of one slot on a full-sequence hidden state; split and gathered around them under

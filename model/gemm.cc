@@ -1,6 +1,7 @@
 #include "model/gemm.h"
 
 #include <ATen/ATen.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -41,6 +42,8 @@ absl::Status GemmPathAvailable(GemmPath path) {
   }
   return absl::OkStatus();
 }
+
+DnnlSgemmFn DnnlSgemm() { return reinterpret_cast<DnnlSgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm")); }
 
 at::Tensor PackOneDnnWeight(const at::Tensor& weight) { return weight.contiguous().to_mkldnn(); }
 

@@ -95,6 +95,28 @@ TEST(PickGemmPath, StopsTimingALargeProductEarly) {
   EXPECT_LT(seconds, 5.0);
 }
 
+// The attention's per-head products: row-major, transposed B, row strides wider than the rows
+// (heads read in place from the fused projection), beta 1 onto existing values.
+TEST(DnnlSgemm, StridedRowMajorProductsMatchLibTorch) {
+  const DnnlSgemmFn sgemm = DnnlSgemm();
+  if (sgemm == nullptr) GTEST_SKIP() << "this process has no oneDNN (dnnl_sgemm)";
+  const at::Tensor rows = at::randn({5, 24});  // q in columns [0, 4), k in [8, 12): stride 24
+  at::Tensor c = at::randn({5, 5});
+  const at::Tensor want = c + 0.5 * at::mm(rows.narrow(1, 0, 4), rows.narrow(1, 8, 4).t());
+  ASSERT_EQ(sgemm('N', 'T', 5, 5, 4, 0.5f, rows.data_ptr<float>(), 24, rows.data_ptr<float>() + 8, 24, 1.f,
+                  c.data_ptr<float>(), 5),
+            0);
+  EXPECT_LE((c - want).abs().max().item<float>(), 1e-5f);
+  // [5, 5] x [5, 4] into columns [4, 8) of a [5, 12] output.
+  at::Tensor out = at::zeros({5, 12});
+  ASSERT_EQ(sgemm('N', 'N', 5, 4, 5, 1.f, c.data_ptr<float>(), 5, rows.data_ptr<float>() + 16, 24, 0.f,
+                  out.data_ptr<float>() + 4, 12),
+            0);
+  EXPECT_LE((out.narrow(1, 4, 4) - at::mm(c, rows.narrow(1, 16, 4))).abs().max().item<float>(), 1e-5f);
+  EXPECT_EQ(out.narrow(1, 0, 4).abs().max().item<float>(), 0);
+  EXPECT_EQ(out.narrow(1, 8, 4).abs().max().item<float>(), 0);
+}
+
 TEST(PickGemmPath, DegenerateShapesKeepBlas) {
   const GemmChoice choice = PickGemmPath(0, 768, 3072);
   EXPECT_EQ(choice.path, GemmPath::kBlas);
