@@ -8,7 +8,8 @@
 // with per-job thread counts, so it sets both at run time instead.
 //
 // Example:
-//   SetMathThreads(job->threads);  // before each forward: jobs on one worker may differ
+//   SetMathThreads(job->threads, job->shard->gemm_path() == GemmPath::kBlas);  // before each forward:
+//                                                                          // jobs on one worker differ
 //
 // Thread safety: process-wide settings; call from the thread that runs the forward.
 #ifndef BERTSHARD_WORKER_MATH_THREADS_H_
@@ -16,8 +17,11 @@
 
 namespace bertshard::worker {
 
-// LibTorch's intra-op threads and, when the process has OpenBLAS, its threads: max(1, threads).
-void SetMathThreads(int threads);
+// LibTorch's intra-op threads (its OpenMP pool, which oneDNN shares) and, when the process has
+// OpenBLAS, its threads: max(1, threads). With `blas_products` false (a shard on the oneDNN path,
+// whose products and attention never call BLAS) OpenBLAS gets one thread, so its pool never wakes
+// and never spins beside the OpenMP one: exactly `threads` threads compute, one per core given.
+void SetMathThreads(int threads, bool blas_products = true);
 
 }  // namespace bertshard::worker
 

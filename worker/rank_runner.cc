@@ -115,6 +115,7 @@ absl::Status RunRank(const RankOptions& o) {
   }
   ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(o.checkpoint));
   ASSIGN_OR_RETURN(auto shard, model::BertShard::Load(plan, o.rank, *ckpt, load));
+  SetMathThreads(o.threads, shard->gemm_path() == model::GemmPath::kBlas);
   // Without the pick, so that load times compare with runs that name their path.
   const double load_seconds = Seconds(start) - pick_seconds;
 

@@ -267,7 +267,7 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
   };
   model::ModelInputs inputs{tensor(in.input_ids()), tensor(in.attention_mask()), tensor(in.token_type_ids()),
                             std::max<int64_t>(1, in.choices())};
-  SetMathThreads(job->threads);
+  SetMathThreads(job->threads, job->shard->gemm_path() == model::GemmPath::kBlas);
   const auto start = std::chrono::steady_clock::now();
   auto outputs = job->shard->Forward(inputs, std::max(1, request->micro_batches()), job->comm.get());
   ++job->next_sequence;
