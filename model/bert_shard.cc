@@ -635,12 +635,19 @@ GemmChoice PickGemmPathForPlan(const v1::ShardPlan& plan) {
 absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs,
                                                                      int micro_batches,
                                                                      Collectives* collectives) {
+  absl::StatusOr<std::map<std::string, at::Tensor>> outputs;
   try {
-    return impl_->Forward(inputs, micro_batches, collectives);
+    outputs = impl_->Forward(inputs, micro_batches, collectives);
   } catch (const std::exception& e) {
     // Shapes and ids are validated first, so an escaped torch error is our bug.
-    return absl::InternalError(absl::StrCat("forward: ", e.what()));
+    outputs = absl::InternalError(absl::StrCat("forward: ", e.what()));
   }
+  // Pipeline sends overlap the next micro-batch; the forward ends when they are all through.
+  if (collectives != nullptr) {
+    absl::Status sent = collectives->WaitForSends();
+    if (outputs.ok() && !sent.ok()) return sent;
+  }
+  return outputs;
 }
 
 }  // namespace bertshard::model

@@ -35,9 +35,13 @@ class Collectives {
   virtual absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& tensor, int64_t dim) = 0;
 
   // Pipeline transfers between global ranks; `tag` pairs a send with its receive. Recv fills a
-  // tensor of the expected shape.
+  // tensor of the expected shape. Send may return before the transfer is done, so that a stage
+  // computes its next micro-batch while the receiver is still busy; `tensor` must not change
+  // until WaitForSends returns, which reports a failed transfer.
   virtual absl::Status Send(const at::Tensor& tensor, int dst_rank, int tag) = 0;
   virtual absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) = 0;
+  // Returns once every Send so far has completed (at once where Send itself waits).
+  virtual absl::Status WaitForSends() { return absl::OkStatus(); }
 
   // Returns once every rank of the world has called it (benchmarks time one forward from a common
   // start; forwards themselves never need it).

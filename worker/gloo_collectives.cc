@@ -47,6 +47,8 @@ struct GlooCollectives::Groups {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> tp;  // null when tp_size == 1
   int tp_rank = 0;
   int64_t barriers = 0;  // Barrier() calls so far: each uses its own store keys
+  // Sends in flight, with the tensors they read (kept alive until done).
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> sends;
 };
 
 GlooCollectives::GlooCollectives(std::unique_ptr<Groups> groups) : groups_(std::move(groups)) {}
@@ -138,8 +140,19 @@ absl::StatusOr<at::Tensor> GlooCollectives::ReduceScatter(const at::Tensor& tens
 absl::Status GlooCollectives::Send(const at::Tensor& tensor, int dst_rank, int tag) {
   return Guard(absl::StrCat("send to rank ", dst_rank), [&]() {
     std::vector<at::Tensor> tensors = {Wire(tensor.contiguous())};
-    groups_->world->send(tensors, dst_rank, tag)->wait();
+    // Not waited for here: Gloo completes it in the background once the receiver takes it.
+    groups_->sends.emplace_back(groups_->world->send(tensors, dst_rank, tag), tensors[0]);
   });
+}
+
+absl::Status GlooCollectives::WaitForSends() {
+  absl::Status first;
+  for (auto& [work, tensor] : groups_->sends) {
+    absl::Status s = Guard("pipeline send", [&]() { work->wait(); });
+    if (first.ok()) first = s;
+  }
+  groups_->sends.clear();
+  return first;
 }
 
 absl::Status GlooCollectives::Recv(at::Tensor& tensor, int src_rank, int tag) {

@@ -49,6 +49,7 @@ class GlooCollectives final : public model::Collectives {
   absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& tensor, int64_t dim) override;
   absl::Status Send(const at::Tensor& tensor, int dst_rank, int tag) override;
   absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) override;
+  absl::Status WaitForSends() override;
   absl::Status Barrier() override;
 
  private:

@@ -45,6 +45,7 @@ TEST(GlooCollectives, TensorParallelAndPipelineOpsOnFourRanks) {
     // Stage 0 sends to its TP peer on stage 1.
     if (stage == 0) {
       if (!(*comm)->Send(at::full({3}, 10 + rank, at::kFloat), rank + 2, 7).ok()) fail("send");
+      if (!(*comm)->WaitForSends().ok()) fail("send completion");
     } else {
       at::Tensor got = at::empty({3});
       if (!(*comm)->Recv(got, rank - 2, 7).ok() || !got.equal(at::full({3}, 8 + rank, at::kFloat))) fail("recv");
@@ -86,7 +87,9 @@ TEST(GlooCollectives, Bf16TravelsExactlyAndSumsInFloat32) {
         !scattered->equal(bf16({want}).view({1, 1})))
       fail("reduce-scatter");
     // A pipeline transfer, rank 0 to rank 2.
-    if (rank == 0 && !(*comm)->Send(bf16({3e38f, -1e-30f}), 2, 5).ok()) fail("send");
+    if (rank == 0 && (!(*comm)->Send(bf16({3e38f, -1e-30f}), 2, 5).ok() || !(*comm)->WaitForSends().ok())) {
+      fail("send");
+    }
     if (rank == 2) {
       at::Tensor got = at::empty({2}, at::kBFloat16);
       if (!(*comm)->Recv(got, 0, 5).ok() || !got.equal(bf16({3e38f, -1e-30f}))) fail("recv");
@@ -96,6 +99,40 @@ TEST(GlooCollectives, Bf16TravelsExactlyAndSumsInFloat32) {
   for (int r = 0; r < 3; ++r) threads.emplace_back(run, r);
   for (auto& t : threads) t.join();
   for (int r = 0; r < 3; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+// A pipeline send returns before its receiver has posted the receive, so the sending stage goes on
+// with its next micro-batch: the receiver here posts its receive only after it has seen the
+// send return. 64 MiB is far more than a socket buffer holds, so a send that waited for its
+// transfer could not return first (the receiver gives up waiting after 20 s and the test fails).
+TEST(GlooCollectives, SendReturnsBeforeTheReceiverTakesIt) {
+  const int port = FreePort();
+  std::atomic<bool> send_returned{false};
+  std::vector<std::string> failures(2);
+  const int64_t n = int64_t{16} << 20;  // floats
+  auto run = [&](int rank) {
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
+                        .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(60000)};
+    auto comm = GlooCollectives::Connect(options);
+    if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
+    if (rank == 0) {
+      if (!(*comm)->Send(at::arange(n, at::kFloat), 1, 3).ok()) failures[0] += "send; ";
+      send_returned = true;
+      if (absl::Status s = (*comm)->WaitForSends(); !s.ok()) failures[0] += std::string(s.message());
+    } else {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!send_returned && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      if (!send_returned) failures[1] += "the send did not return before its receive was posted; ";
+      at::Tensor got = at::empty({n});
+      if (!(*comm)->Recv(got, 0, 3).ok() || !got.equal(at::arange(n, at::kFloat))) failures[1] += "recv; ";
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) threads.emplace_back(run, r);
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
 // Nobody leaves a barrier before the last rank arrives: each rank records the arrivals it saw on
