@@ -29,10 +29,11 @@ TEST(ProtoJson, WritesOptionalFieldsSetToZeroAndEnumsByName) {
   request.mutable_config()->set_vocab_size(0);
   request.mutable_config()->set_layer_norm_eps(1e-12);
   request.mutable_config()->set_hidden_act("ge\"lu");
-  // Unset optional fields stay absent; unset messages (parallel) too.
+  // Unset optional fields stay absent; unset messages (parallel) too; an unset enum is written by
+  // name, as any other default.
   EXPECT_EQ(ProtoToJson(request, {.indent = 0}),
             R"({"variant":"BERT_FOR_MASKED_LM","config":{"vocab_size":0,"hidden_act":"ge\"lu",)"
-            R"("layer_norm_eps":1e-12},"checkpoint":""})");
+            R"("layer_norm_eps":1e-12},"checkpoint":"","dtype":"DTYPE_UNSPECIFIED"})");
 }
 
 TEST(ProtoJson, StructKeysSortedAndNullKept) {

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <exception>
 #include <functional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace bertshard::model {
@@ -45,9 +47,36 @@ absl::Status GemmPathAvailable(GemmPath path) {
 
 DnnlSgemmFn DnnlSgemm() { return reinterpret_cast<DnnlSgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm")); }
 
-at::Tensor PackOneDnnWeight(const at::Tensor& weight) { return weight.contiguous().to_mkldnn(); }
+at::Tensor PackOneDnnWeight(const at::Tensor& weight) {
+  // float32 with oneDNN's sgemm at hand: the weight transposed once, [in, out] row-major. Its GEMM
+  // reads that form at least as fast as at::mkldnn_linear reads its packed one (2 AVX-512 cores,
+  // batch 8 x 128 rows: 243-277 against 155-252 GFLOP/s over BERT-base's four shapes), and inputs
+  // and outputs stay dense: no conversion to and from oneDNN's layout around each product.
+  static const DnnlSgemmFn sgemm = DnnlSgemm();
+  if (sgemm != nullptr && weight.scalar_type() == at::kFloat && weight.is_cpu()) return weight.t().contiguous();
+  return weight.contiguous().to_mkldnn();
+}
 
 at::Tensor OneDnnLinear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& bias) {
+  if (!packed_weight.is_mkldnn()) {
+    // The transposed float32 weight of PackOneDnnWeight: y = bias + x w^T through dnnl_sgemm.
+    static const DnnlSgemmFn sgemm = DnnlSgemm();
+    const int64_t in = packed_weight.size(0), out = packed_weight.size(1);
+    const at::Tensor a = x.reshape({-1, in}).contiguous();  // a view unless x is strided (the pooler's)
+    const int64_t rows = a.size(0);
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out;
+    at::Tensor y = at::empty(shape, x.options());
+    float beta = 0;
+    if (bias.defined()) {
+      y.view({rows, out}).copy_(bias.expand({rows, out}));
+      beta = 1;
+    }
+    const int status = sgemm('N', 'N', rows, out, in, 1.f, a.data_ptr<float>(), in, packed_weight.data_ptr<float>(),
+                             out, beta, y.data_ptr<float>(), out);
+    if (status != 0) throw std::runtime_error("dnnl_sgemm failed with status " + std::to_string(status));
+    return y;
+  }
   // to_mkldnn makes a contiguous copy itself (the pooler's input is a strided slice).
   const c10::optional<at::Tensor> b = bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
   return at::mkldnn_linear(x.to_mkldnn(), packed_weight, b).to_dense();

@@ -30,12 +30,14 @@ namespace bertshard::model {
 // OK for kBlas; for kOneDnn, FAILED_PRECONDITION when this LibTorch was built without MKL-DNN.
 absl::Status GemmPathAvailable(GemmPath path);
 
-// The weight of a linear ([out, in], CPU float32 or bfloat16) in oneDNN's layout, made once at load.
+// The weight of a linear ([out, in], CPU float32 or bfloat16) in the form the oneDNN path
+// multiplies, made once at load: float32 where oneDNN's sgemm is at hand, the transposed weight
+// ([in, out], dense: see gemm.cc for why); otherwise oneDNN's own layout (an MKL-DNN tensor).
 at::Tensor PackOneDnnWeight(const at::Tensor& weight);
 
 // x [..., in] (dense, CPU) times the packed weight, plus `bias` ([out], dense) if defined: dense
-// [..., out]. Converts x to oneDNN's layout and the product back -- those copies are part of the
-// path's cost, and PickGemmPath times them too.
+// [..., out]. On an MKL-DNN weight it converts x to oneDNN's layout and the product back -- those
+// copies are part of the path's cost, and PickGemmPath times them too.
 at::Tensor OneDnnLinear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& bias);
 
 // oneDNN's row-major single-precision GEMM (dnnl_sgemm of oneDNN's C API: C = alpha op(A) op(B) +

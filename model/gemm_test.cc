@@ -95,6 +95,24 @@ TEST(PickGemmPath, StopsTimingALargeProductEarly) {
   EXPECT_LT(seconds, 5.0);
 }
 
+// float32 takes the transposed dense weight where oneDNN's sgemm is at hand; bfloat16 always
+// oneDNN's own layout. Both multiply like at::linear (bf16 within its precision).
+TEST(OneDnnLinear, WeightFormPerDtype) {
+  if (!at::hasMKLDNN()) GTEST_SKIP() << "this LibTorch has no MKL-DNN";
+  at::manual_seed(4);
+  const at::Tensor x = at::randn({4, 64}), w = at::randn({48, 64}) / 8, b = at::randn({48});
+  const at::Tensor packed = PackOneDnnWeight(w);
+  EXPECT_EQ(packed.is_mkldnn(), DnnlSgemm() == nullptr);
+  if (!packed.is_mkldnn()) EXPECT_EQ(packed.sizes(), (std::vector<int64_t>{64, 48}));
+  const at::Tensor wb = w.to(at::kBFloat16), xb = x.to(at::kBFloat16), bb = b.to(at::kBFloat16);
+  const at::Tensor packed_bf16 = PackOneDnnWeight(wb);
+  EXPECT_TRUE(packed_bf16.is_mkldnn());
+  const at::Tensor got = OneDnnLinear(xb, packed_bf16, bb);
+  EXPECT_EQ(got.scalar_type(), at::kBFloat16);
+  const at::Tensor want = at::linear(x, w, b);
+  EXPECT_LE((got.to(at::kFloat) - want).abs().max().item<float>() / want.abs().max().item<float>(), 2e-2f);
+}
+
 // The attention's per-head products: row-major, transposed B, row strides wider than the rows
 // (heads read in place from the fused projection), beta 1 onto existing values.
 TEST(DnnlSgemm, StridedRowMajorProductsMatchLibTorch) {
