@@ -142,8 +142,10 @@ class BertShard::Impl {
             "checkpoint tensor ", where.info->name, " has shape ", ShapeString(where.info->shape),
             "; the plan (from config.json) expects ", ShapeString(global)));
       }
-      at::Tensor local = at::zeros(std::vector<int64_t>(t.local_shape().begin(), t.local_shape().end()),
-                                   at::kFloat);
+      // Every element is read from the file unless the slice ends in padding rows, which are zeros:
+      // no zero-fill pass over hundreds of megabytes that the read overwrites anyway.
+      const std::vector<int64_t> local_shape(t.local_shape().begin(), t.local_shape().end());
+      at::Tensor local = t.padding() > 0 ? at::zeros(local_shape, at::kFloat) : at::empty(local_shape, at::kFloat);
       checkpoint::Slice slice;
       if (t.split_dim() >= 0) {
         // Rows past the real size are padding: they stay zero.
