@@ -333,22 +333,33 @@ class BertShard::Impl {
     return at::gelu_(x);  // "gelu": the exact (erf) form
   }
 
+  // The residual stream -- every LayerNorm and the hidden states between layers and stages -- is
+  // float32 whatever the dtype; only the products (and the attention between them) run in it, as
+  // autocast runs a model. All-bf16 residuals lose ~3x more: 1.6% against 0.5% relative L2 error
+  // over 12 random BERT-base layers (measured with Debian's torch). The norm's parameters are
+  // held in the dtype and widened per call (2 x hidden elements).
   at::Tensor Norm(const at::Tensor& x, const std::string& module) const {
-    return at::layer_norm(x, {x.size(-1)}, P(module + ".weight"), P(module + ".bias"),
-                          plan_.config().layer_norm_eps());
+    const at::Tensor& weight = P(module + ".weight");
+    const at::Tensor& bias = P(module + ".bias");
+    const double eps = plan_.config().layer_norm_eps();
+    if (dtype_ == at::kFloat) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+    return at::layer_norm(x.to(at::kFloat), {x.size(-1)}, weight.to(at::kFloat), bias.to(at::kFloat), eps);
   }
 
+  // In the dtype: float32 hidden states are narrowed on the way in.
   at::Tensor Linear(const at::Tensor& x, const std::string& module) const {
-    if (gemm_ == GemmPath::kOneDnn) return OneDnnLinear(x, packed_.at(module + ".weight"), P(module + ".bias"));
-    return at::linear(x, P(module + ".weight"), P(module + ".bias"));
+    const at::Tensor in = x.scalar_type() == dtype_ ? x : x.to(dtype_);
+    if (gemm_ == GemmPath::kOneDnn) return OneDnnLinear(in, packed_.at(module + ".weight"), P(module + ".bias"));
+    return at::linear(in, P(module + ".weight"), P(module + ".bias"));
   }
 
   // Linear1D_Row: this rank's input features times its weight columns, summed over the group
   // (or reduce-scattered along the sequence under split_gather), then the whole bias once; plus
   // `residual`. The sums are in place: the product is a fresh buffer.
   absl::StatusOr<at::Tensor> RowLinear(const at::Tensor& x, const std::string& module, const at::Tensor& residual) {
-    at::Tensor y = gemm_ == GemmPath::kOneDnn ? OneDnnLinear(x, packed_.at(module + ".weight"), at::Tensor())
-                                              : at::matmul(x, P(module + ".weight").t());
+    const at::Tensor in = x.scalar_type() == dtype_ ? x : x.to(dtype_);
+    at::Tensor y = gemm_ == GemmPath::kOneDnn ? OneDnnLinear(in, packed_.at(module + ".weight"), at::Tensor())
+                                              : at::matmul(in, P(module + ".weight").t());
     if (tp_ > 1) {
       if (sp_) {
         ASSIGN_OR_RETURN(y, comm_->ReduceScatter(y, 1));
@@ -356,7 +367,9 @@ class BertShard::Impl {
         RETURN_IF_ERROR(comm_->AllReduceSum(y));
       }
     }
-    return y.add_(P(module + ".bias")).add_(residual);
+    y.add_(P(module + ".bias"));
+    // A float32 residual (the stream, under bf16) takes the sum in float32.
+    return residual.scalar_type() == y.scalar_type() ? y.add_(residual) : residual + y;
   }
 
   // [mb, seq] ids -> [mb, seq, H] (full sequence on every TP rank).
@@ -486,7 +499,7 @@ class BertShard::Impl {
 
   absl::StatusOr<at::Tensor> LmLogits(const at::Tensor& hidden) {
     at::Tensor t = Act(Linear(hidden, "cls.predictions.transform.dense"));
-    t = Norm(t, "cls.predictions.transform.LayerNorm");
+    t = Norm(t, "cls.predictions.transform.LayerNorm").to(dtype_);  // float32 out of the norm
     // VocabParallelLMHead1D with gather_output (PaddingLMHead without TP): padded rows are zero
     // weights and bias, and are cut off after the gather.
     at::Tensor logits =
@@ -562,7 +575,7 @@ class BertShard::Impl {
         ASSIGN_OR_RETURN(hidden, Embeddings(mb));
       } else if (route_[static_cast<size_t>(k) - 1].stage != stage_) {
         hidden = at::empty({mb.input_ids.size(0), mb.input_ids.size(1), plan_.config().hidden_size()},
-                           at::TensorOptions().dtype(dtype_).device(device_));
+                           at::TensorOptions().dtype(at::kFloat).device(device_));  // the float32 stream
         RETURN_IF_ERROR(comm_->Recv(hidden, peer(route_[static_cast<size_t>(k) - 1].stage), tag(k)));
       }
       ASSIGN_OR_RETURN(hidden, RunSlot(slot, hidden, ext_mask));
