@@ -445,11 +445,12 @@ class BertShard::Impl {
     static const DnnlSgemmFn sgemm = DnnlSgemm();
     if (sgemm != nullptr && qkv.is_cpu() && qkv.scalar_type() == at::kFloat && qkv.is_contiguous()) {
       // fp32 on CPU: each (sequence, head) is one task on LibTorch's threads, with oneDNN's small
-      // GEMM (several times OpenBLAS's speed at these shapes, and unlike OpenBLAS it runs
-      // concurrent calls in parallel): its scores, scaled and masked, softmax in place, and its
-      // context written straight into its columns of the output. The heads are read where the projection wrote them (the GEMM takes the row
-      // stride), so no head is permuted or copied, and a [seq, seq] block stays in cache from its
-      // product to its softmax to its second product.
+      // GEMM (unlike OpenBLAS it runs concurrent calls in parallel: BERT-base's attention at
+      // b8 x s128 took 18 ms a layer through OpenBLAS, 5 ms here): its scores, scaled and masked,
+      // softmax in place, and its context written straight into its columns of the output. The
+      // heads are read where the projection wrote them (the GEMM takes the row stride), so no
+      // head is permuted or copied, and a [seq, seq] block stays in cache from its product to
+      // its softmax to its second product.
       at::Tensor context = at::empty({mb, seq, width}, qkv.options());
       at::Tensor scores = at::empty({mb * heads, seq, seq}, qkv.options());
       const at::Tensor mask = ext_mask.to(at::kFloat);
