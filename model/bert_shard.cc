@@ -6,6 +6,8 @@
 #include <c10/util/Half.h>
 #include <torch/version.h>
 
+#include <malloc.h>
+
 #include <atomic>
 #include <cmath>
 #include <stdexcept>
@@ -62,7 +64,7 @@ absl::Status ProbeKernels(at::ScalarType dtype, c10::Device device, const std::s
 }
 
 // The query, key and value projections of a layer's self-attention, which the shard multiplies as
-// one product (FuseQkv).
+// one product (FuseQkvOnceWhole).
 constexpr const char* kQkvParts[] = {"query", "key", "value"};
 bool IsQkvPart(const std::string& name) {
   for (const char* part : kQkvParts) {
@@ -168,42 +170,42 @@ class BertShard::Impl {
         for (const auto& a : aliases) params_[a] = local;
       }
       shards_[t.name()] = &t;
+      if (IsQkvPart(t.name())) FuseQkvOnceWhole(t.name());
       if (progress && !progress(static_cast<int>(shards_.size()), mine->tensors_size(), *param_bytes,
                                 mine->param_bytes())) {
         return absl::CancelledError(absl::StrCat("loading rank ", rank_, " was cancelled"));
       }
     }
-    FuseQkv();
     return absl::OkStatus();
   }
 
-  // Each layer's query, key and value weights (this rank's heads of each) become one [3 x local
+  // A layer's query, key and value weights (this rank's heads of each) become one [3 x local
   // width, hidden] weight and one bias, in that order: one product with three times the columns
-  // instead of three, which keeps the GEMM's cores busier. The parts are dropped, so the bytes held
-  // are unchanged.
-  void FuseQkv() {
-    for (const Slot& slot : route_) {
-      if (slot.stage != stage_) continue;
-      for (int64_t l = slot.start; l < slot.end; ++l) {
-        const std::string p = absl::StrCat(prefix_, "encoder.layer.", l, ".attention.self.");
-        std::vector<at::Tensor> weights, biases;
-        for (const char* part : kQkvParts) {
-          weights.push_back(params_.at(absl::StrCat(p, part, ".weight")));
-          biases.push_back(params_.at(absl::StrCat(p, part, ".bias")));
-        }
-        at::Tensor weight = at::cat(weights, 0);
-        weights.clear();
-        for (const char* part : kQkvParts) {
-          params_.erase(absl::StrCat(p, part, ".weight"));
-          params_.erase(absl::StrCat(p, part, ".bias"));
-        }
-        params_[p + "qkv.bias"] = at::cat(biases, 0);
-        if (gemm_ == GemmPath::kOneDnn) {
-          packed_[p + "qkv.weight"] = PackOneDnnWeight(weight);
-        } else {
-          params_[p + "qkv.weight"] = weight;
-        }
-      }
+  // instead of three, which keeps the GEMM's cores busier. Done as soon as the layer's six tensors
+  // are in (`part_name` is one of them), so that the parts and the concatenation are freed while
+  // the load goes on and their memory serves the next layer's: fused all at the end, they left
+  // ~170 MiB of freed holes in the heap of a BERT-base rank. The bytes held are unchanged.
+  void FuseQkvOnceWhole(const std::string& part_name) {
+    const std::string p = part_name.substr(0, part_name.find(".attention.self.") + 16);  // "...attention.self."
+    std::vector<at::Tensor> weights, biases;
+    for (const char* part : kQkvParts) {
+      const auto weight = params_.find(absl::StrCat(p, part, ".weight"));
+      const auto bias = params_.find(absl::StrCat(p, part, ".bias"));
+      if (weight == params_.end() || bias == params_.end()) return;  // not all in yet
+      weights.push_back(weight->second);
+      biases.push_back(bias->second);
+    }
+    for (const char* part : kQkvParts) {
+      params_.erase(absl::StrCat(p, part, ".weight"));
+      params_.erase(absl::StrCat(p, part, ".bias"));
+    }
+    at::Tensor weight = at::cat(weights, 0);
+    weights.clear();
+    params_[p + "qkv.bias"] = at::cat(biases, 0);
+    if (gemm_ == GemmPath::kOneDnn) {
+      packed_[p + "qkv.weight"] = PackOneDnnWeight(weight);
+    } else {
+      params_[p + "qkv.weight"] = weight;
     }
   }
 
@@ -634,6 +636,11 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
     RETURN_IF_ERROR(ProbeKernels(impl->dtype(), options.device, planner::DtypeName(plan.dtype())));
     int64_t bytes = 0;
     RETURN_IF_ERROR(impl->LoadTensors(checkpoint, options.progress, &bytes));
+#ifdef __GLIBC__
+    // The load's transient buffers (tensors read before conversion or packing) are free but may
+    // sit between live ones, where glibc keeps them mapped: give their pages back.
+    malloc_trim(0);
+#endif
     const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
     return std::unique_ptr<BertShard>(new BertShard(std::move(impl), rank / tp, bytes));
   } catch (const std::exception& e) {
