@@ -6,8 +6,9 @@
 //
 // Paths (--paths, comma-separated; default fp32_mm,fp32_onednn,bf16_linear,bf16_onednn):
 //   fp32_mm       at::mm(x, w.t()) in float32: LibTorch's BLAS (Debian: OpenBLAS);
-//   fp32_onednn   OneDnnLinear(x, PackOneDnnWeight(w)) in float32: model/gemm.h's path, the weight
-//                 prepacked once, x converted to oneDNN's layout and the product back (as the model);
+//   fp32_onednn   OneDnnLinear(x, PackOneDnnWeight(w)) in float32: model/gemm.h's path as the model
+//                 runs it, the weight made once (transposed for oneDNN's sgemm where LibTorch's
+//                 libdnnl has it, else oneDNN's layout with x and the product converted per call);
 //   bf16_linear   at::linear(x, w) in bfloat16 (LibTorch picks the kernel: oneDNN's bf16 GEMM where
 //                 it can, else a reference loop);
 //   bf16_onednn   model/gemm.h's path on bfloat16 operands;

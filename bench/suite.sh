@@ -7,7 +7,7 @@
 # In order, with -c opt builds of shardctl, shard-rank and bench:gemm_peak (private copies, so that
 # a build meanwhile cannot swap them):
 #   1. gemm_peak with THREADS/2 and THREADS LibTorch threads: the measured peak of each GEMM path
-#      (fp32 at::mm = OpenBLAS, fp32 oneDNN prepacked, bf16 at::linear, bf16 oneDNN; fp16 too when
+#      (fp32 at::mm = OpenBLAS, fp32 oneDNN path, bf16 at::linear, bf16 oneDNN; fp16 too when
 #      DTYPES has it) on large products, the CPU's flags (AMX, AVX-512 BF16, ...), and, each in a
 #      fresh process, the peak RSS of an empty LibTorch process (at::ones + a tiny at::linear);
 #   2. a page-cache read of the checkpoint (`cat FILE > /dev/null` twice; the second is timed);

@@ -250,7 +250,7 @@ def main():
                          if p in gemm[t]["paths"]] or [0]) for t in threads_list}
     P("")
     P("fp32_mm: at::mm (LibTorch's BLAS: OpenBLAS); fp32_onednn/bf16_onednn: model/gemm.h's OneDnnLinear on a weight "
-      "prepacked by PackOneDnnWeight (layout copies included, as in the model); bf16_linear: at::linear in bfloat16. "
+      "made once by PackOneDnnWeight (float32: transposed for dnnl_sgemm; bf16: oneDNN's layout, with its per-call layout copies), as in the model; bf16_linear: at::linear in bfloat16. "
       + "".join(f"Other processes used {gemm_foreign[t]}% of the CPUs during the {t}-thread run. " for t in threads_list))
     P("")
 

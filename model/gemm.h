@@ -1,11 +1,12 @@
 // File: model/gemm.h
 // -----------------------------------------------------------------------------
-// How a CPU shard runs its linears: LibTorch's BLAS path (at::linear) or oneDNN (at::mkldnn_linear
-// on a weight prepacked once), and a start-up micro-benchmark that picks the faster on this
-// machine. Neither wins everywhere: with AVX-512 oneDNN's fp32 products are several times faster
-// than a generic OpenBLAS; on a 2-core AVX2-only EPYC OpenBLAS is faster with one thread, and which
-// wins with two depends on the rows -- so "auto" measures instead of guessing, and the figures are
-// reported.
+// How a CPU shard runs its linears: LibTorch's BLAS path (at::linear) or oneDNN (in float32 its
+// sgemm on a weight transposed once at load; in bf16 at::mkldnn_linear on a weight prepacked once),
+// and a start-up micro-benchmark that picks the faster on this machine. Neither wins everywhere:
+// with AVX-512 oneDNN's fp32 products are several times faster than Debian's OpenBLAS (2 cores:
+// ~300 against ~60 GFLOP/s); on a 2-core AVX2-only EPYC OpenBLAS is faster with one thread, and
+// which wins with two depends on the rows -- so "auto" measures instead of guessing, and the
+// figures are reported.
 //
 // Example:
 //   at::set_num_threads(threads);  // first: the figures depend on the threads
