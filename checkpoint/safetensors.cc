@@ -5,8 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 
@@ -246,6 +246,20 @@ void ReleasePages(const uint8_t* begin, size_t length) {
   if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_DONTNEED);
 }
 
+// Converts `count` contiguous elements into `out` a chunk at a time, dropping each chunk's pages
+// as soon as it is copied: the file pages a copy touches count in the rank's resident set until
+// dropped, so copying a whole tensor first (BERT-base's word embeddings: 94 MiB) would add its
+// size to the rank's peak RSS.
+void ConvertReleasing(const uint8_t* base, DType dtype, int64_t count, float* out) {
+  constexpr int64_t kChunkElements = int64_t{1} << 20;
+  const int esize = DTypeSize(dtype);
+  for (int64_t done = 0; done < count; done += kChunkElements) {
+    const int64_t n = std::min(kChunkElements, count - done);
+    Convert(base + done * esize, dtype, n, out + done);
+    ReleasePages(base + done * esize, static_cast<size_t>(n * esize));
+  }
+}
+
 }  // namespace
 
 absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice, float* out) const {
@@ -260,9 +274,8 @@ absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice,
   const int esize = DTypeSize(t.dtype);
   const uint8_t* base = map_ + data_offset_ + t.begin;
   if (slice.dim < 0) {
-    Convert(base, t.dtype, t.numel(), out);
+    ConvertReleasing(base, t.dtype, t.numel(), out);
     bytes_read_ += static_cast<uint64_t>(t.numel() * esize);
-    ReleasePages(base, static_cast<size_t>(t.numel() * esize));
     return absl::OkStatus();
   }
   if (slice.dim >= static_cast<int>(t.shape.size()) || slice.start < 0 || slice.end < slice.start ||
@@ -273,17 +286,21 @@ absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice,
   const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
   if (slice.dim == 0) {
     const int64_t count = (slice.end - slice.start) * cols;
-    Convert(base + slice.start * cols * esize, t.dtype, count, out);
+    ConvertReleasing(base + slice.start * cols * esize, t.dtype, count, out);
     bytes_read_ += static_cast<uint64_t>(count * esize);
-    ReleasePages(base + slice.start * cols * esize, static_cast<size_t>(count * esize));
     return absl::OkStatus();
   }
   const int64_t width = slice.end - slice.start;
-  for (int64_t row = 0; row < t.shape[0]; ++row) {
-    Convert(base + (row * cols + slice.start) * esize, t.dtype, width, out + row * width);
+  // Rows in blocks of about a chunk of the file, each block's pages dropped once it is copied.
+  const int64_t rows_per_block = std::max<int64_t>(1, (int64_t{4} << 20) / std::max<int64_t>(1, cols * esize));
+  for (int64_t first = 0; first < t.shape[0]; first += rows_per_block) {
+    const int64_t last = std::min(t.shape[0], first + rows_per_block);
+    for (int64_t row = first; row < last; ++row) {
+      Convert(base + (row * cols + slice.start) * esize, t.dtype, width, out + row * width);
+    }
+    ReleasePages(base + first * cols * esize, static_cast<size_t>((last - first) * cols * esize));
   }
   bytes_read_ += static_cast<uint64_t>(t.shape[0] * width * esize);
-  ReleasePages(base, static_cast<size_t>(t.shape[0] * cols * esize));
   return absl::OkStatus();
 }
 

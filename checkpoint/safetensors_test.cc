@@ -1,5 +1,7 @@
 #include "checkpoint/safetensors.h"
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -62,6 +64,33 @@ TEST(Safetensors, WritesThenReadsSlicesOfRowsAndColumns) {
   EXPECT_EQ(v[1], -2.f);
   EXPECT_FALSE((*file)->ReadSlice(*t, {.dim = 0, .start = 3, .end = 5}, rows.data()).ok());
   EXPECT_EQ((*file)->Find("missing"), nullptr);
+}
+
+// Larger than one copy chunk (2^20 elements, or 4 MiB of rows for column slices): every chunk and
+// row block lands where it belongs, the last one partial.
+TEST(Safetensors, ReadsTensorsLargerThanOneChunk) {
+  const std::string path = TempPath("large.safetensors");
+  const int64_t rows = 1100, cols = 1024;  // 1,126,400 elements, 4.4 MiB
+  std::vector<float> m(static_cast<size_t>(rows * cols));
+  for (size_t i = 0; i < m.size(); ++i) m[i] = static_cast<float>(i % 100003);
+  ASSERT_TRUE(WriteSafetensors(path, {{"m", {rows, cols}, m}}).ok());
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const TensorInfo* t = (*file)->Find("m");
+  std::vector<float> whole(m.size());
+  ASSERT_TRUE((*file)->ReadSlice(*t, {}, whole.data()).ok());
+  EXPECT_EQ(whole, m);
+  std::vector<float> tail(static_cast<size_t>(1000 * cols));
+  ASSERT_TRUE((*file)->ReadSlice(*t, {.dim = 0, .start = 100, .end = 1100}, tail.data()).ok());
+  EXPECT_TRUE(std::equal(tail.begin(), tail.end(), m.begin() + 100 * cols));
+  std::vector<float> column_slice(static_cast<size_t>(rows * 3));
+  ASSERT_TRUE((*file)->ReadSlice(*t, {.dim = 1, .start = 1020, .end = 1023}, column_slice.data()).ok());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < 3; ++c) {
+      ASSERT_EQ(column_slice[static_cast<size_t>(r * 3 + c)], m[static_cast<size_t>(r * cols + 1020 + c)])
+          << r << ", " << c;
+    }
+  }
 }
 
 TEST(Safetensors, ConvertsHalfAndBfloat16) {
