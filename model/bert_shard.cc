@@ -63,6 +63,18 @@ absl::Status ProbeKernels(at::ScalarType dtype, c10::Device device, const std::s
   return absl::OkStatus();
 }
 
+// The LibTorch type of a plan's dtype (unset: float32).
+at::ScalarType ScalarTypeOf(v1::Dtype dtype) {
+  switch (dtype) {
+    case v1::BF16:
+      return at::kBFloat16;
+    case v1::FP16:
+      return at::kHalf;
+    default:
+      return at::kFloat;
+  }
+}
+
 // The query, key and value projections of a layer's self-attention, which the shard multiplies as
 // one product (FuseQkvOnceWhole).
 constexpr const char* kQkvParts[] = {"query", "key", "value"};
@@ -186,7 +198,9 @@ class BertShard::Impl {
   // the load goes on and their memory serves the next layer's: fused all at the end, they left
   // ~170 MiB of freed holes in the heap of a BERT-base rank. The bytes held are unchanged.
   void FuseQkvOnceWhole(const std::string& part_name) {
-    const std::string p = part_name.substr(0, part_name.find(".attention.self.") + 16);  // "...attention.self."
+    constexpr absl::string_view kSelf = ".attention.self.";
+    const absl::string_view name = part_name;
+    const std::string p(name.substr(0, name.find(kSelf) + kSelf.size()));  // "...attention.self."
     std::vector<at::Tensor> weights, biases;
     for (const char* part : kQkvParts) {
       const auto weight = params_.find(absl::StrCat(p, part, ".weight"));
@@ -282,17 +296,6 @@ class BertShard::Impl {
 
   const at::Tensor& P(const std::string& name) const { return params_.at(name); }
 
-  static at::ScalarType ScalarTypeOf(v1::Dtype dtype) {
-    switch (dtype) {
-      case v1::BF16:
-        return at::kBFloat16;
-      case v1::FP16:
-        return at::kHalf;
-      default:
-        return at::kFloat;
-    }
-  }
-
   double Lowest() const {
     switch (dtype_) {
       case at::kBFloat16:
@@ -350,7 +353,7 @@ class BertShard::Impl {
 
   // In the dtype: float32 hidden states are narrowed on the way in.
   at::Tensor Linear(const at::Tensor& x, const std::string& module) const {
-    const at::Tensor in = x.scalar_type() == dtype_ ? x : x.to(dtype_);
+    const at::Tensor in = x.to(dtype_);  // the tensor itself when already in the dtype
     if (gemm_ == GemmPath::kOneDnn) return OneDnnLinear(in, packed_.at(module + ".weight"), P(module + ".bias"));
     return at::linear(in, P(module + ".weight"), P(module + ".bias"));
   }
@@ -359,7 +362,7 @@ class BertShard::Impl {
   // (or reduce-scattered along the sequence under split_gather), then the whole bias once; plus
   // `residual`. The sums are in place: the product is a fresh buffer.
   absl::StatusOr<at::Tensor> RowLinear(const at::Tensor& x, const std::string& module, const at::Tensor& residual) {
-    const at::Tensor in = x.scalar_type() == dtype_ ? x : x.to(dtype_);
+    const at::Tensor in = x.to(dtype_);  // the tensor itself when already in the dtype
     at::Tensor y = gemm_ == GemmPath::kOneDnn ? OneDnnLinear(in, packed_.at(module + ".weight"), at::Tensor())
                                               : at::matmul(in, P(module + ".weight").t());
     if (tp_ > 1) {
@@ -444,7 +447,7 @@ class BertShard::Impl {
   at::Tensor Attention(const at::Tensor& qkv, const at::Tensor& ext_mask, int64_t heads, int64_t head_dim) const {
     const int64_t mb = qkv.size(0), seq = qkv.size(1), width = heads * head_dim;
     const double root = std::sqrt(static_cast<double>(head_dim));
-    static const DnnlSgemmFn sgemm = DnnlSgemm();
+    const DnnlSgemmFn sgemm = DnnlSgemm();
     if (sgemm != nullptr && qkv.is_cpu() && qkv.scalar_type() == at::kFloat && qkv.is_contiguous()) {
       // fp32 on CPU: each (sequence, head) is one task on LibTorch's threads, with oneDNN's small
       // GEMM (unlike OpenBLAS it runs concurrent calls in parallel: BERT-base's attention at
@@ -651,8 +654,10 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
 GemmChoice PickGemmPathForPlan(const v1::ShardPlan& plan) {
   constexpr int64_t kRows = 8 * 128;
   const int64_t tp = std::max(1, plan.shard_config().tensor_parallel_size());
-  const at::ScalarType dtype = plan.dtype() == v1::BF16 ? at::kBFloat16 : at::kFloat;  // fp16: CUDA, no pick
-  return PickGemmPath(kRows, plan.config().hidden_size(), plan.config().intermediate_size() / tp, dtype);
+  const at::ScalarType dtype = ScalarTypeOf(plan.dtype());
+  // fp16 has no CPU products to time (LibTorch 1.13): the float32 figures stand in.
+  return PickGemmPath(kRows, plan.config().hidden_size(), plan.config().intermediate_size() / tp,
+                      dtype == at::kHalf ? at::kFloat : dtype);
 }
 
 absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs,

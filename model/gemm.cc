@@ -45,22 +45,24 @@ absl::Status GemmPathAvailable(GemmPath path) {
   return absl::OkStatus();
 }
 
-DnnlSgemmFn DnnlSgemm() { return reinterpret_cast<DnnlSgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm")); }
+DnnlSgemmFn DnnlSgemm() {
+  static const auto sgemm = reinterpret_cast<DnnlSgemmFn>(dlsym(RTLD_DEFAULT, "dnnl_sgemm"));
+  return sgemm;
+}
 
 at::Tensor PackOneDnnWeight(const at::Tensor& weight) {
   // float32 with oneDNN's sgemm at hand: the weight transposed once, [in, out] row-major. Its GEMM
   // reads that form at least as fast as at::mkldnn_linear reads its packed one (2 AVX-512 cores,
   // batch 8 x 128 rows: 243-277 against 155-252 GFLOP/s over BERT-base's four shapes), and inputs
   // and outputs stay dense: no conversion to and from oneDNN's layout around each product.
-  static const DnnlSgemmFn sgemm = DnnlSgemm();
-  if (sgemm != nullptr && weight.scalar_type() == at::kFloat && weight.is_cpu()) return weight.t().contiguous();
+  if (DnnlSgemm() != nullptr && weight.scalar_type() == at::kFloat && weight.is_cpu()) return weight.t().contiguous();
   return weight.contiguous().to_mkldnn();
 }
 
 at::Tensor OneDnnLinear(const at::Tensor& x, const at::Tensor& packed_weight, const at::Tensor& bias) {
   if (!packed_weight.is_mkldnn()) {
     // The transposed float32 weight of PackOneDnnWeight: y = bias + x w^T through dnnl_sgemm.
-    static const DnnlSgemmFn sgemm = DnnlSgemm();
+    const DnnlSgemmFn sgemm = DnnlSgemm();
     const int64_t in = packed_weight.size(0), out = packed_weight.size(1);
     const at::Tensor a = x.reshape({-1, in}).contiguous();  // a view unless x is strided (the pooler's)
     const int64_t rows = a.size(0);
