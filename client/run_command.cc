@@ -183,6 +183,11 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   // Checked here, before any rank starts; each rank resolves "auto" itself (its own threads).
   const std::string gemm = v.count("gemm") ? v.at("gemm") : "auto";
   RETURN_IF_ERROR(model::ParseGemmFlag(gemm).status());
+  const std::string tp_transport = v.count("tp-transport") ? v.at("tp-transport") : "auto";
+  if (tp_transport != "auto" && tp_transport != "gloo") {
+    return Invalid(absl::StrCat("--tp-transport ", tp_transport,
+                                " is not one of auto (shared memory between ranks on one host), gloo"));
+  }
 
   v1::PlanRequest request;
   RETURN_IF_ERROR(ApplyPlanFlags(cl, &request));
@@ -255,6 +260,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
         absl::StrCat("--iterations=", iterations),
         absl::StrCat("--backend=", backend),
         absl::StrCat("--gemm=", gemm),
+        absl::StrCat("--tp_transport=", tp_transport),
     };
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -312,7 +318,7 @@ const std::set<std::string>& RunValueFlags() {
     auto* f = new std::set<std::string>(PlanValueFlags());
     for (const char* drop : {"request", "server", "output", "batch"}) f->erase(drop);
     for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout", "report",
-                             "iterations", "gemm"}) {
+                             "iterations", "gemm", "tp-transport"}) {
       f->insert(add);
     }
     return f;

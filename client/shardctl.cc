@@ -27,6 +27,8 @@ run: the sharded forward, one process per rank on this machine (Gloo on loopback
   --pp-style, --chunks, --sp-mode as for plan, plus --micro-batches M, --threads T (per rank),
   --gemm auto|blas|onednn (CPU matrix products: OpenBLAS via at::linear, or oneDNN with weights
   prepacked at load; auto, the default, times both in each rank and takes the faster),
+  --tp-transport auto|gloo (tensor-parallel collectives: auto, the default, goes through shared
+  memory between ranks that share a host; gloo always uses Gloo's TCP),
   --backend gloo, --timeout SECONDS, --rank-binary PATH. Prints per-rank load/forward time, peak
   RSS, checkpoint bytes read and GEMM path; writes the outputs (float32, HF names).
 init-checkpoint: a randomly initialised HF model directory (config.json + model.safetensors).

@@ -44,7 +44,8 @@ struct GlooCollectives::Groups {
   GlooOptions options;
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> world;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> tp;  // null when tp_size == 1
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> tp;  // null when tp_size == 1 or `shm` serves TP
+  std::unique_ptr<SharedMemoryGroup> shm;         // the TP group's, where its ranks share a host
   int tp_rank = 0;
   int64_t barriers = 0;  // Barrier() calls so far: each uses its own store keys
   // Sends in flight, with the tensors they read (kept alive until done).
@@ -66,6 +67,14 @@ absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const 
   auto store = ConnectStore(o);
   if (!store.ok()) return store.status();
   groups->store = *store;
+  const int stage = o.rank / o.tp_size;
+  if (o.tp_size > 1 && o.shared_memory) {
+    ShmOptions shm = o.shm;
+    shm.timeout = o.timeout;
+    auto group = SharedMemoryGroup::Join(**store, absl::StrCat("shm/tp", stage), groups->tp_rank, o.tp_size, shm);
+    if (!group.ok()) return group.status();
+    groups->shm = std::move(*group);  // null: not one host, Gloo it is
+  }
   absl::Status status = Guard("rendezvous", [&]() {
     auto make_options = [&]() {
       auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
@@ -77,8 +86,7 @@ absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const 
     groups->world = c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("world", groups->store), o.rank, o.world_size,
         make_options());
-    if (o.tp_size > 1) {
-      const int stage = o.rank / o.tp_size;
+    if (o.tp_size > 1 && !groups->shm) {
       groups->tp = c10::make_intrusive<c10d::ProcessGroupGloo>(
           c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("tp", stage), groups->store),
           groups->tp_rank, o.tp_size, make_options());
@@ -91,7 +99,12 @@ absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const 
 int GlooCollectives::tp_size() const { return groups_->options.tp_size; }
 int GlooCollectives::tp_rank() const { return groups_->tp_rank; }
 
+std::string GlooCollectives::tp_transport() const {
+  return groups_->shm ? "shared memory" : groups_->tp ? "gloo" : "none";
+}
+
 absl::Status GlooCollectives::AllReduceSum(at::Tensor& tensor) {
+  if (groups_->shm) return groups_->shm->AllReduceSum(tensor);
   if (!groups_->tp) return absl::OkStatus();
   return Guard("tensor-parallel all-reduce", [&]() {
     // bf16/fp16 sum in float32 (fp32 accumulation, as the local products have; Gloo has no bf16
@@ -104,6 +117,7 @@ absl::Status GlooCollectives::AllReduceSum(at::Tensor& tensor) {
 }
 
 absl::StatusOr<at::Tensor> GlooCollectives::AllGather(const at::Tensor& tensor, int64_t dim) {
+  if (groups_->shm) return groups_->shm->AllGather(tensor, dim);
   if (!groups_->tp) return tensor;
   at::Tensor result;
   absl::Status status = Guard("tensor-parallel all-gather", [&]() {
@@ -118,10 +132,11 @@ absl::StatusOr<at::Tensor> GlooCollectives::AllGather(const at::Tensor& tensor, 
 }
 
 absl::StatusOr<at::Tensor> GlooCollectives::ReduceScatter(const at::Tensor& tensor, int64_t dim) {
-  if (!groups_->tp) return tensor;
+  if (tp_size() == 1) return tensor;
   if (tensor.size(dim) % tp_size() != 0) {
     return absl::InternalError("reduce-scatter dimension is not a multiple of the TP size");
   }
+  if (groups_->shm) return groups_->shm->ReduceScatter(tensor, dim);
   at::Tensor result;
   absl::Status status = Guard("tensor-parallel reduce-scatter", [&]() {
     // Chunk j goes to TP rank j; each rank then sums the chunks it received.

@@ -4,6 +4,8 @@
 // hosted by rank 0 (MASTER_ADDR/MASTER_PORT style), one process group over all ranks for the
 // pipeline's point-to-point transfers, and one per pipeline stage for its tensor-parallel ranks.
 // LibTorch 1.13's Gloo has no reduce-scatter: it is emulated with alltoall_base plus a local sum.
+// Where a stage's TP ranks share a host, their collectives go through shared memory instead
+// (worker/shm_group.h) and the stage has no TP Gloo group.
 //
 // Every c10d call is wrapped: a failure (peer gone, timeout) becomes UNAVAILABLE, and the groups
 // are then unusable -- the rank must end (a failed collective can desynchronise the ranks).
@@ -18,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "model/collectives.h"
+#include "worker/shm_group.h"
 
 namespace bertshard::worker {
 
@@ -33,6 +36,10 @@ struct GlooOptions {
   int tp_size = 1;  // ranks stage*tp .. stage*tp+tp-1 form a stage's TP group
   // Rendezvous and every collective give up after this long (no hangs).
   std::chrono::milliseconds timeout{120000};
+  // Tensor-parallel collectives through shared memory where a stage's ranks share a host (and its
+  // /dev/shm); Gloo where they do not, or when false. See worker/shm_group.h.
+  bool shared_memory = true;
+  ShmOptions shm;  // its timeout is `timeout`
 };
 
 class GlooCollectives final : public model::Collectives {
@@ -51,6 +58,9 @@ class GlooCollectives final : public model::Collectives {
   absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) override;
   absl::Status WaitForSends() override;
   absl::Status Barrier() override;
+
+  // How the TP collectives travel: "shared memory", "gloo", or "none" (TP 1).
+  std::string tp_transport() const;
 
  private:
   struct Groups;

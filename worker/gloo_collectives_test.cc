@@ -3,6 +3,7 @@
 #include "worker/gloo_collectives.h"
 
 #include <ATen/ATen.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <cmath>
@@ -18,15 +19,27 @@ namespace {
 
 int FreePort() { return *common::FindFreePort(/*loopback=*/true); }
 
-TEST(GlooCollectives, TensorParallelAndPipelineOpsOnFourRanks) {
+// The TP tests run twice: TP collectives through shared memory (the default where ranks share a
+// host, as these threads do) and through Gloo.
+class TpTransport : public testing::TestWithParam<bool> {
+ protected:
+  bool shared_memory() const { return GetParam(); }
+  std::string want_transport() const { return GetParam() ? "shared memory" : "gloo"; }
+};
+INSTANTIATE_TEST_SUITE_P(GlooCollectives, TpTransport, testing::Bool(),
+                         [](const testing::TestParamInfo<bool>& info) { return info.param ? "Shm" : "Gloo"; });
+
+TEST_P(TpTransport, TensorParallelAndPipelineOpsOnFourRanks) {
   const int port = FreePort();
   std::vector<std::string> failures(4);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
     GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
-                        .world_size = 4, .tp_size = 2, .timeout = std::chrono::milliseconds(30000)};
+                        .world_size = 4, .tp_size = 2, .timeout = std::chrono::milliseconds(30000),
+                        .shared_memory = shared_memory()};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
+    if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
     const int stage = rank / 2, tp_rank = rank % 2;
     at::Tensor t = at::ones({2, 4}) * rank;
     if (!(*comm)->AllReduceSum(t).ok()) return fail("allreduce");
@@ -60,15 +73,17 @@ TEST(GlooCollectives, TensorParallelAndPipelineOpsOnFourRanks) {
 // bf16 over Gloo, which has no bf16: transfers carry the bits unchanged (values far beyond fp16's
 // range survive, so they were not converted to fp16 on the way), and sums run in float32 and round
 // once: 256 + 1 + 1 is 258 in bf16, while summing in bf16 rounds 256 + 1 back to 256 on the way.
-TEST(GlooCollectives, Bf16TravelsExactlyAndSumsInFloat32) {
+TEST_P(TpTransport, Bf16TravelsExactlyAndSumsInFloat32) {
   const int port = FreePort();
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
     GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
-                        .world_size = 3, .tp_size = 3, .timeout = std::chrono::milliseconds(30000)};
+                        .world_size = 3, .tp_size = 3, .timeout = std::chrono::milliseconds(30000),
+                        .shared_memory = shared_memory()};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
+    if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
     const auto bf16 = [](std::vector<float> v) { return at::tensor(v).to(at::kBFloat16); };
     // Column 0: 256, 1, 1 (fp32 sum 258). Column 1: 1e30 * (rank + 1) (sum 6e30).
     at::Tensor t = bf16({rank == 0 ? 256.f : 1.f, 1e30f * static_cast<float>(rank + 1)});
@@ -99,6 +114,29 @@ TEST(GlooCollectives, Bf16TravelsExactlyAndSumsInFloat32) {
   for (int r = 0; r < 3; ++r) threads.emplace_back(run, r);
   for (auto& t : threads) t.join();
   for (int r = 0; r < 3; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+// TP ranks that cannot share a segment (each looks in its own directory, as on two hosts) use Gloo,
+// and their collectives still add up.
+TEST(GlooCollectives, TpRanksWithoutACommonShmFallBackToGloo) {
+  const int port = FreePort();
+  const std::string base = testing::TempDir() + "/gloo_shm_fallback_";
+  std::vector<std::string> failures(2);
+  auto run = [&](int rank) {
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
+                        .world_size = 2, .tp_size = 2, .timeout = std::chrono::milliseconds(30000)};
+    options.shm.dir = base + std::to_string(rank);
+    mkdir(options.shm.dir.c_str(), 0700);
+    auto comm = GlooCollectives::Connect(options);
+    if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
+    if ((*comm)->tp_transport() != "gloo") failures[rank] += "transport " + (*comm)->tp_transport() + "; ";
+    at::Tensor t = at::full({5}, rank + 1.f);
+    if (!(*comm)->AllReduceSum(t).ok() || !t.equal(at::full({5}, 3.f))) failures[rank] += "allreduce; ";
+  };
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) threads.emplace_back(run, r);
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
 // A pipeline send returns before its receiver has posted the receive, so the sending stage goes on

@@ -127,13 +127,17 @@ absl::Status RunRank(const RankOptions& o) {
   gloo.world_size = plan.world_size();
   gloo.tp_size = std::max(1, plan.shard_config().tensor_parallel_size());
   gloo.timeout = std::chrono::seconds(o.timeout_seconds);
+  gloo.shared_memory = o.shared_memory;
   std::unique_ptr<model::Collectives> comm;
+  std::string tp_transport = o.backend;  // NCCL picks its own transport
   if (o.backend == "nccl") {
 #ifdef BERTSHARD_WITH_NCCL
     ASSIGN_OR_RETURN(comm, NcclCollectives::Connect(gloo));
 #endif
   } else {
-    ASSIGN_OR_RETURN(comm, GlooCollectives::Connect(gloo));
+    ASSIGN_OR_RETURN(auto gloo_comm, GlooCollectives::Connect(gloo));
+    tp_transport = gloo_comm->tp_transport();
+    comm = std::move(gloo_comm);
   }
   const double connect_seconds = Seconds(connect_start);
 
@@ -166,6 +170,7 @@ absl::Status RunRank(const RankOptions& o) {
       {"wrote_outputs", writes_outputs},
       {"gemm", std::string(model::GemmPathName(shard->gemm_path()))},
       {"dtype", planner::DtypeName(plan.dtype())},
+      {"tp_transport", tp_transport},
   };
   if (measured.has_value()) {
     nlohmann::json gflops = {{"blas", measured->blas_gflops}};

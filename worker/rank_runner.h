@@ -34,6 +34,8 @@ struct RankOptions {
   // How the linears multiply on CPU; nullopt ("auto"): the faster on this machine, measured at
   // start with `threads` (model::PickGemmPathForPlan). CUDA ignores it.
   std::optional<model::GemmPath> gemm;
+  // Gloo backend: TP collectives through shared memory where a stage's ranks share a host.
+  bool shared_memory = true;
 };
 
 // Errors name what failed; a collective failure is UNAVAILABLE.

@@ -25,6 +25,10 @@ ABSL_FLAG(std::string, gemm, "auto",
           "CPU matrix products: blas (at::linear), onednn (MKL-DNN, weights prepacked at load), or auto "
           "(time both at start with --threads, take the faster)");
 
+ABSL_FLAG(std::string, tp_transport, "auto",
+          "tensor-parallel collectives: auto (shared memory where a stage's ranks share a host, else "
+          "Gloo) or gloo");
+
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   bertshard::worker::RankOptions options;
@@ -41,6 +45,12 @@ int main(int argc, char** argv) {
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_s);
   options.iterations = absl::GetFlag(FLAGS_iterations);
   options.backend = absl::GetFlag(FLAGS_backend);
+  const std::string tp_transport = absl::GetFlag(FLAGS_tp_transport);
+  if (tp_transport != "auto" && tp_transport != "gloo") {
+    std::fprintf(stderr, "shard_rank: --tp_transport must be auto or gloo, not %s\n", tp_transport.c_str());
+    return 2;
+  }
+  options.shared_memory = tp_transport == "auto";
   const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
   if (!gemm.ok()) {
     std::fprintf(stderr, "shard-rank %d: %s\n", options.rank, std::string(gemm.status().message()).c_str());
