@@ -234,18 +234,17 @@ class BertShard::Impl {
     comm_ = comm;
     const int64_t rows = in.input_ids.size(0);
     const int64_t batch = rows / in.choices;
-    std::map<std::string, std::vector<at::Tensor>> pieces;
+    std::vector<ModelInputs> mbs;
     int64_t batch_start = 0;
     for (int m = 0; m < micro_batches; ++m) {
       const int64_t size = batch / micro_batches + (m < batch % micro_batches ? 1 : 0);
       const int64_t r0 = batch_start * in.choices, nrows = size * in.choices;
       batch_start += size;
-      ModelInputs mb{in.input_ids.narrow(0, r0, nrows).to(device_),
-                     in.attention_mask.narrow(0, r0, nrows).to(device_),
-                     in.token_type_ids.narrow(0, r0, nrows).to(device_), in.choices};
-      ASSIGN_OR_RETURN(auto outputs, RunMicroBatch(mb, m));
-      for (auto& [name, t] : outputs) pieces[name].push_back(t);
+      mbs.push_back({in.input_ids.narrow(0, r0, nrows).to(device_), in.attention_mask.narrow(0, r0, nrows).to(device_),
+                     in.token_type_ids.narrow(0, r0, nrows).to(device_), in.choices});
     }
+    std::map<std::string, std::vector<at::Tensor>> pieces;
+    ASSIGN_OR_RETURN(pieces, RunMicroBatches(mbs));
     std::map<std::string, at::Tensor> outputs;
     for (auto& [name, list] : pieces) outputs[name] = at::cat(list, 0).to(at::kCPU, at::kFloat);
     return outputs;
@@ -564,34 +563,58 @@ class BertShard::Impl {
     return out;
   }
 
-  // Runs every slot of this rank's stage for micro-batch `m`, receiving from and sending to the
-  // neighbouring stages on the route. All ranks walk the route in the same order, so every send
-  // meets its receive and stages overlap across micro-batches.
-  absl::StatusOr<std::map<std::string, at::Tensor>> RunMicroBatch(const ModelInputs& mb, int m) {
-    const at::Tensor ext_mask = ExtendedMask(mb.attention_mask);
+  // Runs this rank's slots of the route for every micro-batch, receiving from and sending to the
+  // neighbouring stages. The order is slot-major: each of this stage's slots for micro-batches 0..M-1,
+  // then its next slot. With one slot per stage (plain PP) that is the usual pipeline; with several
+  // (interleaved, V) a stage finishes its first chunk for every micro-batch while the later stages
+  // start on theirs, so no stage waits for a micro-batch to come back round before it can go on
+  // (depth-first, an interleaved stage would idle for each micro-batch's whole trip through the
+  // others). Every rank walks (slot, micro-batch) in the same order and every item needs only the
+  // item before it on the route, so every receive's send has been issued or will be without waiting
+  // on it: no deadlock, since sends do not wait for their receive. Where a send does wait (NCCL
+  // here), slot-major could deadlock (a stage sending its second micro-batch while its peer sends
+  // back the first), so those ranks go micro-batch-major: each micro-batch's whole route, in turn.
+  // Returns the heads' outputs, one entry per micro-batch, in order.
+  absl::StatusOr<std::map<std::string, std::vector<at::Tensor>>> RunMicroBatches(const std::vector<ModelInputs>& mbs) {
     const int slots = static_cast<int>(route_.size());
-    const auto tag = [&](int k) { return m * (slots + 1) + k; };
+    const int micro_batches = static_cast<int>(mbs.size());
+    const auto tag = [&](int k, int m) { return m * (slots + 1) + k; };
     const auto peer = [&](int stage) { return stage * tp_ + tp_rank_; };
-    at::Tensor hidden;
-    std::map<std::string, at::Tensor> outputs;
-    for (int k = 0; k < slots; ++k) {
-      const Slot& slot = route_[static_cast<size_t>(k)];
-      if (slot.stage != stage_) continue;
-      if (k == 0) {
-        ASSIGN_OR_RETURN(hidden, Embeddings(mb));
-      } else if (route_[static_cast<size_t>(k) - 1].stage != stage_) {
-        hidden = at::empty({mb.input_ids.size(0), mb.input_ids.size(1), plan_.config().hidden_size()},
-                           at::TensorOptions().dtype(at::kFloat).device(device_));  // the float32 stream
-        RETURN_IF_ERROR(comm_->Recv(hidden, peer(route_[static_cast<size_t>(k) - 1].stage), tag(k)));
-      }
-      ASSIGN_OR_RETURN(hidden, RunSlot(slot, hidden, ext_mask));
-      if (k == slots - 1) {
-        ASSIGN_OR_RETURN(outputs, Heads(hidden, mb.choices));
-      } else if (route_[static_cast<size_t>(k) + 1].stage != stage_) {
-        RETURN_IF_ERROR(comm_->Send(hidden.contiguous(), peer(route_[static_cast<size_t>(k) + 1].stage), tag(k + 1)));
+    std::vector<at::Tensor> ext_masks, hidden(static_cast<size_t>(micro_batches));
+    for (const ModelInputs& mb : mbs) ext_masks.push_back(ExtendedMask(mb.attention_mask));
+    std::map<std::string, std::vector<at::Tensor>> pieces;
+    std::vector<std::pair<int, int>> items;  // (slot, micro-batch), in the order this rank runs them
+    for (int outer = 0; outer < (comm_->SendsReturnAtOnce() ? slots : micro_batches); ++outer) {
+      for (int inner = 0; inner < (comm_->SendsReturnAtOnce() ? micro_batches : slots); ++inner) {
+        const int k = comm_->SendsReturnAtOnce() ? outer : inner, m = comm_->SendsReturnAtOnce() ? inner : outer;
+        if (route_[static_cast<size_t>(k)].stage == stage_) items.emplace_back(k, m);
       }
     }
-    return outputs;
+    for (const auto& [k, m] : items) {
+      const Slot& slot = route_[static_cast<size_t>(k)];
+      {
+        const ModelInputs& mb = mbs[static_cast<size_t>(m)];
+        at::Tensor& h = hidden[static_cast<size_t>(m)];
+        if (k == 0) {
+          ASSIGN_OR_RETURN(h, Embeddings(mb));
+        } else if (route_[static_cast<size_t>(k) - 1].stage != stage_) {
+          h = at::empty({mb.input_ids.size(0), mb.input_ids.size(1), plan_.config().hidden_size()},
+                        at::TensorOptions().dtype(at::kFloat).device(device_));  // the float32 stream
+          RETURN_IF_ERROR(comm_->Recv(h, peer(route_[static_cast<size_t>(k) - 1].stage), tag(k, m)));
+        }  // else: this stage ran slot k - 1 too, and `h` holds its output
+        ASSIGN_OR_RETURN(h, RunSlot(slot, h, ext_masks[static_cast<size_t>(m)]));
+        if (k == slots - 1) {
+          std::map<std::string, at::Tensor> outputs;
+          ASSIGN_OR_RETURN(outputs, Heads(h, mb.choices));
+          for (auto& [name, t] : outputs) pieces[name].push_back(t);
+          h = at::Tensor();
+        } else if (route_[static_cast<size_t>(k) + 1].stage != stage_) {
+          RETURN_IF_ERROR(comm_->Send(h.contiguous(), peer(route_[static_cast<size_t>(k) + 1].stage), tag(k + 1, m)));
+          h = at::Tensor();  // the send holds what it needs until WaitForSends
+        }
+      }
+    }
+    return pieces;
   }
 
   const v1::ShardPlan plan_;

@@ -42,6 +42,9 @@ class Collectives {
   virtual absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) = 0;
   // Returns once every Send so far has completed (at once where Send itself waits).
   virtual absl::Status WaitForSends() { return absl::OkStatus(); }
+  // Whether Send returns before its receive is posted. The pipeline's schedule depends on it: a
+  // stage may send several micro-batches ahead only where sends do not wait for their receivers.
+  virtual bool SendsReturnAtOnce() const { return false; }
 
   // Returns once every rank of the world has called it (benchmarks time one forward from a common
   // start; forwards themselves never need it).

@@ -140,7 +140,8 @@ INSTANTIATE_TEST_SUITE_P(
         Launch{"bert_model", {"--tp", "4"}},
         Launch{"pretraining_tied", {"--tp", "2", "--pp", "2", "--micro-batches", "2"}},
         Launch{"lm_head_decoder", {"--pp", "2", "--pp-style", "interleaved", "--chunks", "2"}},
-        Launch{"masked_lm_untied", {"--tp", "2", "--pp", "2", "--pp-style", "zbv"}},
+        // V: stage 1 runs two slots in a row, for each micro-batch in turn (slot-major).
+        Launch{"masked_lm_untied", {"--tp", "2", "--pp", "2", "--pp-style", "zbv", "--micro-batches", "2"}},
         Launch{"next_sentence", {"--tp", "2", "--sp-mode", "split_gather"}},
         Launch{"sequence_classification_f16", {"--tp", "2", "--pp", "2", "--sp-mode", "split_gather", "--micro-batches", "2"}},
         Launch{"token_classification_bf16", {"--tp", "4", "--sp-mode", "split_gather"}},

@@ -57,6 +57,7 @@ class GlooCollectives final : public model::Collectives {
   absl::Status Send(const at::Tensor& tensor, int dst_rank, int tag) override;
   absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) override;
   absl::Status WaitForSends() override;
+  bool SendsReturnAtOnce() const override { return true; }
   absl::Status Barrier() override;
 
   // How the TP collectives travel: "shared memory", "gloo", or "none" (TP 1).

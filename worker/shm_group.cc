@@ -235,6 +235,8 @@ absl::Status SharedMemoryGroup::Barrier() {
     const timespec nap = {0, 20'000'000};  // 20 ms: how often a sleeper looks for dead peers
     Futex(&header_->generation, FUTEX_WAIT, passed, &nap);
     header_->sleepers.fetch_sub(1);
+    // The barrier completed: passed, even if a peer failed since (this rank then sees why itself).
+    if (header_->generation.load() != passed) break;
     if (header_->broken.load()) return absl::UnavailableError("a tensor-parallel peer failed (shared memory)");
     const auto now = std::chrono::steady_clock::now();
     if (now - start > timeout_) {
