@@ -16,7 +16,9 @@
 #        unsharded  1 process x THREADS threads
 #        tp2        --tp 2, 2 processes x THREADS/2
 #        pp2        --pp 2 --micro-batches MICRO_BATCHES, 2 processes x THREADS/2
+#        pp2_il     the same, interleaved (--pp-style interleaved --chunks 2)
 #        tp2_sg     --tp 2 --sp-mode split_gather, 2 processes x THREADS/2
+#        tp2_gloo   tp2 with its collectives over Gloo's TCP instead of shared memory (for comparison)
 #      ITERATIONS forwards each (the ranks start each together), the first dropped; a figure is the
 #      median over the rest of the slowest rank's forward;
 #   4. the peers (bench/peers.py in the tools/python_env.sh bench venv): PyTorch eager (HF BertModel
@@ -165,7 +167,9 @@ configs=(
   "unsharded|--threads $THREADS"
   "tp2|--tp 2 --threads $RANK_THREADS"
   "pp2|--pp 2 --micro-batches $MICRO_BATCHES --threads $RANK_THREADS"
+  "pp2_il|--pp 2 --pp-style interleaved --chunks 2 --micro-batches $MICRO_BATCHES --threads $RANK_THREADS"
   "tp2_sg|--tp 2 --sp-mode split_gather --threads $RANK_THREADS"
+  "tp2_gloo|--tp 2 --tp-transport gloo --threads $RANK_THREADS"
 )
 for entry in "${configs[@]}"; do
   name=${entry%%|*}
