@@ -135,6 +135,26 @@ TEST(DnnlSgemm, StridedRowMajorProductsMatchLibTorch) {
   EXPECT_EQ(out.narrow(1, 8, 4).abs().max().item<float>(), 0);
 }
 
+// Every shape class: whole 8 x 8 tiles, tails of rows and of columns, more than one 64-wide block,
+// vectors, and parts written side by side into a wider destination.
+TEST(TransposeInto, EqualsTheTransposeForAnyShapeAndStride) {
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+           {8, 8}, {64, 64}, {77, 45}, {1, 130}, {130, 1}, {200, 136}, {3, 5}}) {
+    const at::Tensor src = at::randn({rows, cols});
+    at::Tensor dst = at::full({cols, rows}, -7.f);
+    TransposeInto(src.data_ptr<float>(), rows, cols, dst.data_ptr<float>(), rows);
+    EXPECT_TRUE(dst.equal(src.t())) << rows << " x " << cols;
+  }
+  // Query, key and value [w, in] into one [in, 3w]: part j in columns j*w .. (j+1)*w.
+  const int64_t w = 24, in = 40;
+  const std::vector<at::Tensor> parts = {at::randn({w, in}), at::randn({w, in}), at::randn({w, in})};
+  at::Tensor fused = at::full({in, 3 * w}, -7.f);
+  for (int j = 0; j < 3; ++j) {
+    TransposeInto(parts[static_cast<size_t>(j)].data_ptr<float>(), w, in, fused.data_ptr<float>() + j * w, 3 * w);
+  }
+  EXPECT_TRUE(fused.equal(at::cat(parts, 0).t()));
+}
+
 TEST(PickGemmPath, DegenerateShapesKeepBlas) {
   const GemmChoice choice = PickGemmPath(0, 768, 3072);
   EXPECT_EQ(choice.path, GemmPath::kBlas);
