@@ -32,11 +32,10 @@ double SecondsOf(const std::function<void()>& call) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// The lower median: of two runs the faster, as other work on the machine only ever adds time.
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[(values.size() - 1) / 2];
-}
+double Fastest(const std::vector<double>& runs) { return *std::min_element(runs.begin(), runs.end()); }
+
+// One path this much faster than the other after a round decides the pick without more rounds.
+constexpr double kDecisive = 1.5;
 
 // Blocks of kBlock x kBlock elements keep a block's source rows and destination rows in L1/L2.
 constexpr int64_t kBlock = 64;
@@ -194,18 +193,26 @@ GemmChoice PickGemmPath(int64_t rows, int64_t in, int64_t out, at::ScalarType dt
       }
     }
     // Runs alternate between the paths, so that a burst of other work on the machine slows both.
+    // Each path's figure is its fastest run: other work only ever adds time. Past the budget, the
+    // timing stops once one path is clearly ahead (kDecisive); a close call, or one a burst of
+    // noise may have decided, gets more rounds, up to kMaxRuns (a large product on a busy machine
+    // once read oneDNN at 76 GFLOP/s against its 240).
     std::vector<double> blas_runs, onednn_runs;
     double spent = 0;
-    while (blas_runs.size() < static_cast<size_t>(kMaxRuns) && (blas_runs.empty() || spent < kBudgetSeconds)) {
+    while (blas_runs.size() < static_cast<size_t>(kMaxRuns)) {
       blas_runs.push_back(SecondsOf(blas));
       spent += blas_runs.back();
       if (onednn) {
         onednn_runs.push_back(SecondsOf(onednn));
         spent += onednn_runs.back();
       }
+      if (spent < kBudgetSeconds) continue;
+      if (!onednn) break;
+      const double b = Fastest(blas_runs), o = Fastest(onednn_runs);
+      if (std::max(b, o) > kDecisive * std::min(b, o)) break;
     }
-    choice.blas_gflops = flop / std::max(1e-9, Median(blas_runs)) / 1e9;
-    if (!onednn_runs.empty()) choice.onednn_gflops = flop / std::max(1e-9, Median(onednn_runs)) / 1e9;
+    choice.blas_gflops = flop / std::max(1e-9, Fastest(blas_runs)) / 1e9;
+    if (!onednn_runs.empty()) choice.onednn_gflops = flop / std::max(1e-9, Fastest(onednn_runs)) / 1e9;
   } catch (const std::exception&) {
     return GemmChoice{};
   }
