@@ -126,8 +126,9 @@ v1::BertConfig WithHfDefaults(const v1::BertConfig& config) {
 absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json) {
   google::protobuf::Struct root;
   if (absl::Status s = common::JsonToProto(json, &root); !s.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json is not a JSON object: ", s.message()));
+    // Not the parser's message: it quotes the text around the error, and a config.json that is
+    // really some other file (a link to /etc/passwd) would hand its first bytes to the caller.
+    return absl::InvalidArgumentError("config.json is not a valid JSON object");
   }
   HfConfig out;
   v1::BertConfig& c = out.config;

@@ -33,6 +33,11 @@ TEST(HfConfig, RejectsWrongTypesAndUnknownArchitectures) {
   EXPECT_FALSE(ParseHfConfigJson(R"({"hidden_size": "768"})").ok());
   EXPECT_FALSE(ParseHfConfigJson(R"({"tie_word_embeddings": 1})").ok());
   EXPECT_FALSE(ParseHfConfigJson("[]").ok());
+  // A file that is not JSON at all: the error says so and quotes none of it (issue 10: a
+  // config.json linked to /etc/passwd handed its first bytes to the client).
+  const auto passwd = ParseHfConfigJson("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/usr/sbin/nologin\n");
+  ASSERT_EQ(passwd.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(passwd.status().message(), "config.json is not a valid JSON object");
   EXPECT_FALSE(ParseHfConfigJson(R"({"position_embedding_type": "relative_key"})").ok());
   auto gpt = ParseHfConfigJson(R"({"architectures": ["GPT2LMHeadModel"]})");
   EXPECT_EQ(gpt.status().code(), absl::StatusCode::kInvalidArgument);

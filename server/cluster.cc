@@ -195,11 +195,21 @@ v1::ListWorkersResponse Cluster::ListWorkers() {
   return response;
 }
 
+absl::StatusOr<v1::PlanRequest> Cluster::LocalRequest(const v1::PlanRequest& request) const {
+  v1::PlanRequest local = request;
+  if (!request.checkpoint().empty()) {
+    ASSIGN_OR_RETURN(std::string dir, options_.model_root.Resolve(request.checkpoint()));
+    local.set_checkpoint(dir);
+  }
+  return local;
+}
+
 absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request) {
   if (request.request().checkpoint().empty()) {
     return absl::InvalidArgumentError("SubmitJob needs request.checkpoint: the model directory the workers load");
   }
-  ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(request.request()));
+  ASSIGN_OR_RETURN(const v1::PlanRequest local, LocalRequest(request.request()));
+  ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(local));
   absl::MutexLock lock(&mu_);
   int idle = 0;
   for (const auto& [id, w] : workers_) idle += (w->info.healthy() && w->info.job_id().empty()) ? 1 : 0;
@@ -545,7 +555,9 @@ absl::StatusOr<Cluster::Serving> Cluster::ServingFor(const std::string& job_id) 
   }
   absl::MutexLock lock(&serving.runtime->assets_mu);
   if (serving.runtime->assets == nullptr) {
-    serving.runtime->assets = LoadJobAssets(serving.runtime->plan, serving.runtime->checkpoint);
+    // Resolved again: the directory may have changed since the job was submitted.
+    absl::StatusOr<std::string> dir = options_.model_root.Resolve(serving.runtime->checkpoint);
+    serving.runtime->assets = dir.ok() ? LoadJobAssets(serving.runtime->plan, *dir) : RefusedJobAssets(dir.status());
   }
   serving.assets = serving.runtime->assets;
   return serving;

@@ -43,6 +43,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/model_root.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "jobs/job_store.h"
@@ -65,6 +66,10 @@ struct ClusterOptions {
   BatchLimits batching;
   // Called for every merged forward, on the job's batch thread (metrics); may be null.
   BatchObserver batch_observer;
+  // Where checkpoints may be read (--model_root); unconfined by default. Requests name their
+  // checkpoint as workers will see it; the coordinator resolves it under its own root for what it
+  // reads itself (config.json, the tokenizer and head files).
+  common::ModelRoot model_root;
 };
 
 struct JobAssets;  // server/inference.h
@@ -73,6 +78,10 @@ class Cluster {
  public:
   static absl::StatusOr<std::unique_ptr<Cluster>> Create(const ClusterOptions& options);
   ~Cluster();
+
+  // `request` with its checkpoint resolved under the model root (common/model_root.h), for the
+  // coordinator's own reads; INVALID_ARGUMENT when it is outside or not a checkpoint directory.
+  absl::StatusOr<v1::PlanRequest> LocalRequest(const v1::PlanRequest& request) const;
 
   // The response lists the held jobs the worker must unload.
   v1::RegisterWorkerResponse RegisterWorker(const v1::RegisterWorkerRequest& request);

@@ -24,7 +24,8 @@ absl::Status Cluster::RecoverJobsLocked() {
     if (stored.ok() && stored->has_value()) {
       plan = **std::move(stored);
     } else {
-      plan = planner::Plan(job.request());
+      absl::StatusOr<v1::PlanRequest> local = LocalRequest(job.request());
+      plan = local.ok() ? planner::Plan(*local) : absl::StatusOr<v1::ShardPlan>(local.status());
       if (plan.ok()) (void)store_->SetPlan(job.id(), *plan);
     }
     if (!plan.ok()) {

@@ -4,6 +4,8 @@
 #include "server/cluster.h"
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 
 #include "gtest/gtest.h"
 #include "jobs/job_store.h"
@@ -207,6 +209,69 @@ TEST_F(ClusterRestart, TellsWorkersToUnloadJobsItDoesNotKnowOrHasEnded) {
   ASSERT_TRUE(response.ok()) << response.status();
   ASSERT_EQ(response->unload_job_ids_size(), 1);
   EXPECT_EQ(response->unload_job_ids(0), "job-1");
+}
+
+// A coordinator with a model root plans only checkpoints inside it (SubmitJob and Plan both go
+// through LocalRequest); without one, a config.json that is another file entirely (the issue's
+// link to /etc/passwd) is still refused without a byte of it in the error.
+TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
+  namespace fs = std::filesystem;
+  const fs::path base = fs::path(testing::TempDir()) / "cluster_model_root";
+  fs::remove_all(base);
+  fs::create_directories(base / "models" / "bert");
+  fs::create_directories(base / "models" / "evil");
+  fs::create_directories(base / "outside");
+  std::ofstream(base / "models" / "bert" / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
+  std::ofstream(base / "outside" / "passwd") << "root:x:0:0:root:/root:/bin/bash\n";
+  fs::create_symlink(base / "outside" / "passwd", base / "models" / "evil" / "config.json");
+
+  for (const bool confined : {true, false}) {
+    ClusterOptions options;
+    if (confined) {
+      auto root = common::ModelRoot::Open((base / "models").string());
+      ASSERT_TRUE(root.ok()) << root.status();
+      options.model_root = *root;
+    }
+    auto cluster = Cluster::Create(options);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    v1::SubmitJobRequest submit;
+    const auto submit_path = [&](const std::string& checkpoint) {
+      submit.mutable_request()->set_checkpoint(checkpoint);
+      return (*cluster)->SubmitJob(submit).status();
+    };
+    const std::string evil = confined ? "evil" : (base / "models" / "evil").string();
+    const absl::Status refused = submit_path(evil);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_EQ(refused.message().find("root:"), std::string::npos) << "a file's contents leaked: " << refused;
+    if (confined) {
+      EXPECT_NE(refused.message().find("config.json is a symbolic link that leads outside the model root"),
+                std::string::npos) << refused;
+      const absl::Status outside = submit_path((base / "outside").string());
+      EXPECT_EQ(outside.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(outside.message().find("outside the model root"), std::string::npos) << outside;
+      EXPECT_EQ(submit_path("../outside").code(), absl::StatusCode::kInvalidArgument);
+      // Plan (the RPC's path) resolves the same way.
+      v1::PlanRequest plan;
+      plan.set_checkpoint("../outside");
+      EXPECT_EQ((*cluster)->LocalRequest(plan).status().code(), absl::StatusCode::kInvalidArgument);
+      plan.set_checkpoint("bert");
+      auto local = (*cluster)->LocalRequest(plan);
+      ASSERT_TRUE(local.ok()) << local.status();
+      EXPECT_EQ(local->checkpoint(), fs::canonical(base / "models" / "bert").string());
+    } else {
+      EXPECT_NE(refused.message().find("config.json is not a valid JSON object"), std::string::npos) << refused;
+    }
+    // A checkpoint inside the root (named relative to it when confined) is planned and queued.
+    auto job = (*cluster)->SubmitJob([&] {
+      v1::SubmitJobRequest r;
+      r.mutable_request()->set_checkpoint(confined ? "bert" : (base / "models" / "bert").string());
+      return r;
+    }());
+    ASSERT_TRUE(job.ok()) << job.status();
+    EXPECT_EQ(job->state(), v1::PENDING);
+    // Workers get the path as the client named it: each resolves it under its own root.
+    EXPECT_EQ(job->request().checkpoint(), confined ? "bert" : (base / "models" / "bert").string());
+  }
 }
 
 }  // namespace

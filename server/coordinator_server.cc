@@ -113,7 +113,9 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
   explicit Service(Cluster* cluster) : cluster_(cluster) {}
 
   grpc::Status Plan(grpc::ServerContext*, const v1::PlanRequest* request, v1::ShardPlan* response) override {
-    return common::ToGrpcStatus(planner::PlanInto(*request, response));
+    const absl::StatusOr<v1::PlanRequest> local = cluster_->LocalRequest(*request);
+    if (!local.ok()) return common::ToGrpcStatus(local.status());
+    return common::ToGrpcStatus(planner::PlanInto(*local, response));
   }
   grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest* request,
                               v1::RegisterWorkerResponse* response) override {

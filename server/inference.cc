@@ -39,6 +39,14 @@ std::shared_ptr<const JobAssets> LoadJobAssets(const v1::ShardPlan& plan, const 
   return assets;
 }
 
+std::shared_ptr<const JobAssets> RefusedJobAssets(const absl::Status& why) {
+  auto assets = std::make_shared<JobAssets>();
+  assets->tokenizer_status = why;
+  assets->embedding = why;
+  assets->labels = why;
+  return assets;
+}
+
 absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const v1::TextInput* text,
                                            const v1::ShardPlan& plan, const JobAssets& assets, int64_t max_length,
                                            bool truncate) {

@@ -49,6 +49,8 @@ struct JobAssets {
 
 // Reads what it can; never fails as a whole (see JobAssets).
 std::shared_ptr<const JobAssets> LoadJobAssets(const v1::ShardPlan& plan, const std::string& checkpoint);
+// Assets of a checkpoint that may not be read (`why`: outside the model root): each part says why.
+std::shared_ptr<const JobAssets> RefusedJobAssets(const absl::Status& why);
 
 // One request's token batch, ready for the batch queue.
 struct PreparedInput {

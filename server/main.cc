@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "common/model_root.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
@@ -24,6 +25,9 @@ ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve on (port 0: 
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
           "how long in-flight calls may run after SIGTERM/SIGINT");
 ABSL_FLAG(std::string, data_dir, "bertshard-data", "directory for the coordinator's state");
+ABSL_FLAG(std::string, model_root, "",
+          "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; "
+          "symbolic links leading out are refused); empty: any path the coordinator can read");
 ABSL_FLAG(std::string, database, "", "job database (SQLite); default <data_dir>/jobs.db");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
           "workers' heartbeat interval; a worker silent for 1.5 intervals is dead");
@@ -59,6 +63,12 @@ int main(int argc, char** argv) {
       return 1;
     }
     options.cluster.database_path = dir + "/jobs.db";
+  }
+  if (auto root = bertshard::common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root)); root.ok()) {
+    options.cluster.model_root = *root;
+  } else {
+    std::fprintf(stderr, "bertshard-coordinator: --model_root: %s\n", std::string(root.status().message()).c_str());
+    return 2;
   }
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.cluster.collective_timeout_seconds = absl::GetFlag(FLAGS_collective_timeout_s);

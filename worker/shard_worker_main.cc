@@ -16,6 +16,7 @@
 #include "common/grpc_serving.h"
 #include "common/metrics.h"
 #include "common/metrics_endpoint.h"
+#include "common/model_root.h"
 #include "model/gemm.h"
 #include "worker/registration.h"
 #include "worker/worker_service.h"
@@ -31,8 +32,17 @@ ABSL_FLAG(std::string, gemm, "auto",
           "CPU matrix products of loaded shards: blas (at::linear), onednn (MKL-DNN, weights prepacked at "
           "load), or auto (time both for each job's shape and threads at its load, take the faster)");
 
+ABSL_FLAG(std::string, model_root, "",
+          "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; "
+          "symbolic links leading out are refused); empty: any path this worker can read");
+
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  const auto model_root = bertshard::common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root));
+  if (!model_root.ok()) {
+    std::fprintf(stderr, "shard-worker: --model_root: %s\n", std::string(model_root.status().message()).c_str());
+    return 2;
+  }
   const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
   // Refused here rather than by every load: this LibTorch will not grow MKL-DNN.
   const absl::Status gemm_usable =
@@ -66,7 +76,8 @@ int main(int argc, char** argv) {
   bertshard::worker::WorkerService service({.default_threads = absl::GetFlag(FLAGS_threads),
                                             .bind_host = bind_host,
                                             .metrics = worker_metrics ? &*worker_metrics : nullptr,
-                                            .gemm = *gemm});
+                                            .gemm = *gemm,
+                                            .model_root = *model_root});
   bertshard::common::MetricsRegistry::CollectorHandle shards_loaded;
   if (metrics_endpoint != nullptr) {
     auto handle = service.ExportLoadedShards(&metrics);

@@ -176,7 +176,9 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   job->rank = request->rank();
   job->world_size = plan.world_size();
   SetMathThreads(job->threads);
-  auto ckpt = checkpoint::Checkpoint::Open(request->checkpoint());
+  const absl::StatusOr<std::string> checkpoint_dir = options_.model_root.Resolve(request->checkpoint());
+  if (!checkpoint_dir.ok()) return common::ToGrpcStatus(checkpoint_dir.status());
+  auto ckpt = checkpoint::Checkpoint::Open(*checkpoint_dir);
   if (!ckpt.ok()) {
     absl::Status s = ckpt.status();
     // A path the worker cannot see is the request's fault.

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "bertshard/v1/worker.grpc.pb.h"
+#include "common/model_root.h"
 #include "common/metrics.h"
 #include "model/gemm.h"
 
@@ -50,6 +51,9 @@ struct WorkerServiceOptions {
   // How loaded shards multiply (model/gemm.h); nullopt ("auto"): the faster on this machine for
   // the job's shape and threads, measured at its first load and remembered.
   std::optional<model::GemmPath> gemm;
+  // Where checkpoints may be read (--model_root; common/model_root.h): a load request's path is
+  // resolved under it. Unconfined by default.
+  common::ModelRoot model_root;
 };
 
 class WorkerService final : public v1::Worker::Service {

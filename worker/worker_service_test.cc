@@ -4,6 +4,7 @@
 
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -241,6 +242,56 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   EXPECT_TRUE(worker.service->UnloadJob("j"));
   EXPECT_FALSE(worker.service->UnloadJob("j"));
   EXPECT_TRUE(worker.service->HeldShards().empty());
+}
+
+// With a model root (--model_root), a load reads only checkpoints inside it: relative paths are
+// taken under it; absolute paths elsewhere and files that link out are refused before any read,
+// and the refusal never quotes a file.
+TEST(WorkerService, LoadsOnlyCheckpointsUnderItsModelRoot) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::path(testing::TempDir()) / "worker_model_root";
+  fs::remove_all(root);
+  fs::create_directories(root);
+  fs::copy(kModel, root / "model", fs::copy_options::recursive);
+  fs::copy(kModel, root / "evil", fs::copy_options::recursive);
+  fs::remove(root / "evil" / "config.json");
+  fs::create_symlink("/etc/passwd", root / "evil" / "config.json");
+  auto model_root = common::ModelRoot::Open(root.string());
+  ASSERT_TRUE(model_root.ok()) << model_root.status();
+  WorkerServiceOptions options;
+  options.model_root = *model_root;
+  RunningWorker worker = StartWorker(options);
+
+  v1::PlanRequest request;
+  request.set_checkpoint(kModel);
+  auto plan = planner::Plan(request);
+  ASSERT_TRUE(plan.ok());
+  v1::LoadShardRequest load;
+  load.set_job_id("j");
+  *load.mutable_plan() = *plan;
+  load.set_master_port(FreePort());
+  auto read_all = [&](const std::string& checkpoint) {
+    load.set_checkpoint(checkpoint);
+    auto context = Context();
+    auto reader = worker.stub->LoadShard(context.get(), load);
+    v1::LoadProgress p;
+    while (reader->Read(&p)) {
+    }
+    return reader->Finish();
+  };
+  grpc::Status s = read_all(fs::absolute(kModel).string());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("outside the model root"), std::string::npos) << s.error_message();
+  s = read_all("../" + fs::path(kModel).filename().string());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  s = read_all("evil");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("config.json is a symbolic link that leads outside the model root"),
+            std::string::npos) << s.error_message();
+  EXPECT_EQ(s.error_message().find("root:"), std::string::npos) << s.error_message();
+  s = read_all("model");  // relative to the root
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  EXPECT_TRUE(worker.service->UnloadJob("j"));
 }
 
 }  // namespace
