@@ -391,19 +391,22 @@ void Cluster::LoadJob(std::string job_id) {
 void Cluster::MonitorLoop() {
   absl::MutexLock lock(&mu_);
   while (!stopping_) {
-    // Checked every quarter interval against 1.5 intervals of silence: a dead worker's jobs fail
-    // within two heartbeat intervals of its last heartbeat.
+    // Checked every quarter interval against `missed_heartbeats` intervals of silence: a dead
+    // worker's jobs fail within missed_heartbeats + 1/4 intervals of its last heartbeat.
     changed_.WaitWithTimeout(&mu_, options_.heartbeat_interval / 4);
     if (stopping_) break;
     // A draining server takes no heartbeats: silence then says nothing about the workers.
     if (draining_) continue;
     const absl::Time now = absl::Now();
     for (auto& [id, w] : workers_) {
-      if (!w->info.healthy() || now - w->last_heartbeat <= options_.heartbeat_interval * 3 / 2) continue;
+      if (!w->info.healthy() || now - w->last_heartbeat <= options_.heartbeat_interval * options_.missed_heartbeats) {
+        continue;
+      }
       w->info.set_healthy(false);
       if (!w->info.job_id().empty()) {
         FailJobLocked(w->info.job_id(), absl::StrCat("worker ", id, " (rank ", w->info.rank(), ") at ",
-                                                     w->info.address(), " stopped heartbeating"));
+                                                     w->info.address(), " stopped heartbeating (silent for ",
+                                                     absl::FormatDuration(now - w->last_heartbeat), ")"));
       }
     }
     std::vector<std::string> overdue;

@@ -8,8 +8,9 @@
 // after a restart, with the rules of readoption.h), inference.h (input preparation, the forward
 // fan-out).
 //
-// Failure model: a worker silent for 1.5 heartbeat intervals is dead (so its jobs fail within
-// two intervals of its last heartbeat); a dead worker, any rank error, or a failed Forward call
+// Failure model: a worker silent for ClusterOptions::missed_heartbeats heartbeat intervals (3) is
+// dead (so its jobs fail within 3 1/4 intervals of its last heartbeat; workers beat on a fixed
+// schedule, so a healthy worker stalled for up to about two intervals keeps its job); a dead worker, any rank error, or a failed Forward call
 // to any rank fails its job at once with a cause naming the worker and rank and what failed, and
 // the surviving ranks are told to unload. Workers' collectives have timeouts, so no rank waits
 // forever.
@@ -54,6 +55,10 @@ namespace bertshard::server {
 struct ClusterOptions {
   std::string database_path = ":memory:";
   absl::Duration heartbeat_interval = absl::Seconds(1);
+  // A worker silent for this many heartbeat intervals is dead (its job fails). Workers beat on a
+  // fixed schedule, so a healthy one is silent for one interval at most; the rest is the margin
+  // for a loaded machine or a brief stall.
+  int missed_heartbeats = 3;
   absl::Duration load_timeout = absl::Minutes(10);
   int collective_timeout_seconds = 60;  // rendezvous and collectives on the workers
   // How long one (batched) forward may take on the ranks before its job is failed: the callers'

@@ -30,7 +30,9 @@ ABSL_FLAG(std::string, model_root, "",
           "symbolic links leading out are refused); empty: any path the coordinator can read");
 ABSL_FLAG(std::string, database, "", "job database (SQLite); default <data_dir>/jobs.db");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
-          "workers' heartbeat interval; a worker silent for 1.5 intervals is dead");
+          "workers' heartbeat interval; a worker silent for --missed_heartbeats intervals is dead");
+ABSL_FLAG(int, missed_heartbeats, 3,
+          "a worker silent for this many heartbeat intervals is dead and its job fails (at least 2)");
 ABSL_FLAG(int, collective_timeout_s, 60, "rendezvous and collective timeout on the workers, seconds");
 ABSL_FLAG(absl::Duration, readopt_grace, absl::Seconds(10),
           "after a restart, how long READY and LOADING jobs wait for all their ranks' workers to register");
@@ -71,6 +73,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
+  options.cluster.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);
+  if (options.cluster.missed_heartbeats < 2 || options.cluster.heartbeat_interval <= absl::ZeroDuration()) {
+    std::fprintf(stderr, "bertshard-coordinator: --missed_heartbeats must be at least 2 and --heartbeat_interval positive\n");
+    return 2;
+  }
   options.cluster.collective_timeout_seconds = absl::GetFlag(FLAGS_collective_timeout_s);
   options.cluster.readopt_grace = absl::GetFlag(FLAGS_readopt_grace);
   const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);

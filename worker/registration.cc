@@ -61,7 +61,11 @@ void Registration::Run() {
     absl::MutexLock lock(&mu_);
     return mu_.AwaitWithTimeout(absl::Condition(&stop_), wait);
   };
+  // Beats on a fixed schedule (start to start), not an interval after each call returns: a slow
+  // call or a brief stall must not stretch the silence the coordinator sees.
+  absl::Time next = absl::Now();
   while (true) {
+    next += interval;
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + std::max(interval, absl::Seconds(1))));
     bool ok = false;
@@ -103,7 +107,10 @@ void Registration::Run() {
         ok = false;
       }
     }
-    if (stopped_after(ok ? interval : std::min(interval, kRetry))) return;
+    // Behind schedule (after a stall or a slow call): beat at once, and count the schedule from now.
+    const absl::Time now = absl::Now();
+    if (next < now) next = now;
+    if (stopped_after(ok ? next - now : std::min(interval, kRetry))) return;
   }
 }
 
