@@ -20,6 +20,7 @@
 #include "client/plan_command.h"
 #include "client/run_command.h"
 #include "common/file.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_status.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
@@ -45,6 +46,8 @@ std::unique_ptr<grpc::ClientContext> Context(const CommandLine& cl, int default_
   if (auto it = cl.values.find("timeout"); it != cl.values.end()) seconds = std::max<int64_t>(1, std::atoll(it->second.c_str()));
   auto context = std::make_unique<grpc::ClientContext>();
   context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  // Checked before any command runs (shardctl.cc): here it loads.
+  common::AttachToken(context.get(), ClientToken(cl).value_or(""));
   return context;
 }
 
@@ -395,11 +398,11 @@ const std::set<std::string>& ClusterValueFlags(const std::string& command) {
     for (const char* drop : {"request", "output", "batch"}) f->erase(drop);
     return f;
   }();
-  static const auto* infer = new std::set<std::string>{"server", "timeout", "text", "text-pair", "input", "output",
-                                                        "micro-batches", "top-k"};
-  static const auto* embed = new std::set<std::string>{"server", "timeout", "file", "input", "pooling", "normalize",
-                                                        "format"};
-  static const auto* plain = new std::set<std::string>{"server", "timeout"};
+  static const auto* infer = new std::set<std::string>{"server", "timeout", "token-file", "text", "text-pair",
+                                                        "input", "output", "micro-batches", "top-k"};
+  static const auto* embed = new std::set<std::string>{"server", "timeout", "token-file", "file", "input",
+                                                        "pooling", "normalize", "format"};
+  static const auto* plain = new std::set<std::string>{"server", "timeout", "token-file"};
   if (command == "submit") return *submit;
   if (command == "infer") return *infer;
   if (command == "embed") return *embed;
@@ -421,6 +424,11 @@ const std::set<std::string>& ClusterSwitchFlags(const std::string& command) {
 }
 
 int RunClusterCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
+  // A token file that cannot be read is the caller's mistake, said before any call.
+  if (absl::StatusOr<std::string> token = ClientToken(cl); !token.ok()) {
+    std::fprintf(err, "shardctl: %s\n", std::string(token.status().message()).c_str());
+    return kExitInvalidInput;
+  }
   const std::string& command = cl.positional[0];
   absl::Status status;
   if (command == "submit") {

@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "common/file.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_status.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
@@ -106,14 +107,15 @@ PlanFn LocalPlanner() {
   return [](const v1::PlanRequest& r, v1::ShardPlan* plan) { return planner::PlanInto(r, plan); };
 }
 
-PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeout) {
+PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeout, const std::string& token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
   auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   std::shared_ptr<v1::Coordinator::Stub> stub = v1::Coordinator::NewStub(channel);
-  return [stub, address, timeout](const v1::PlanRequest& r, v1::ShardPlan* plan) -> absl::Status {
+  return [stub, address, timeout, token](const v1::PlanRequest& r, v1::ShardPlan* plan) -> absl::Status {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + timeout);
+    common::AttachToken(&context, token);
     grpc::Status status = stub->Plan(&context, r, plan);
     if (!status.ok()) {
       absl::Status s = common::FromGrpcStatus(status);
@@ -178,7 +180,8 @@ int ReportError(std::FILE* err, const absl::Status& status) {
 const std::set<std::string>& PlanValueFlags() {
   static const auto* flags = new std::set<std::string>{
       "request", "variant", "config", "checkpoint", "tp", "pp", "pp-style", "chunks",
-      "layers-per-stage", "sp-mode", "vocab-multiple", "dtype", "server", "output", "batch", "timeout"};
+      "layers-per-stage", "sp-mode", "vocab-multiple", "dtype", "server", "output", "batch", "timeout",
+      "token-file"};
   return *flags;
 }
 
@@ -289,8 +292,10 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
       return ReportError(err, absl::InvalidArgumentError("--timeout needs a positive number of seconds"));
     }
   }
+  const absl::StatusOr<std::string> token = ClientToken(cl);
+  if (!token.ok()) return ReportError(err, token.status());
   const PlanFn plan_fn = v.count("server")
-                             ? RemotePlanner(v.at("server"), std::chrono::seconds(timeout_s))
+                             ? RemotePlanner(v.at("server"), std::chrono::seconds(timeout_s), *token)
                              : LocalPlanner();
   if (auto it = v.find("batch"); it != v.end()) {
     if (output != "json") {
@@ -344,6 +349,11 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   }
   std::fwrite(text.data(), 1, text.size(), out);
   return std::fflush(out) == 0 ? kExitOk : kExitFailure;
+}
+
+absl::StatusOr<std::string> ClientToken(const CommandLine& cl) {
+  const auto it = cl.values.find("token-file");
+  return common::LoadToken(it == cl.values.end() ? "" : it->second, "BERTSHARD_TOKEN");
 }
 
 }  // namespace bertshard::client

@@ -45,6 +45,10 @@ absl::Status ApplyPlanFlags(const CommandLine& command_line, v1::PlanRequest* re
 // Runs `shardctl plan` with parsed arguments (positional[0] is "plan"); returns the exit status.
 int RunPlanCommand(const CommandLine& command_line, std::FILE* out, std::FILE* err);
 
+// The bearer token the coordinator calls carry (common/grpc_auth.h): --token-file, else
+// $BERTSHARD_TOKEN, else none. INVALID_ARGUMENT when the file cannot be read or is empty.
+absl::StatusOr<std::string> ClientToken(const CommandLine& cl);
+
 }  // namespace bertshard::client
 
 #endif  // BERTSHARD_CLIENT_PLAN_COMMAND_H_

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
@@ -32,6 +33,7 @@ std::string Blame(const std::vector<RankStub>& ranks, const std::string& first_f
   for (size_t r = 0; r < ranks.size(); ++r) {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Now() + absl::Seconds(2));
+    common::AttachToken(&context, ranks[r].token);
     v1::ReservePortResponse ignored;
     grpc::Status status = ranks[r].stub->ReservePort(&context, v1::ReservePortRequest(), &ignored);
     if (!status.ok()) {
@@ -297,9 +299,10 @@ void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::Jo
     if (!w->info.healthy() || stopping_) continue;
     // Survivors drop their shard; a dead worker has nothing to drop. Detached: the call owns
     // what it uses (the stub keeps its channel) and ends by its deadline.
-    std::thread([stub = w->stub, job_id] {
+    std::thread([stub = w->stub, job_id, token = options_.worker_token] {
       grpc::ClientContext context;
       SetDeadline(&context, absl::Now() + absl::Seconds(10));
+      common::AttachToken(&context, token);
       v1::UnloadRequest unload;
       unload.set_job_id(job_id);
       v1::UnloadResponse ignored;
@@ -318,7 +321,7 @@ void Cluster::LoadJob(std::string job_id) {
     absl::MutexLock lock(&mu_);
     runtime = runtimes_.at(job_id);
     for (const std::string& w : runtime->rank_workers) {
-      ranks_stubs.push_back({w, workers_.at(w)->info.address(), workers_.at(w)->stub});
+      ranks_stubs.push_back({w, workers_.at(w)->info.address(), workers_.at(w)->stub, options_.worker_token});
     }
     master_host = Host(ranks_stubs[0].address);
     (void)store_->Transition(job_id, v1::LOADING, "");
@@ -329,6 +332,7 @@ void Cluster::LoadJob(std::string job_id) {
   {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Now() + absl::Seconds(10));
+    common::AttachToken(&context, ranks_stubs[0].token);
     grpc::Status status = ranks_stubs[0].stub->ReservePort(&context, v1::ReservePortRequest(), &port);
     if (!status.ok()) {
       absl::MutexLock lock(&mu_);
@@ -344,6 +348,7 @@ void Cluster::LoadJob(std::string job_id) {
   for (size_t r = 0; r < ranks_stubs.size(); ++r) {
     auto context = std::make_shared<grpc::ClientContext>();
     SetDeadline(context.get(), absl::Now() + options_.load_timeout);
+    common::AttachToken(context.get(), ranks_stubs[r].token);
     {
       absl::MutexLock lock(&mu_);
       runtime->load_contexts.push_back(context);
@@ -585,7 +590,7 @@ absl::StatusOr<BatchOutputs> Cluster::ForwardBatch(const std::string& job_id, co
     JobRuntime& runtime = *found->second;
     for (const std::string& w : runtime.rank_workers) {
       const Worker& worker = *workers_.at(w);
-      ranks.push_back({w, worker.info.address(), worker.stub});
+      ranks.push_back({w, worker.info.address(), worker.stub, options_.worker_token});
     }
     forward.set_sequence(runtime.next_sequence++);
   }

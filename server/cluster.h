@@ -75,6 +75,8 @@ struct ClusterOptions {
   // checkpoint as workers will see it; the coordinator resolves it under its own root for what it
   // reads itself (config.json, the tokenizer and head files).
   common::ModelRoot model_root;
+  // Sent with every call to a worker (their --auth_token_file); empty: none.
+  std::string worker_token;
 };
 
 struct JobAssets;  // server/inference.h

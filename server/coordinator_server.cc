@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "bertshard/v1/coordinator.grpc.pb.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_serving.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -108,46 +109,63 @@ absl::StatusOr<BatchObserver> BatchMetrics(common::MetricsRegistry* registry) {
 
 // The synchronous API on purpose: Infer and WatchJob block until workers answer, which a
 // callback reactor must not do. Each handler validates, calls the core, and maps the Status.
+// Every handler first checks the caller's token (common/grpc_auth.h): kAdmin for what changes
+// state, kRead for the rest.
+#define RETURN_IF_DENIED(context, access)                                      \
+  if (grpc::Status denied = common::CheckAccess(*(context), auth_, (access)); \
+      !denied.ok()) {                                                          \
+    return denied;                                                             \
+  }
+
 class CoordinatorServer::Service final : public v1::Coordinator::Service {
  public:
-  explicit Service(Cluster* cluster) : cluster_(cluster) {}
+  Service(Cluster* cluster, common::AuthConfig auth) : cluster_(cluster), auth_(std::move(auth)) {}
 
-  grpc::Status Plan(grpc::ServerContext*, const v1::PlanRequest* request, v1::ShardPlan* response) override {
+  grpc::Status Plan(grpc::ServerContext* context, const v1::PlanRequest* request, v1::ShardPlan* response) override {
+    RETURN_IF_DENIED(context, common::Access::kRead);
     const absl::StatusOr<v1::PlanRequest> local = cluster_->LocalRequest(*request);
     if (!local.ok()) return common::ToGrpcStatus(local.status());
     return common::ToGrpcStatus(planner::PlanInto(*local, response));
   }
-  grpc::Status RegisterWorker(grpc::ServerContext*, const v1::RegisterWorkerRequest* request,
+  grpc::Status RegisterWorker(grpc::ServerContext* context, const v1::RegisterWorkerRequest* request,
                               v1::RegisterWorkerResponse* response) override {
+    RETURN_IF_DENIED(context, common::Access::kAdmin);
     if (request->address().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "a worker needs an address"};
     *response = cluster_->RegisterWorker(*request);
     return grpc::Status::OK;
   }
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request,
+  grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* response) override {
+    RETURN_IF_DENIED(context, common::Access::kAdmin);
     return Reply(cluster_->Heartbeat(*request), response);
   }
-  grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*, v1::ListWorkersResponse* response) override {
+  grpc::Status ListWorkers(grpc::ServerContext* context, const v1::ListWorkersRequest*, v1::ListWorkersResponse* response) override {
+    RETURN_IF_DENIED(context, common::Access::kRead);
     *response = cluster_->ListWorkers();
     return grpc::Status::OK;
   }
-  grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request, v1::Job* response) override {
+  grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request, v1::Job* response) override {
+    RETURN_IF_DENIED(context, common::Access::kAdmin);
     return Reply(cluster_->SubmitJob(*request), response);
   }
-  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* request, v1::Job* response) override {
+  grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request, v1::Job* response) override {
+    RETURN_IF_DENIED(context, common::Access::kRead);
     return Reply(cluster_->GetJob(request->job_id()), response);
   }
-  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*, v1::ListJobsResponse* response) override {
+  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest*, v1::ListJobsResponse* response) override {
+    RETURN_IF_DENIED(context, common::Access::kRead);
     auto jobs = cluster_->ListJobs();
     if (!jobs.ok()) return common::ToGrpcStatus(jobs.status());
     for (auto& j : *jobs) *response->add_jobs() = std::move(j);
     return grpc::Status::OK;
   }
-  grpc::Status CancelJob(grpc::ServerContext*, const v1::GetJobRequest* request, v1::Job* response) override {
+  grpc::Status CancelJob(grpc::ServerContext* context, const v1::GetJobRequest* request, v1::Job* response) override {
+    RETURN_IF_DENIED(context, common::Access::kAdmin);
     return Reply(cluster_->CancelJob(request->job_id()), response);
   }
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                         grpc::ServerWriter<v1::JobEvent>* writer) override {
+    RETURN_IF_DENIED(context, common::Access::kRead);
     return common::ToGrpcStatus(cluster_->WatchJob(request->job_id(), Deadline(context, absl::Hours(1)),
                                                    [&](const v1::JobEvent& e) {
                                                      return !context->IsCancelled() && writer->Write(e);
@@ -155,17 +173,22 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
                                                    [context] { return context->IsCancelled(); }));
   }
   grpc::Status Infer(grpc::ServerContext* context, const v1::InferRequest* request, v1::InferResponse* response) override {
+    RETURN_IF_DENIED(context, common::Access::kRead);
     return Reply(cluster_->Infer(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
                  response);
   }
   grpc::Status Embed(grpc::ServerContext* context, const v1::EmbedRequest* request, v1::EmbedResponse* response) override {
+    RETURN_IF_DENIED(context, common::Access::kRead);
     return Reply(cluster_->Embed(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
                  response);
   }
 
  private:
   Cluster* const cluster_;
+  const common::AuthConfig auth_;
 };
+
+#undef RETURN_IF_DENIED
 
 CoordinatorServer::CoordinatorServer(std::unique_ptr<Cluster> cluster, std::unique_ptr<Service> service,
                                      std::unique_ptr<grpc::Server> server, int port)
@@ -186,7 +209,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(cons
     };
   }
   ASSIGN_OR_RETURN(auto cluster, Cluster::Create(cluster_options));
-  auto service = std::make_unique<Service>(cluster.get());
+  auto service = std::make_unique<Service>(cluster.get(), options.auth);
   std::vector<common::MetricsRegistry::CollectorHandle> collectors;
   if (options.metrics != nullptr) {
     ASSIGN_OR_RETURN(collectors, RegisterCoordinatorMetrics(options.metrics, cluster.get()));

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/grpc_auth.h"
 #include "common/metrics.h"
 #include "grpcpp/server.h"
 #include "server/cluster.h"
@@ -37,6 +38,9 @@ struct CoordinatorOptions {
   // Optional, not owned, must outlive the server: gets the per-call gRPC metrics and the
   // coordinator's own (bertshard_coordinator_jobs{state}, bertshard_coordinator_workers{health}).
   common::MetricsRegistry* metrics = nullptr;
+  // Bearer tokens the RPCs need (common/grpc_auth.h); off by default. The admin token is also what
+  // the coordinator presents to the workers (cluster.worker_token).
+  common::AuthConfig auth;
 };
 
 class CoordinatorServer {

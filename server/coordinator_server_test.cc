@@ -158,5 +158,68 @@ TEST(CoordinatorServerLimits, OversizedMessagesAndUnknownJobsAreRefused) {
   EXPECT_EQ(stub->SubmitJob(&submit_context, submit, &job).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+// With tokens: RPCs that change state need the cluster token, the others the read token (or the
+// cluster's); missing or unknown is UNAUTHENTICATED, the read token where the cluster token is
+// needed is PERMISSION_DENIED; health stays open; no refusal quotes what was sent.
+TEST(CoordinatorServerAuth, TokensGateRpcsWithTheCodesGrpcDefines) {
+  CoordinatorOptions options{.listen_address = "127.0.0.1:0"};
+  options.auth = {"admin-secret-123", "read-secret-456"};
+  auto server = CoordinatorServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials());
+  auto stub = v1::Coordinator::NewStub(channel);
+  const auto call = [&](const std::string& header, bool submit) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (!header.empty()) context.AddMetadata("authorization", header);
+    if (submit) {
+      v1::SubmitJobRequest request;  // no checkpoint: INVALID_ARGUMENT once past the token check
+      v1::Job job;
+      return stub->SubmitJob(&context, request, &job);
+    }
+    v1::ListJobsResponse jobs;
+    return stub->ListJobs(&context, v1::ListJobsRequest(), &jobs);
+  };
+  for (const bool submit : {true, false}) {
+    SCOPED_TRACE(submit ? "SubmitJob" : "ListJobs");
+    grpc::Status s = call("", submit);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+    s = call("Bearer wrong-token-789", submit);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(s.error_message().find("wrong-token-789"), std::string::npos) << s.error_message();
+    EXPECT_EQ(call("Basic admin-secret-123", submit).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(call("Bearer admin-secret-12", submit).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    s = call("Bearer read-secret-456", submit);
+    EXPECT_EQ(s.error_code(), submit ? grpc::StatusCode::PERMISSION_DENIED : grpc::StatusCode::OK) << s.error_message();
+    s = call("Bearer admin-secret-123", submit);
+    EXPECT_EQ(s.error_code(), submit ? grpc::StatusCode::INVALID_ARGUMENT : grpc::StatusCode::OK) << s.error_message();
+    EXPECT_EQ(s.error_message().find("secret"), std::string::npos) << s.error_message();
+  }
+  // Health needs no token.
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::health::v1::HealthCheckResponse response;
+  EXPECT_TRUE(health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response).ok());
+}
+
+// Without a read token, only what changes state needs the cluster token.
+TEST(CoordinatorServerAuth, WithoutAReadTokenReadsAreOpen) {
+  CoordinatorOptions options{.listen_address = "127.0.0.1:0"};
+  options.auth.admin_token = "admin-secret-123";
+  auto server = CoordinatorServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext list_context;
+  v1::ListJobsResponse jobs;
+  EXPECT_TRUE(stub->ListJobs(&list_context, v1::ListJobsRequest(), &jobs).ok());
+  grpc::ClientContext cancel_context;
+  v1::GetJobRequest cancel;
+  cancel.set_job_id("job-1");
+  v1::Job job;
+  EXPECT_EQ(stub->CancelJob(&cancel_context, cancel, &job).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
 }  // namespace
 }  // namespace bertshard::server

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_auth.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "planner/token_check.h"
@@ -362,6 +363,7 @@ ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::F
     context = std::make_unique<grpc::ClientContext>();
     context->set_deadline(absl::ToChronoTime(deadline));
   }
+  for (size_t r = 0; r < ranks.size(); ++r) common::AttachToken(fan->contexts[r].get(), ranks[r].token);
   for (size_t r = 0; r < ranks.size(); ++r) {
     // gRPC's callback API: no thread per rank and forward. The completion owns the fan-out and the
     // stub (so the channel), so after an early return the remaining calls end by cancellation on

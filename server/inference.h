@@ -98,6 +98,7 @@ struct RankStub {
   std::string worker_id;
   std::string address;
   std::shared_ptr<v1::Worker::Stub> stub;
+  std::string token;  // sent with each call (the workers' bearer token; empty: none)
 };
 
 struct ForwardOutcome {

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "common/grpc_auth.h"
 #include "common/model_root.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -50,6 +51,13 @@ ABSL_FLAG(int, max_batch_regroup_ms, 5,
           "(its callers sending again), so closed-loop clients merge instead of alternating between two batches; "
           "ends early once k came in or the batch is full (0: no regrouping)");
 
+ABSL_FLAG(std::string, auth_token_file, "",
+          "the cluster's bearer token (file; else $BERTSHARD_TOKEN): RPCs that change state (submit, cancel, "
+          "worker registration) need it, and it is sent to the workers; unset: none");
+ABSL_FLAG(std::string, read_token_file, "",
+          "a read-only bearer token (file; else $BERTSHARD_READ_TOKEN; needs --auth_token_file): when set, every "
+          "other RPC (plans, listings, watches, inference) needs it or the cluster token");
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
   absl::ParseCommandLine(argc, argv);
@@ -71,6 +79,25 @@ int main(int argc, char** argv) {
   } else {
     std::fprintf(stderr, "bertshard-coordinator: --model_root: %s\n", std::string(root.status().message()).c_str());
     return 2;
+  }
+  {
+    const auto admin = bertshard::common::LoadToken(absl::GetFlag(FLAGS_auth_token_file), "BERTSHARD_TOKEN");
+    const auto read = bertshard::common::LoadToken(absl::GetFlag(FLAGS_read_token_file), "BERTSHARD_READ_TOKEN");
+    const absl::Status bad = !admin.ok() ? admin.status() : read.status();
+    if (!bad.ok()) {
+      std::fprintf(stderr, "bertshard-coordinator: %s\n", std::string(bad.message()).c_str());
+      return 2;
+    }
+    if (admin->empty() && !read->empty()) {
+      std::fprintf(stderr, "bertshard-coordinator: a read token needs the cluster token (--auth_token_file)\n");
+      return 2;
+    }
+    if (!admin->empty() && *admin == *read) {
+      std::fprintf(stderr, "bertshard-coordinator: the read token must differ from the cluster token\n");
+      return 2;
+    }
+    options.auth = {*admin, *read};
+    options.cluster.worker_token = *admin;
   }
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.cluster.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);

@@ -15,6 +15,7 @@
 #include "checkpoint/safetensors.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
+#include "common/grpc_auth.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_process.h"
@@ -30,9 +31,12 @@ using testing::WaitForPort;
 
 constexpr char kModel[] = "tests/testdata/model/masked_lm_untied";
 
+// Carries $BERTSHARD_TOKEN when set (TokenCluster sets it for this process and the cluster's).
 std::unique_ptr<grpc::ClientContext> Context(int seconds = 60) {
   auto c = std::make_unique<grpc::ClientContext>();
   c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  const char* token = std::getenv("BERTSHARD_TOKEN");
+  common::AttachToken(c.get(), token == nullptr ? "" : token);
   return c;
 }
 
@@ -604,6 +608,38 @@ TEST_F(Cluster, WorkersUnloadJobsTheCoordinatorDoesNotKnow) {
   EXPECT_EQ(jobs.jobs_size(), 0);
   EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));
   EXPECT_TRUE(WaitForWorkers(4));
+}
+
+// The cluster with a bearer token ($BERTSHARD_TOKEN for the coordinator, the workers and this
+// test's calls): workers register and heartbeat with it, the coordinator loads and forwards with
+// it, and a caller without it is refused.
+class TokenCluster : public Cluster {
+ protected:
+  TokenCluster() { setenv("BERTSHARD_TOKEN", "e2e-cluster-secret", 1); }
+  ~TokenCluster() override { unsetenv("BERTSHARD_TOKEN"); }
+};
+
+TEST_F(TokenCluster, JobsRunWithTheTokenAndStrangersAreRefused) {
+  const v1::Job job = Submit(kModel);
+  const v1::JobEvent ready = Watch(job.id());
+  ASSERT_EQ(ready.job().state(), v1::READY) << ready.job().failure_cause();
+  v1::InferRequest infer;
+  infer.set_job_id(job.id());
+  *infer.mutable_tokens() = Tokens();
+  v1::InferResponse response;
+  grpc::Status status = stub_->Infer(Context().get(), infer, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  // No token: no submit, no cancel.
+  grpc::ClientContext bare;
+  bare.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::GetJobRequest cancel;
+  cancel.set_job_id(job.id());
+  v1::Job cancelled;
+  EXPECT_EQ(stub_->CancelJob(&bare, cancel, &cancelled).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  // The token is in no log line the cluster wrote.
+  for (const std::string& log : {data_dir_ + ".log", WorkerLog(0), WorkerLog(1), WorkerLog(2), WorkerLog(3)}) {
+    EXPECT_EQ(ReadAll(log).find("e2e-cluster-secret"), std::string::npos) << log;
+  }
 }
 
 // A SIGTERM drain held open by a watcher for several heartbeat intervals: the coordinator takes

@@ -7,6 +7,7 @@
 
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
+#include "common/grpc_auth.h"
 #include "grpcpp/grpcpp.h"
 
 namespace bertshard::worker {
@@ -68,6 +69,7 @@ void Registration::Run() {
     next += interval;
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + std::max(interval, absl::Seconds(1))));
+    common::AttachToken(&context, options_.token);
     bool ok = false;
     if (worker_id.empty()) {
       v1::RegisterWorkerRequest request;

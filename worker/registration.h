@@ -33,6 +33,8 @@ struct RegistrationOptions {
   std::function<std::vector<v1::HeldShard>()> held_shards;
   // Unloads a job the coordinator said not to keep. Unset: such jobs stay loaded.
   std::function<void(const std::string& job_id)> unload;
+  // The cluster's bearer token, sent with registrations and heartbeats; empty: none.
+  std::string token;
 };
 
 class Registration {

@@ -16,6 +16,7 @@
 #include "common/grpc_serving.h"
 #include "common/metrics.h"
 #include "common/metrics_endpoint.h"
+#include "common/grpc_auth.h"
 #include "common/model_root.h"
 #include "model/gemm.h"
 #include "worker/registration.h"
@@ -36,11 +37,20 @@ ABSL_FLAG(std::string, model_root, "",
           "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; "
           "symbolic links leading out are refused); empty: any path this worker can read");
 
+ABSL_FLAG(std::string, auth_token_file, "",
+          "the cluster's bearer token (file; else $BERTSHARD_TOKEN): every RPC to this worker needs it, and it "
+          "is sent with registrations and heartbeats; unset: none");
+
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const auto model_root = bertshard::common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root));
   if (!model_root.ok()) {
     std::fprintf(stderr, "shard-worker: --model_root: %s\n", std::string(model_root.status().message()).c_str());
+    return 2;
+  }
+  const auto token = bertshard::common::LoadToken(absl::GetFlag(FLAGS_auth_token_file), "BERTSHARD_TOKEN");
+  if (!token.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(token.status().message()).c_str());
     return 2;
   }
   const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
@@ -77,7 +87,8 @@ int main(int argc, char** argv) {
                                             .bind_host = bind_host,
                                             .metrics = worker_metrics ? &*worker_metrics : nullptr,
                                             .gemm = *gemm,
-                                            .model_root = *model_root});
+                                            .model_root = *model_root,
+                                            .token = *token});
   bertshard::common::MetricsRegistry::CollectorHandle shards_loaded;
   if (metrics_endpoint != nullptr) {
     auto handle = service.ExportLoadedShards(&metrics);
@@ -106,7 +117,8 @@ int main(int argc, char** argv) {
         .coordinator = absl::GetFlag(FLAGS_coordinator),
         .advertise = advertise,
         .held_shards = [&service] { return service.HeldShards(); },
-        .unload = [&service](const std::string& job_id) { service.UnloadJob(job_id); }});
+        .unload = [&service](const std::string& job_id) { service.UnloadJob(job_id); },
+        .token = *token});
   }
   std::thread waiter([&started, &registration, drain]() {
     bertshard::common::WaitForShutdownSignal("shard-worker");

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
 #include "common/free_port.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
@@ -148,8 +149,14 @@ model::GemmPath WorkerService::GemmPathFor(const v1::ShardPlan& plan, int rank, 
   return gemm_choices_.emplace(key, choice).first->second.path;
 }
 
+grpc::Status WorkerService::Authorize(const grpc::ServerContext& context) const {
+  // Every worker RPC is the coordinator's and changes or spends what the worker holds.
+  return common::CheckAccess(context, common::AuthConfig{options_.token, ""}, common::Access::kAdmin);
+}
+
 grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::LoadShardRequest* request,
                                       grpc::ServerWriter<v1::LoadProgress>* writer) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   const v1::ShardPlan& plan = request->plan();
   if (request->job_id().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "job_id is required"};
   if (request->rank() < 0 || request->rank() >= plan.world_size()) {
@@ -237,6 +244,7 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
 
 grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
                                     v1::ForwardResponse* response) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   std::shared_ptr<LoadedJob> job;
   {
     absl::MutexLock lock(&mu_);
@@ -300,16 +308,18 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::ReservePort(grpc::ServerContext*, const v1::ReservePortRequest*,
+grpc::Status WorkerService::ReservePort(grpc::ServerContext* context, const v1::ReservePortRequest*,
                                         v1::ReservePortResponse* response) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   auto port = common::FindFreePort(/*loopback=*/false);
   if (!port.ok()) return common::ToGrpcStatus(port.status());
   response->set_port(*port);
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::Unload(grpc::ServerContext*, const v1::UnloadRequest* request,
+grpc::Status WorkerService::Unload(grpc::ServerContext* context, const v1::UnloadRequest* request,
                                    v1::UnloadResponse* response) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   response->set_was_loaded(UnloadJob(request->job_id()));
   return grpc::Status::OK;
 }

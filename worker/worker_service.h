@@ -54,6 +54,8 @@ struct WorkerServiceOptions {
   // Where checkpoints may be read (--model_root; common/model_root.h): a load request's path is
   // resolved under it. Unconfined by default.
   common::ModelRoot model_root;
+  // The cluster's bearer token (common/grpc_auth.h): every RPC needs it; empty: none does.
+  std::string token;
 };
 
 class WorkerService final : public v1::Worker::Service {
@@ -84,6 +86,8 @@ class WorkerService final : public v1::Worker::Service {
   absl::StatusOr<common::MetricsRegistry::CollectorHandle> ExportLoadedShards(common::MetricsRegistry* registry);
 
  private:
+  // OK when the call carries the cluster token (or none is configured).
+  grpc::Status Authorize(const grpc::ServerContext& context) const;
   struct LoadedJob;
   // options_.gemm, or under "auto" the measured choice for a plan's rank at `threads`.
   model::GemmPath GemmPathFor(const v1::ShardPlan& plan, int rank, const std::string& job_id, int threads);

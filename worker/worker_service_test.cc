@@ -13,6 +13,7 @@
 #include "checkpoint/safetensors.h"
 #include "grpcpp/grpcpp.h"
 #include "common/free_port.h"
+#include "common/grpc_auth.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
@@ -292,6 +293,42 @@ TEST(WorkerService, LoadsOnlyCheckpointsUnderItsModelRoot) {
   s = read_all("model");  // relative to the root
   EXPECT_TRUE(s.ok()) << s.error_message();
   EXPECT_TRUE(worker.service->UnloadJob("j"));
+}
+
+// With the cluster token set, every worker RPC needs it: a stranger can neither load, forward,
+// reserve ports nor unload.
+TEST(WorkerService, EveryRpcNeedsTheClusterTokenWhenOneIsSet) {
+  WorkerServiceOptions options;
+  options.token = "cluster-secret-1";
+  RunningWorker worker = StartWorker(options);
+  const auto context = [](const std::string& token) {
+    auto c = Context();
+    common::AttachToken(c.get(), token);
+    return c;
+  };
+  for (const std::string token : {"", "not-the-secret"}) {
+    v1::ReservePortResponse port;
+    EXPECT_EQ(worker.stub->ReservePort(context(token).get(), v1::ReservePortRequest(), &port).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    v1::UnloadRequest unload;
+    unload.set_job_id("j");
+    v1::UnloadResponse unloaded;
+    EXPECT_EQ(worker.stub->Unload(context(token).get(), unload, &unloaded).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    v1::ForwardRequest forward;
+    forward.set_job_id("j");
+    v1::ForwardResponse forwarded;
+    EXPECT_EQ(worker.stub->Forward(context(token).get(), forward, &forwarded).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    auto c = context(token);
+    auto reader = worker.stub->LoadShard(c.get(), v1::LoadShardRequest());
+    v1::LoadProgress p;
+    while (reader->Read(&p)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  v1::ReservePortResponse port;
+  EXPECT_TRUE(worker.stub->ReservePort(context("cluster-secret-1").get(), v1::ReservePortRequest(), &port).ok());
 }
 
 }  // namespace
