@@ -38,7 +38,10 @@ std::unique_ptr<v1::Coordinator::Stub> Connect(const CommandLine& cl) {
   if (auto it = cl.values.find("server"); it != cl.values.end()) server = it->second;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
-  return v1::Coordinator::NewStub(grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args));
+  // Checked before any command runs (RunClusterCommand): here it loads.
+  auto credentials = ClientCredentials(cl);
+  return v1::Coordinator::NewStub(grpc::CreateCustomChannel(
+      server, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(), args));
 }
 
 std::unique_ptr<grpc::ClientContext> Context(const CommandLine& cl, int default_seconds) {
@@ -398,11 +401,13 @@ const std::set<std::string>& ClusterValueFlags(const std::string& command) {
     for (const char* drop : {"request", "output", "batch"}) f->erase(drop);
     return f;
   }();
-  static const auto* infer = new std::set<std::string>{"server", "timeout", "token-file", "text", "text-pair",
-                                                        "input", "output", "micro-batches", "top-k"};
-  static const auto* embed = new std::set<std::string>{"server", "timeout", "token-file", "file", "input",
-                                                        "pooling", "normalize", "format"};
-  static const auto* plain = new std::set<std::string>{"server", "timeout", "token-file"};
+  static const auto* infer = new std::set<std::string>{"server", "timeout", "token-file", "tls-ca", "tls-cert",
+                                                        "tls-key", "text", "text-pair", "input", "output",
+                                                        "micro-batches", "top-k"};
+  static const auto* embed = new std::set<std::string>{"server", "timeout", "token-file", "tls-ca", "tls-cert",
+                                                        "tls-key", "file", "input", "pooling", "normalize", "format"};
+  static const auto* plain = new std::set<std::string>{"server", "timeout", "token-file", "tls-ca", "tls-cert",
+                                                        "tls-key"};
   if (command == "submit") return *submit;
   if (command == "infer") return *infer;
   if (command == "embed") return *embed;
@@ -427,6 +432,10 @@ int RunClusterCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   // A token file that cannot be read is the caller's mistake, said before any call.
   if (absl::StatusOr<std::string> token = ClientToken(cl); !token.ok()) {
     std::fprintf(err, "shardctl: %s\n", std::string(token.status().message()).c_str());
+    return kExitInvalidInput;
+  }
+  if (auto credentials = ClientCredentials(cl); !credentials.ok()) {
+    std::fprintf(err, "shardctl: %s\n", std::string(credentials.status().message()).c_str());
     return kExitInvalidInput;
   }
   const std::string& command = cl.positional[0];

@@ -17,6 +17,7 @@
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "common/file.h"
 #include "common/grpc_auth.h"
+#include "common/grpc_tls.h"
 #include "common/grpc_status.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
@@ -107,10 +108,11 @@ PlanFn LocalPlanner() {
   return [](const v1::PlanRequest& r, v1::ShardPlan* plan) { return planner::PlanInto(r, plan); };
 }
 
-PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeout, const std::string& token) {
+PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeout, const std::string& token,
+                     std::shared_ptr<grpc::ChannelCredentials> credentials) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
-  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  auto channel = grpc::CreateCustomChannel(address, credentials, args);
   std::shared_ptr<v1::Coordinator::Stub> stub = v1::Coordinator::NewStub(channel);
   return [stub, address, timeout, token](const v1::PlanRequest& r, v1::ShardPlan* plan) -> absl::Status {
     grpc::ClientContext context;
@@ -181,7 +183,7 @@ const std::set<std::string>& PlanValueFlags() {
   static const auto* flags = new std::set<std::string>{
       "request", "variant", "config", "checkpoint", "tp", "pp", "pp-style", "chunks",
       "layers-per-stage", "sp-mode", "vocab-multiple", "dtype", "server", "output", "batch", "timeout",
-      "token-file"};
+      "token-file", "tls-ca", "tls-cert", "tls-key"};
   return *flags;
 }
 
@@ -294,8 +296,10 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   }
   const absl::StatusOr<std::string> token = ClientToken(cl);
   if (!token.ok()) return ReportError(err, token.status());
+  const auto credentials = ClientCredentials(cl);
+  if (!credentials.ok()) return ReportError(err, credentials.status());
   const PlanFn plan_fn = v.count("server")
-                             ? RemotePlanner(v.at("server"), std::chrono::seconds(timeout_s), *token)
+                             ? RemotePlanner(v.at("server"), std::chrono::seconds(timeout_s), *token, *credentials)
                              : LocalPlanner();
   if (auto it = v.find("batch"); it != v.end()) {
     if (output != "json") {
@@ -354,6 +358,16 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
 absl::StatusOr<std::string> ClientToken(const CommandLine& cl) {
   const auto it = cl.values.find("token-file");
   return common::LoadToken(it == cl.values.end() ? "" : it->second, "BERTSHARD_TOKEN");
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(const CommandLine& cl) {
+  const auto flag = [&](const char* name, const char* env) {
+    if (auto it = cl.values.find(name); it != cl.values.end()) return it->second;
+    const char* value = std::getenv(env);
+    return std::string(value == nullptr ? "" : value);
+  };
+  return common::ChannelCredentials({flag("tls-cert", "BERTSHARD_TLS_CERT"), flag("tls-key", "BERTSHARD_TLS_KEY"),
+                                     flag("tls-ca", "BERTSHARD_TLS_CA")});
 }
 
 }  // namespace bertshard::client

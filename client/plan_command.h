@@ -9,6 +9,7 @@
 #define BERTSHARD_CLIENT_PLAN_COMMAND_H_
 
 #include <cstdio>
+#include <memory>
 #include <set>
 #include <string>
 
@@ -16,6 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "bertshard/v1/plan.pb.h"
 #include "client/command_line.h"
+#include "grpcpp/security/credentials.h"
 
 namespace bertshard::client {
 
@@ -48,6 +50,11 @@ int RunPlanCommand(const CommandLine& command_line, std::FILE* out, std::FILE* e
 // The bearer token the coordinator calls carry (common/grpc_auth.h): --token-file, else
 // $BERTSHARD_TOKEN, else none. INVALID_ARGUMENT when the file cannot be read or is empty.
 absl::StatusOr<std::string> ClientToken(const CommandLine& cl);
+
+// The channel credentials of coordinator calls (common/grpc_tls.h): --tls-ca, --tls-cert and
+// --tls-key, else $BERTSHARD_TLS_CA, $BERTSHARD_TLS_CERT and $BERTSHARD_TLS_KEY; plaintext when
+// none is set. INVALID_ARGUMENT for unreadable or non-PEM files, or a certificate without its key.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(const CommandLine& cl);
 
 }  // namespace bertshard::client
 

@@ -316,7 +316,9 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
 const std::set<std::string>& RunValueFlags() {
   static const auto* flags = [] {
     auto* f = new std::set<std::string>(PlanValueFlags());
-    for (const char* drop : {"request", "server", "output", "batch", "token-file"}) f->erase(drop);
+    for (const char* drop : {"request", "server", "output", "batch", "token-file", "tls-ca", "tls-cert", "tls-key"}) {
+      f->erase(drop);
+    }
     for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout", "report",
                              "iterations", "gemm", "tp-transport"}) {
       f->insert(add);

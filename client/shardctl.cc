@@ -34,7 +34,8 @@ run: the sharded forward, one process per rank on this machine (Gloo on loopback
 init-checkpoint: a randomly initialised HF model directory (config.json + model.safetensors).
 
 On a coordinator (--server HOST:PORT, default $BERTSHARD_SERVER or 127.0.0.1:50051; --token-file F,
-default $BERTSHARD_TOKEN: the bearer token a coordinator with tokens needs):
+default $BERTSHARD_TOKEN: the bearer token a coordinator with tokens needs; --tls-ca F [--tls-cert F
+--tls-key F], default $BERTSHARD_TLS_CA/_CERT/_KEY: TLS, with a client certificate for mutual TLS):
   shardctl submit --checkpoint DIR [--tp N --pp N ...] [--watch] [--no-wait]   prints the job id
   shardctl jobs | job ID | watch ID | cancel ID | workers
   shardctl infer ID --text "..." [--text-pair "..."] | --input FILE.json [--output FILE.safetensors]

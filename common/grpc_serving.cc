@@ -114,7 +114,8 @@ class RpcMetricsInterceptorFactory final : public grpc::experimental::ServerInte
 }  // namespace
 
 absl::StatusOr<StartedServer> StartServer(const std::string& address, const std::vector<grpc::Service*>& services,
-                                          int max_message_bytes, MetricsRegistry* metrics) {
+                                          int max_message_bytes, MetricsRegistry* metrics,
+                                          std::shared_ptr<grpc::ServerCredentials> credentials) {
   if (address.empty() || !absl::StrContains(address, ':')) {
     return absl::InvalidArgumentError(absl::StrCat("listen address '", address, "' is not host:port (e.g. 0.0.0.0:50051)"));
   }
@@ -127,7 +128,9 @@ absl::StatusOr<StartedServer> StartServer(const std::string& address, const std:
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   StartedServer started;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &started.port);
+  // Null: plaintext (common/grpc_tls.h makes TLS credentials).
+  builder.AddListeningPort(address, credentials != nullptr ? credentials : grpc::InsecureServerCredentials(),
+                           &started.port);
   // gRPC sets SO_REUSEPORT by default: a second server would silently share the port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(max_message_bytes);

@@ -27,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 
 namespace bertshard::common {
@@ -42,7 +43,8 @@ struct StartedServer {
 // `metrics` (optional, must outlive the server): where the per-call metrics above are recorded;
 // its errors (INVALID_ARGUMENT, ALREADY_EXISTS) if they cannot be registered there.
 absl::StatusOr<StartedServer> StartServer(const std::string& address, const std::vector<grpc::Service*>& services,
-                                          int max_message_bytes = 64 << 20, MetricsRegistry* metrics = nullptr);
+                                          int max_message_bytes = 64 << 20, MetricsRegistry* metrics = nullptr,
+                                          std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
 
 // Health NOT_SERVING, then stop accepting calls and give in-flight ones `drain` to finish.
 void DrainAndShutdown(grpc::Server* server, absl::Duration drain);

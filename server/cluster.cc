@@ -143,7 +143,9 @@ v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerReque
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
-  worker->stub = v1::Worker::NewStub(grpc::CreateCustomChannel(request.address(), grpc::InsecureChannelCredentials(), args));
+  worker->stub = v1::Worker::NewStub(grpc::CreateCustomChannel(
+      request.address(),
+      options_.worker_credentials != nullptr ? options_.worker_credentials : grpc::InsecureChannelCredentials(), args));
   Worker* w = worker.get();
   workers_[id] = std::move(worker);
   if (!kept_job.empty()) {

@@ -47,6 +47,7 @@
 #include "common/model_root.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
+#include "grpcpp/security/credentials.h"
 #include "jobs/job_store.h"
 #include "server/batch_queue.h"
 
@@ -77,6 +78,8 @@ struct ClusterOptions {
   common::ModelRoot model_root;
   // Sent with every call to a worker (their --auth_token_file); empty: none.
   std::string worker_token;
+  // The channels to the workers (TLS, common/grpc_tls.h); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> worker_credentials;
 };
 
 struct JobAssets;  // server/inference.h

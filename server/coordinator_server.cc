@@ -216,7 +216,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(cons
   }
   ASSIGN_OR_RETURN(common::StartedServer started,
                    common::StartServer(options.listen_address, {service.get()}, options.max_message_bytes,
-                                       options.metrics));
+                                       options.metrics, options.server_credentials));
   std::unique_ptr<CoordinatorServer> server(
       new CoordinatorServer(std::move(cluster), std::move(service), std::move(started.server), started.port));
   server->collectors_ = std::move(collectors);

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "common/grpc_auth.h"
 #include "common/metrics.h"
+#include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "server/cluster.h"
 
@@ -41,6 +42,8 @@ struct CoordinatorOptions {
   // Bearer tokens the RPCs need (common/grpc_auth.h); off by default. The admin token is also what
   // the coordinator presents to the workers (cluster.worker_token).
   common::AuthConfig auth;
+  // TLS (common/grpc_tls.h); null: plaintext. The channels to the workers are cluster.worker_credentials.
+  std::shared_ptr<grpc::ServerCredentials> server_credentials;
 };
 
 class CoordinatorServer {

@@ -13,6 +13,7 @@
 
 #include "absl/flags/flag.h"
 #include "common/grpc_auth.h"
+#include "common/grpc_tls.h"
 #include "common/model_root.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -58,6 +59,13 @@ ABSL_FLAG(std::string, read_token_file, "",
           "a read-only bearer token (file; else $BERTSHARD_READ_TOKEN; needs --auth_token_file): when set, every "
           "other RPC (plans, listings, watches, inference) needs it or the cluster token");
 
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key); also the client certificate "
+          "presented to workers that require one");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA: clients must present a certificate it signed (mutual TLS), and workers are reached over "
+          "TLS and verified against it");
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
   absl::ParseCommandLine(argc, argv);
@@ -98,6 +106,21 @@ int main(int argc, char** argv) {
     }
     options.auth = {*admin, *read};
     options.cluster.worker_token = *admin;
+  }
+  {
+    const bertshard::common::TlsFiles tls{absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                                          absl::GetFlag(FLAGS_tls_ca)};
+    auto server_credentials = bertshard::common::ServerCredentials(tls);
+    // Workers are dialled over TLS exactly when a CA says how to verify them.
+    auto worker_credentials = bertshard::common::ChannelCredentials(
+        tls.ca.empty() ? bertshard::common::TlsFiles{} : tls);
+    const absl::Status bad = !server_credentials.ok() ? server_credentials.status() : worker_credentials.status();
+    if (!bad.ok()) {
+      std::fprintf(stderr, "bertshard-coordinator: %s\n", std::string(bad.message()).c_str());
+      return 2;
+    }
+    options.server_credentials = *server_credentials;
+    options.cluster.worker_credentials = *worker_credentials;
   }
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.cluster.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);

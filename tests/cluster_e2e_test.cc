@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "common/grpc_auth.h"
+#include "common/grpc_tls.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_process.h"
@@ -58,9 +59,10 @@ class Cluster : public ::testing::Test {
     StartCoordinator();
     for (int i = 0; i < 4; ++i) {
       spawn_index_.push_back(i);
-      workers_.push_back(Spawn({"worker/shard-worker", "--listen=127.0.0.1:0", "--threads=1",
-                                "--coordinator=127.0.0.1:" + std::to_string(port_)},
-                               WorkerLog(i)));
+      std::vector<std::string> args = {"worker/shard-worker", "--listen=127.0.0.1:0", "--threads=1",
+                                       "--coordinator=127.0.0.1:" + std::to_string(port_)};
+      args.insert(args.end(), tls_flags_.begin(), tls_flags_.end());
+      workers_.push_back(Spawn(args, WorkerLog(i)));
     }
     ASSERT_TRUE(WaitForWorkers(4)) << ReadAll(WorkerLog(0));
   }
@@ -78,16 +80,18 @@ class Cluster : public ::testing::Test {
   void StartCoordinator() {
     const std::string log = data_dir_ + ".log";
     std::ofstream(log, std::ios::trunc).close();
-    coordinator_ = Spawn({"server/bertshard-coordinator", "--listen=127.0.0.1:" + std::to_string(port_),
-                          "--data_dir=" + data_dir_, "--heartbeat_interval=" + heartbeat_interval_,
-                          "--collective_timeout_s=" + collective_timeout_s_, "--readopt_grace=6s",
-                          "--drain_timeout=" + drain_timeout_},
-                         log);
+    std::vector<std::string> args = {"server/bertshard-coordinator", "--listen=127.0.0.1:" + std::to_string(port_),
+                                     "--data_dir=" + data_dir_, "--heartbeat_interval=" + heartbeat_interval_,
+                                     "--collective_timeout_s=" + collective_timeout_s_, "--readopt_grace=6s",
+                                     "--drain_timeout=" + drain_timeout_};
+    args.insert(args.end(), tls_flags_.begin(), tls_flags_.end());
+    coordinator_ = Spawn(args, log);
     const int port = WaitForPort(log);
     ASSERT_GT(port, 0) << ReadAll(log);
     port_ = port;
-    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
-                                                         grpc::InsecureChannelCredentials()));
+    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(port_),
+        client_credentials_ != nullptr ? client_credentials_ : grpc::InsecureChannelCredentials()));
   }
 
   void StopCoordinator() {
@@ -278,6 +282,9 @@ class Cluster : public ::testing::Test {
   std::string heartbeat_interval_ = "1s";
   std::string collective_timeout_s_ = "8";
   std::string drain_timeout_ = "10s";
+  // Given to the coordinator and every worker (TlsCluster); the test's own channel credentials.
+  std::vector<std::string> tls_flags_;
+  std::shared_ptr<grpc::ChannelCredentials> client_credentials_;
   std::string data_dir_;
   int port_ = 0;
   pid_t coordinator_ = -1;
@@ -640,6 +647,58 @@ TEST_F(TokenCluster, JobsRunWithTheTokenAndStrangersAreRefused) {
   for (const std::string& log : {data_dir_ + ".log", WorkerLog(0), WorkerLog(1), WorkerLog(2), WorkerLog(3)}) {
     EXPECT_EQ(ReadAll(log).find("e2e-cluster-secret"), std::string::npos) << log;
   }
+}
+
+// Mutual TLS everywhere (tools/make_test_certs.sh): the coordinator and the workers serve TLS,
+// require certificates from the test CA, and dial each other over TLS; the test and shardctl present
+// a client certificate. A job loads and answers; plaintext and a certificate of another CA are refused.
+class TlsCluster : public Cluster {
+ protected:
+  TlsCluster() {
+    certs_ = TempDir() + "/tls-certs";
+    EXPECT_EQ(std::system(("bash tools/make_test_certs.sh " + certs_).c_str()), 0) << ReadAll(certs_ + "/make.log");
+    tls_flags_ = {"--tls_cert=" + certs_ + "/server.pem", "--tls_key=" + certs_ + "/server.key",
+                  "--tls_ca=" + certs_ + "/ca.pem"};
+    auto credentials = common::ChannelCredentials(Client("client.pem"));
+    EXPECT_TRUE(credentials.ok()) << credentials.status();
+    client_credentials_ = *credentials;
+  }
+  common::TlsFiles Client(const std::string& cert) const {
+    return {certs_ + "/" + cert, certs_ + "/client.key", certs_ + "/ca.pem"};
+  }
+  std::string certs_;
+};
+
+TEST_F(TlsCluster, JobsRunOverMutualTlsAndOthersAreRefused) {
+  const v1::Job job = Submit(kModel);
+  const v1::JobEvent ready = Watch(job.id());
+  ASSERT_EQ(ready.job().state(), v1::READY) << ready.job().failure_cause();
+  v1::InferRequest infer;
+  infer.set_job_id(job.id());
+  *infer.mutable_tokens() = Tokens();
+  v1::InferResponse response;
+  grpc::Status status = stub_->Infer(Context().get(), infer, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const std::string address = "127.0.0.1:" + std::to_string(port_);
+  for (const auto& [what, credentials] :
+       std::vector<std::pair<std::string, std::shared_ptr<grpc::ChannelCredentials>>>{
+           {"plaintext", grpc::InsecureChannelCredentials()},
+           {"another CA's client certificate", *common::ChannelCredentials(Client("client-other.pem"))},
+           {"an expired client certificate", *common::ChannelCredentials(Client("client-expired.pem"))}}) {
+    auto stranger = v1::Coordinator::NewStub(grpc::CreateChannel(address, credentials));
+    v1::ListJobsResponse jobs;
+    EXPECT_EQ(stranger->ListJobs(Context(5).get(), v1::ListJobsRequest(), &jobs).error_code(),
+              grpc::StatusCode::UNAVAILABLE) << what;
+  }
+  // shardctl with the client files, and without them.
+  const Cli ok = Shardctl({"jobs", "--server", address, "--tls-ca", certs_ + "/ca.pem", "--tls-cert",
+                           certs_ + "/client.pem", "--tls-key", certs_ + "/client.key"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find(job.id()), std::string::npos) << ok.output;
+  const Cli plain = Shardctl({"jobs", "--server", address, "--timeout", "5"});
+  EXPECT_NE(plain.exit_code, 0) << plain.output;
+  const Cli bad = Shardctl({"jobs", "--server", address, "--tls-ca", certs_ + "/missing.pem"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
 }
 
 // A SIGTERM drain held open by a watcher for several heartbeat intervals: the coordinator takes

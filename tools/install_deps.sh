@@ -29,6 +29,8 @@ PACKAGES=(
   debootstrap
   # `git clone` of this repository on a fresh machine, and TLS for apt mirrors.
   ca-certificates git
+  # TLS tests make their certificates at test time (common/grpc_tls_test).
+  openssl
 )
 
 if [ "${BERTSHARD_DEPS:-all}" != "build" ]; then

@@ -54,7 +54,9 @@ void Registration::Run() {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   auto stub = v1::Coordinator::NewStub(
-      grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args));
+      grpc::CreateCustomChannel(options_.coordinator,
+                                options_.credentials != nullptr ? options_.credentials : grpc::InsecureChannelCredentials(),
+                                args));
   std::string worker_id;
   absl::Duration interval = absl::Seconds(1);
   int failed_heartbeats = 0;

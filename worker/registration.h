@@ -23,6 +23,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "bertshard/v1/worker.pb.h"
+#include "grpcpp/security/credentials.h"
 
 namespace bertshard::worker {
 
@@ -35,6 +36,8 @@ struct RegistrationOptions {
   std::function<void(const std::string& job_id)> unload;
   // The cluster's bearer token, sent with registrations and heartbeats; empty: none.
   std::string token;
+  // The channel to the coordinator (TLS, common/grpc_tls.h); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
 
 class Registration {

@@ -17,6 +17,7 @@
 #include "common/metrics.h"
 #include "common/metrics_endpoint.h"
 #include "common/grpc_auth.h"
+#include "common/grpc_tls.h"
 #include "common/model_root.h"
 #include "model/gemm.h"
 #include "worker/registration.h"
@@ -41,6 +42,13 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "the cluster's bearer token (file; else $BERTSHARD_TOKEN): every RPC to this worker needs it, and it "
           "is sent with registrations and heartbeats; unset: none");
 
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key); also the client certificate "
+          "presented to a coordinator that requires one");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA: callers (the coordinator) must present a certificate it signed (mutual TLS), and the "
+          "coordinator is reached over TLS and verified against it");
+
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const auto model_root = bertshard::common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root));
@@ -51,6 +59,17 @@ int main(int argc, char** argv) {
   const auto token = bertshard::common::LoadToken(absl::GetFlag(FLAGS_auth_token_file), "BERTSHARD_TOKEN");
   if (!token.ok()) {
     std::fprintf(stderr, "shard-worker: %s\n", std::string(token.status().message()).c_str());
+    return 2;
+  }
+  const bertshard::common::TlsFiles tls{absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                                        absl::GetFlag(FLAGS_tls_ca)};
+  const auto server_credentials = bertshard::common::ServerCredentials(tls);
+  // The coordinator is dialled over TLS exactly when a CA says how to verify it.
+  const auto coordinator_credentials =
+      bertshard::common::ChannelCredentials(tls.ca.empty() ? bertshard::common::TlsFiles{} : tls);
+  if (!server_credentials.ok() || !coordinator_credentials.ok()) {
+    const absl::Status bad = !server_credentials.ok() ? server_credentials.status() : coordinator_credentials.status();
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(bad.message()).c_str());
     return 2;
   }
   const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
@@ -100,7 +119,7 @@ int main(int argc, char** argv) {
   }
   // Shard loads and forward outputs can be large.
   auto started = bertshard::common::StartServer(absl::GetFlag(FLAGS_listen), {&service}, 1 << 30,
-                                                metrics_endpoint != nullptr ? &metrics : nullptr);
+                                                metrics_endpoint != nullptr ? &metrics : nullptr, *server_credentials);
   if (!started.ok()) {
     std::fprintf(stderr, "shard-worker: %s\n", started.status().ToString().c_str());
     return 1;
@@ -118,7 +137,8 @@ int main(int argc, char** argv) {
         .advertise = advertise,
         .held_shards = [&service] { return service.HeldShards(); },
         .unload = [&service](const std::string& job_id) { service.UnloadJob(job_id); },
-        .token = *token});
+        .token = *token,
+        .credentials = *coordinator_credentials});
   }
   std::thread waiter([&started, &registration, drain]() {
     bertshard::common::WaitForShutdownSignal("shard-worker");
