@@ -477,6 +477,10 @@ TEST(TokenCheck, RefusesWhatNoRankCouldRun) {
   EXPECT_TRUE(absl::StrContains(message({1, 3, 1, {1, 2, 3}, {1, 1, 1}, {0, 0, 0}}), "multiple of tp_size 2"));
   EXPECT_TRUE(absl::StrContains(message({2, 2, 2, ids, mask, types}), "choices are only for BertForMultipleChoice"));
   EXPECT_TRUE(absl::StrContains(message({1, 3, 1, ids, mask, types}), "rows x seq values"));
+  // Regression (fuzz/corpus/infer_request/crash-rows_times_seq_overflow.bin): rows x seq past
+  // int64 was undefined behaviour; now a plain refusal.
+  EXPECT_TRUE(absl::StrContains(message({18, 1224979098644774911, 1, ids, mask, types}), "rows x seq values"));
+  EXPECT_TRUE(absl::StrContains(message({INT64_MAX, INT64_MAX, 1, ids, mask, types}), "rows x seq values"));
   const std::vector<int64_t> six(6, 1);
   EXPECT_TRUE(absl::StrContains(message({1, 6, 1, six, six, std::vector<int64_t>(6, 0)}),
                                 "exceeds max_position_embeddings 4"));

@@ -8,9 +8,12 @@ namespace bertshard::planner {
 
 absl::Status CheckTokens(const TokenView& t, const v1::ShardPlan& plan) {
   const v1::BertConfig& c = plan.config();
-  const size_t n = static_cast<size_t>(std::max<int64_t>(0, t.rows * t.seq));
-  if (t.rows < 1 || t.seq < 1 || t.input_ids.size() != n || t.attention_mask.size() != n ||
-      t.token_type_ids.size() != n) {
+  // rows x seq from a request can be anything: multiplied only when it cannot overflow (found by
+  // fuzz/infer_request_fuzzer: 18 x 1224979098644774911 was undefined behaviour here).
+  int64_t n = 0;
+  if (t.rows < 1 || t.seq < 1 || __builtin_mul_overflow(t.rows, t.seq, &n) ||
+      t.input_ids.size() != static_cast<size_t>(n) || t.attention_mask.size() != static_cast<size_t>(n) ||
+      t.token_type_ids.size() != static_cast<size_t>(n)) {
     return absl::InvalidArgumentError(
         "inputs need rows x seq values in each of input_ids, attention_mask and token_type_ids");
   }

@@ -2,7 +2,8 @@
 # Installs the Debian 12 packages bertshard builds and tests with. Idempotent: when everything is
 # already installed it returns without touching apt. Needs root (or sudo).
 # BERTSHARD_DEPS=build installs only what building needs (the container image's build stage), not
-# the test references (PyTorch for HF transformers, the text corpus).
+# the test references (PyTorch for HF transformers, the text corpus); BERTSHARD_DEPS=fuzz adds clang
+# and libFuzzer for tools/fuzz.sh.
 set -euo pipefail
 
 PACKAGES=(
@@ -46,6 +47,11 @@ fi
 
 # `kubectl kustomize` renders the Kubernetes manifests: Debian's kubernetes-client, unless a kubectl
 # is installed already (some images carry a newer one from another package that owns the path).
+# Fuzzing (tools/fuzz.sh): clang with libFuzzer; only on request (BERTSHARD_DEPS=fuzz), being large.
+if [ "${BERTSHARD_DEPS:-all}" = "fuzz" ]; then
+  PACKAGES+=(clang libclang-rt-14-dev)
+fi
+
 command -v kubectl >/dev/null || PACKAGES+=(kubernetes-client)
 
 missing=()
