@@ -208,13 +208,23 @@ absl::StatusOr<v1::PlanRequest> Cluster::LocalRequest(const v1::PlanRequest& req
   return local;
 }
 
-absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request) {
+absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request, const std::string& client) {
   if (request.request().checkpoint().empty()) {
     return absl::InvalidArgumentError("SubmitJob needs request.checkpoint: the model directory the workers load");
   }
   ASSIGN_OR_RETURN(const v1::PlanRequest local, LocalRequest(request.request()));
   ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(local));
   absl::MutexLock lock(&mu_);
+  if (options_.max_jobs_per_client > 0) {
+    ASSIGN_OR_RETURN(const std::vector<v1::Job> jobs, store_->List());
+    int active = 0;
+    for (const v1::Job& j : jobs) active += (j.submitted_by() == client && !TerminalState(j.state())) ? 1 : 0;
+    if (active >= options_.max_jobs_per_client) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this client already has ", active, " jobs that have not ended (the limit, --max_jobs_per_client, is ",
+          options_.max_jobs_per_client, "): cancel one first"));
+    }
+  }
   int idle = 0;
   for (const auto& [id, w] : workers_) idle += (w->info.healthy() && w->info.job_id().empty()) ? 1 : 0;
   if (idle < plan.world_size() && request.fail_if_no_workers()) {
@@ -224,6 +234,7 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request) 
   v1::Job job;
   job.set_id(absl::StrCat("job-", absl::ToUnixMillis(absl::Now()), "-", ++next_job_));
   *job.mutable_request() = request.request();
+  job.set_submitted_by(client);
   // The class the plan resolved (from the checkpoint's config.json when the request named none),
   // so that listings say what runs.
   job.mutable_request()->set_variant(plan.variant());

@@ -76,6 +76,9 @@ struct ClusterOptions {
   // checkpoint as workers will see it; the coordinator resolves it under its own root for what it
   // reads itself (config.json, the tokenizer and head files).
   common::ModelRoot model_root;
+  // Jobs one client may have that have not ended (PENDING to READY); 0: no limit. Ended jobs do
+  // not count, so cancelling one makes room.
+  int max_jobs_per_client = 16;
   // Sent with every call to a worker (their --auth_token_file); empty: none.
   std::string worker_token;
   // The channels to the workers (TLS, common/grpc_tls.h); null: plaintext.
@@ -102,7 +105,9 @@ class Cluster {
   // Per job that has a runtime here: Infer calls queued or running on it (metrics).
   std::map<std::string, int> InferQueueDepths();
 
-  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request);
+  // `client`: who submits (Job.submitted_by); RESOURCE_EXHAUSTED when it already has
+  // ClusterOptions::max_jobs_per_client jobs that have not ended.
+  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request, const std::string& client = "");
   absl::StatusOr<v1::Job> GetJob(const std::string& id);
   absl::StatusOr<std::vector<v1::Job>> ListJobs();
   absl::StatusOr<v1::Job> CancelJob(const std::string& id);

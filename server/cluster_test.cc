@@ -274,5 +274,30 @@ TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
   }
 }
 
+// Jobs that have not ended are limited per client: the next is RESOURCE_EXHAUSTED, other clients
+// are not affected, and cancelling one makes room. The submitter is recorded on the job.
+TEST(ClusterLimits, JobsPerClientAreLimitedUntilOneEnds) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(testing::TempDir()) / "cluster_limits_model";
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
+  ClusterOptions options;
+  options.max_jobs_per_client = 2;
+  auto cluster = Cluster::Create(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  v1::SubmitJobRequest submit;
+  submit.mutable_request()->set_checkpoint(dir.string());
+  auto first = (*cluster)->SubmitJob(submit, "host:10.0.0.1");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->submitted_by(), "host:10.0.0.1");
+  ASSERT_TRUE((*cluster)->SubmitJob(submit, "host:10.0.0.1").ok());
+  const absl::Status third = (*cluster)->SubmitJob(submit, "host:10.0.0.1").status();
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_NE(third.message().find("--max_jobs_per_client"), std::string::npos) << third;
+  EXPECT_TRUE((*cluster)->SubmitJob(submit, "cn:other-client").ok());
+  ASSERT_TRUE((*cluster)->CancelJob(first->id()).ok());
+  EXPECT_TRUE((*cluster)->SubmitJob(submit, "host:10.0.0.1").ok());
+}
+
 }  // namespace
 }  // namespace bertshard::server

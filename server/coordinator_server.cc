@@ -117,6 +117,21 @@ absl::StatusOr<BatchObserver> BatchMetrics(common::MetricsRegistry* registry) {
     return denied;                                                             \
   }
 
+// Who is calling, for per-client limits: the common name of a verified TLS client certificate,
+// else the peer's host (its port changes per connection).
+std::string ClientOf(const grpc::ServerContext& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    for (const grpc::string_ref& cn : auth->FindPropertyValues("x509_common_name")) {
+      return "cn:" + std::string(cn.data(), cn.size());
+    }
+  }
+  std::string peer = context.peer();  // "ipv4:127.0.0.1:5123", "ipv6:[::1]:5123", "unix:..."
+  const size_t colon = peer.rfind(':');
+  if (colon != std::string::npos && peer.rfind("unix:", 0) != 0) peer.resize(colon);
+  return "host:" + peer.substr(peer.find(':') + 1);
+}
+
 class CoordinatorServer::Service final : public v1::Coordinator::Service {
  public:
   Service(Cluster* cluster, common::AuthConfig auth) : cluster_(cluster), auth_(std::move(auth)) {}
@@ -146,7 +161,7 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
   }
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request, v1::Job* response) override {
     RETURN_IF_DENIED(context, common::Access::kAdmin);
-    return Reply(cluster_->SubmitJob(*request), response);
+    return Reply(cluster_->SubmitJob(*request, ClientOf(*context)), response);
   }
   grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request, v1::Job* response) override {
     RETURN_IF_DENIED(context, common::Access::kRead);

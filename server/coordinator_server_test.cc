@@ -1,5 +1,7 @@
 #include "server/coordinator_server.h"
 
+#include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 
@@ -219,6 +221,33 @@ TEST(CoordinatorServerAuth, WithoutAReadTokenReadsAreOpen) {
   cancel.set_job_id("job-1");
   v1::Job job;
   EXPECT_EQ(stub->CancelJob(&cancel_context, cancel, &job).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+// Limits seen through gRPC: a message over --max_message_bytes is RESOURCE_EXHAUSTED before any
+// handler runs, and a job records who submitted it (the peer's host without TLS), which the
+// per-client job limit counts.
+TEST(CoordinatorServerLimits, OversizedMessagesAndTheSubmitter) {
+  const std::string dir = testing::TempDir() + "/limits_model";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json") << R"({"architectures": ["BertForMaskedLM"]})";
+  CoordinatorOptions options{.listen_address = "127.0.0.1:0", .max_message_bytes = 8192};
+  options.cluster.max_jobs_per_client = 1;
+  auto server = CoordinatorServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials()));
+  v1::SubmitJobRequest submit;
+  submit.mutable_request()->set_checkpoint(std::string(20000, 'x'));
+  v1::Job job;
+  grpc::ClientContext big;
+  EXPECT_EQ(stub->SubmitJob(&big, submit, &job).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  submit.mutable_request()->set_checkpoint(dir);
+  grpc::ClientContext first;
+  ASSERT_TRUE(stub->SubmitJob(&first, submit, &job).ok());
+  EXPECT_EQ(job.submitted_by(), "host:127.0.0.1");
+  grpc::ClientContext second;
+  const grpc::Status s = stub->SubmitJob(&second, submit, &job);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
 }
 
 }  // namespace

@@ -66,6 +66,10 @@ ABSL_FLAG(std::string, tls_ca, "",
           "PEM CA: clients must present a certificate it signed (mutual TLS), and workers are reached over "
           "TLS and verified against it");
 
+ABSL_FLAG(int, max_jobs_per_client, 16,
+          "jobs one client (TLS certificate name, else host) may have that have not ended; 0: no limit");
+ABSL_FLAG(int, max_message_bytes, 256 << 20, "largest request or response message, bytes");
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
   absl::ParseCommandLine(argc, argv);
@@ -121,6 +125,12 @@ int main(int argc, char** argv) {
     }
     options.server_credentials = *server_credentials;
     options.cluster.worker_credentials = *worker_credentials;
+  }
+  options.cluster.max_jobs_per_client = absl::GetFlag(FLAGS_max_jobs_per_client);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  if (options.cluster.max_jobs_per_client < 0 || options.max_message_bytes < 4096) {
+    std::fprintf(stderr, "bertshard-coordinator: --max_jobs_per_client must be >= 0 and --max_message_bytes >= 4096\n");
+    return 2;
   }
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.cluster.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);
