@@ -87,7 +87,10 @@ TEST(Pool, MeanSqrtLen) {
 TEST(Pool, NoNanAnywhereForAnEmptyRow) {
   for (Pooling p : {Pooling::kMean, Pooling::kCls, Pooling::kMax, Pooling::kMeanSqrtLen}) {
     for (bool normalize : {false, true}) {
-      for (float v : PoolOrDie(p, normalize)[2]) EXPECT_FALSE(std::isnan(v)) << PoolingName(p) << " " << normalize;
+      // Held by name: a range-for over PoolOrDie(...)[2] read a destroyed temporary (found by ASan).
+      const Rows rows = PoolOrDie(p, normalize);
+      ASSERT_EQ(rows.size(), 3u);
+      for (float v : rows[2]) EXPECT_FALSE(std::isnan(v)) << PoolingName(p) << " " << normalize;
     }
   }
 }
