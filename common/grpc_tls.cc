@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -24,6 +25,23 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
   return text.str();
 }
 
+// The PEM texts of the files: cert and key always, ca when set ("" when not).
+struct Pem {
+  std::string cert, key, ca;
+};
+absl::StatusOr<Pem> ReadAll(const TlsFiles& f) {
+  Pem pem;
+  for (auto [path, what, out] : {std::tuple<const std::string&, const char*, std::string*>{f.cert, "certificate", &pem.cert},
+                                 {f.key, "key", &pem.key},
+                                 {f.ca, "CA", &pem.ca}}) {
+    if (path.empty()) continue;
+    absl::StatusOr<std::string> text = ReadPem(path, what);
+    if (!text.ok()) return text.status();
+    *out = *std::move(text);
+  }
+  return pem;
+}
+
 absl::Status CheckPair(const TlsFiles& f) {
   if (f.cert.empty() != f.key.empty()) {
     return absl::InvalidArgumentError("TLS needs a certificate and its key together (--tls_cert and --tls_key)");
@@ -39,19 +57,12 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const
   if (f.cert.empty()) {
     return absl::InvalidArgumentError("a TLS server needs its certificate and key (--tls_cert, --tls_key), not only a CA");
   }
+  absl::StatusOr<Pem> pem = ReadAll(f);
+  if (!pem.ok()) return pem.status();
   grpc::SslServerCredentialsOptions options;
-  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  auto cert = ReadPem(f.cert, "certificate");
-  if (!cert.ok()) return cert.status();
-  auto key = ReadPem(f.key, "key");
-  if (!key.ok()) return key.status();
-  pair.cert_chain = *cert;
-  pair.private_key = *key;
-  options.pem_key_cert_pairs.push_back(pair);
-  if (!f.ca.empty()) {
-    auto ca = ReadPem(f.ca, "CA");
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
+  options.pem_key_cert_pairs.push_back({pem->key, pem->cert});
+  if (!pem->ca.empty()) {
+    options.pem_root_certs = pem->ca;
     options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(options);
@@ -60,20 +71,12 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(const TlsFiles& f) {
   if (!f.enabled()) return grpc::InsecureChannelCredentials();
   if (absl::Status s = CheckPair(f); !s.ok()) return s;
+  absl::StatusOr<Pem> pem = ReadAll(f);
+  if (!pem.ok()) return pem.status();
   grpc::SslCredentialsOptions options;
-  if (!f.ca.empty()) {
-    auto ca = ReadPem(f.ca, "CA");
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
-  }
-  if (!f.cert.empty()) {
-    auto cert = ReadPem(f.cert, "certificate");
-    if (!cert.ok()) return cert.status();
-    auto key = ReadPem(f.key, "key");
-    if (!key.ok()) return key.status();
-    options.pem_cert_chain = *cert;
-    options.pem_private_key = *key;
-  }
+  options.pem_root_certs = pem->ca;  // "": the system's roots
+  options.pem_cert_chain = pem->cert;
+  options.pem_private_key = pem->key;
   return grpc::SslCredentials(options);
 }
 
