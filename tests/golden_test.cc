@@ -154,6 +154,12 @@ bool IsHead(const std::string& module) {
          absl::EndsWith(module, "pooler");
 }
 
+// Whether a parameter belongs to the pooler or a head ("bert.pooler.dense.weight", "cls.predictions.bias").
+bool IsHeadTensor(const std::string& name) {
+  const std::string trunk = absl::StartsWith(name, "bert.") ? name.substr(5) : name;
+  return IsHead(trunk.substr(0, trunk.find('.')));
+}
+
 TEST(GoldenBertPolicy, EveryCaseMatchesSeedWithContractDifferences) {
   const json golden = LoadGolden("bert_policy.json");
   const json& entries = golden["policy_entries"];
@@ -486,14 +492,14 @@ TEST(GoldenLayerShards, WholeModelSlicesMatchSharder) {
     const int tp = first["tp"].get<int>();
     const int64_t m = first["make_vocab_size_divisible_by"].get<int64_t>();
     const int64_t vocab = mc["vocab_size"].get<int64_t>();
-    // Every name the golden sharder gave a tensor, per TP rank, from every stage (ZBV moves heads
-    // to stage 0: difference 1, so match by name across stages).
-    std::vector<std::map<std::string, GoldenTensor>> by_rank(static_cast<size_t>(tp));
-    std::vector<std::set<std::string>> golden_names(static_cast<size_t>(tp));
+    // Every name the golden sharder gave a tensor, per (stage, TP rank) of the seed.
+    std::map<std::pair<int, size_t>, std::map<std::string, GoldenTensor>> by_slot;
+    std::map<std::pair<int, size_t>, std::set<std::string>> golden_names;
     std::set<int> recorded_stages;
     const bool zbv = first["pp"]["pp_style"] == "zbv";
     for (const json* r : records) {
-      recorded_stages.insert((*r)["stage"].is_null() ? 0 : (*r)["stage"].get<int>());
+      const int stage = (*r)["stage"].is_null() ? 0 : (*r)["stage"].get<int>();
+      recorded_stages.insert(stage);
       for (const auto& rank : (*r)["ranks"]) {
         const size_t t = rank["rank"].get<size_t>();
         for (const auto& param : rank["params"]) {
@@ -505,26 +511,45 @@ TEST(GoldenLayerShards, WholeModelSlicesMatchSharder) {
               for (const auto& a : param[k]) names.push_back(a.get<std::string>());
             }
           }
-          golden_names[t].insert(param["name"].get<std::string>());
-          for (const auto& n : names) by_rank[t][n] = g;
+          golden_names[{stage, t}].insert(param["name"].get<std::string>());
+          for (const auto& n : names) by_slot[{stage, t}][n] = g;
         }
       }
     }
-    std::vector<std::set<std::string>> our_names(static_cast<size_t>(tp));
+    // Where the seed holds what we hold on `stage`, and the other way round: the same stage, except
+    // that under ZBV the pooler and heads are on our stage 0 and the seed's last stage (difference 1).
+    // That is the only difference allowed; any other tensor on another stage, or extra, fails.
+    int last_stage = 0;
+    for (const auto& rank : plan->ranks()) last_stage = std::max(last_stage, rank.stage());
+    const auto seed_stage = [&](int stage, const std::string& name) {
+      return zbv && stage == 0 && IsHeadTensor(name) ? last_stage : stage;
+    };
+    const auto our_stage = [&](int stage, const std::string& name) {
+      return zbv && stage == last_stage && IsHeadTensor(name) ? 0 : stage;
+    };
+    std::map<std::pair<int, size_t>, std::set<std::string>> our_names;
     for (const auto& rank : plan->ranks()) {
       const size_t t = static_cast<size_t>(rank.tp_rank());
-      int64_t bytes = 0;
+      int64_t held_bytes = 0;
       for (const auto& tensor : rank.tensors()) {
         SCOPED_TRACE(tensor.name());
-        our_names[t].insert(tensor.name());
-        for (const auto& a : tensor.aliases()) our_names[t].insert(a);
-        bytes += tensor.bytes();
-        if (!by_rank[t].count(tensor.name())) {
-          // The sample records only some stages of some configurations.
-          EXPECT_TRUE(zbv || !recorded_stages.count(rank.stage())) << "not held by the seed";
+        our_names[{rank.stage(), t}].insert(tensor.name());
+        for (const auto& a : tensor.aliases()) our_names[{rank.stage(), t}].insert(a);
+        // The bytes a rank holds, from the slice's shape (compared with the seed's just below where
+        // the seed recorded the stage) at fp32's 4 bytes, not from the plan's own `bytes` fields.
+        int64_t elements = 1;
+        for (const int64_t d : tensor.local_shape()) elements *= d;
+        EXPECT_EQ(tensor.bytes(), elements * 4);
+        held_bytes += elements * 4;
+        const int stage = seed_stage(rank.stage(), tensor.name());
+        // The sample records only some stages of some configurations.
+        if (!recorded_stages.count(stage)) continue;
+        const auto& seed = by_slot[{stage, t}];
+        if (!seed.count(tensor.name())) {
+          ADD_FAILURE() << "not held by the seed on stage " << stage << " tp rank " << t;
           continue;
         }
-        GoldenTensor g = by_rank[t].at(tensor.name());
+        GoldenTensor g = seed.at(tensor.name());
         const bool vocab_tensor = tensor.global_shape(0) == vocab;
         if (vocab_tensor && g.dims[0].size() > 0) {
           // Difference 2: the word embedding pads with make_vocab_size_divisible_by like the
@@ -577,20 +602,16 @@ TEST(GoldenLayerShards, WholeModelSlicesMatchSharder) {
         }
         ++tensors_checked;
       }
-      EXPECT_EQ(rank.param_bytes(), bytes);
+      EXPECT_EQ(plan->dtype(), v1::FP32);
+      EXPECT_EQ(rank.param_bytes(), held_bytes);
     }
-    // Nothing the seed holds is missing from the plan (tied tensors may appear as an alias).
-    for (size_t t = 0; t < golden_names.size(); ++t) {
-      our_names[t].clear();
-      for (const auto& rank : plan->ranks()) {
-        if (rank.tp_rank() != static_cast<int>(t)) continue;
-        for (const auto& tensor : rank.tensors()) {
-          our_names[t].insert(tensor.name());
-          for (const auto& a : tensor.aliases()) our_names[t].insert(a);
-        }
-      }
-      for (const auto& name : golden_names[t]) {
-        EXPECT_TRUE(our_names[t].count(name)) << name << " missing on tp rank " << t;
+    // Nothing the seed holds on a recorded stage is missing from the plan's same stage (tied
+    // tensors may appear as an alias).
+    for (const auto& [slot, names] : golden_names) {
+      for (const auto& name : names) {
+        const int stage = our_stage(slot.first, name);
+        EXPECT_TRUE(our_names[std::make_pair(stage, slot.second)].count(name))
+            << name << " missing on stage " << stage << " tp rank " << slot.second;
       }
     }
   }

@@ -129,7 +129,7 @@ def main():
     expect(c1.get("bertshard_coordinator_jobs", state="READY"), 1.0, "READY jobs")
     expect(c1.get("bertshard_coordinator_jobs", state="FAILED"), 0.0, "FAILED jobs")
     expect(c1.get("bertshard_coordinator_workers", health="healthy"), 2.0, "healthy workers")
-    for i, (before, after) in enumerate(zip(w0, w1)):
+    for i, (before, after) in enumerate(zip(w0, w1, strict=True)):
         expect(delta(before, after, "bertshard_grpc_requests_total", method=WORKER + "LoadShard", code="OK"), 1,
                "LoadShard on worker %d" % i)
         expect(after.get("bertshard_worker_shards_loaded"), 1.0, "shards loaded on worker %d" % i)
@@ -189,7 +189,7 @@ def main():
     expect(c2.children("bertshard_coordinator_infer_queue_depth").get((("job", job),)), 0.0,
            "queue depth of the job (present) once every call returned")
 
-    for i, (before, after) in enumerate(zip(w1, w2)):
+    for i, (before, after) in enumerate(zip(w1, w2, strict=True)):
         labels = {"job": job, "rank": str(rank_of[i])}
         expect(delta(before, after, "bertshard_grpc_requests_total", method=WORKER + "Forward", code="OK"), 3,
                "Forward on worker %d" % i)

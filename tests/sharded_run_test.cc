@@ -46,6 +46,51 @@ std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>> ReadT
   return out;
 }
 
+// What one rank holds and reads, per the checkpoint's own header rather than the plan's byte counts.
+struct Held {
+  int64_t param_bytes = 0;    // every element of its slices, in the run's dtype
+  int64_t padding_bytes = 0;  // the slices' rows past the file tensor's end (zeros), in the run's dtype
+  int64_t read_bytes = 0;     // the rest, in the file's dtype: what it must read
+};
+
+// Each tensor the plan gives a rank is [start, end) of split_dim of the file's tensor (the whole
+// tensor for split_dim -1); its size comes from the file's shape and dtype. The file's tensor is
+// the plan's name, an alias (tied weights) or the name without or with "bert." (as the loader's).
+Held HeldFromCheckpoint(const checkpoint::SafetensorsFile& file, const nlohmann::json& rank, int64_t run_element) {
+  Held held;
+  for (const auto& t : rank["tensors"]) {
+    const std::string name = t["name"].get<std::string>();
+    SCOPED_TRACE(name);
+    std::vector<std::string> candidates = {name};
+    for (const auto& a : t["aliases"]) candidates.push_back(a.get<std::string>());
+    candidates.push_back(absl::StartsWith(name, "bert.") ? name.substr(5) : "bert." + name);
+    const checkpoint::TensorInfo* info = nullptr;
+    for (const auto& c : candidates) {
+      if (info == nullptr) info = file.Find(c);
+    }
+    if (info == nullptr) {
+      ADD_FAILURE() << "no checkpoint tensor for " << name;
+      continue;
+    }
+    const int split = t["split_dim"].get<int>();
+    int64_t elements = 1, real = 1;
+    for (size_t d = 0; d < info->shape.size(); ++d) {
+      if (static_cast<int>(d) != split) {
+        elements *= info->shape[d];
+        real *= info->shape[d];
+        continue;
+      }
+      const int64_t start = t["start"].get<int64_t>(), end = t["end"].get<int64_t>();
+      elements *= end - start;
+      real *= std::max<int64_t>(0, std::min(end, info->shape[d]) - start);
+    }
+    held.param_bytes += elements * run_element;
+    held.padding_bytes += (elements - real) * run_element;
+    held.read_bytes += real * checkpoint::DTypeSize(info->dtype);
+  }
+  return held;
+}
+
 struct Launch {
   const char* model;
   std::vector<std::string> flags;
@@ -95,12 +140,13 @@ TEST_P(ShardedRun, EqualsUnshardedReference) {
       EXPECT_LE(max_diff, 1e-5f);
     }
   }
-  // A rank holds exactly its share and reads only that: its parameter bytes are the plan's (in the
-  // run's dtype), and the checkpoint bytes it reads are those less the zero padding, per element
-  // in the file's dtype (F16/BF16 checkpoints store 2 bytes) instead of the run's.
+  // A rank holds exactly its share and reads only that: its parameter, padding and checkpoint bytes
+  // against the file's shapes and dtypes (F16/BF16 checkpoints store 2 bytes an element) sliced as
+  // the plan says, not against the plan's own byte counts, which the rank only sums.
   const auto reports = nlohmann::json::parse(ReadAll(report));
-  const int64_t file_element = absl::StrContains(launch.model, "f16") ? 2 : 4;
   const int64_t run_element = IsBf16(launch) ? 2 : 4;
+  auto checkpoint_file = checkpoint::SafetensorsFile::Open(dir + "/model.safetensors");
+  ASSERT_TRUE(checkpoint_file.ok()) << checkpoint_file.status();
   Result plan_json = Shardctl([&] {
     std::vector<std::string> plan_args = {"plan", "--checkpoint", dir, "--output", "json"};
     for (size_t i = 0; i < launch.flags.size(); i += 2) {
@@ -116,10 +162,11 @@ TEST_P(ShardedRun, EqualsUnshardedReference) {
   ASSERT_EQ(reports.size(), plan["ranks"].size());
   for (const auto& rank : reports) {
     SCOPED_TRACE(rank.dump());
-    const int64_t param = rank["param_bytes"].get<int64_t>();
-    EXPECT_EQ(param, plan["ranks"][rank["rank"].get<size_t>()]["param_bytes"].get<int64_t>());
-    EXPECT_EQ(rank["checkpoint_bytes_read"].get<int64_t>() * run_element,
-              (param - rank["padding_bytes"].get<int64_t>()) * file_element);
+    const Held held = HeldFromCheckpoint(**checkpoint_file, plan["ranks"][rank["rank"].get<size_t>()], run_element);
+    EXPECT_GT(held.read_bytes, 0);
+    EXPECT_EQ(rank["param_bytes"].get<int64_t>(), held.param_bytes);
+    EXPECT_EQ(rank["padding_bytes"].get<int64_t>(), held.padding_bytes);
+    EXPECT_EQ(rank["checkpoint_bytes_read"].get<int64_t>(), held.read_bytes);
     EXPECT_EQ(rank["dtype"], IsBf16(launch) ? "bf16" : "fp32");
     // The path each rank took; under auto, with the figures it chose on.
     const auto gemm_flag = std::find(launch.flags.begin(), launch.flags.end(), "--gemm");
@@ -225,6 +272,7 @@ TEST(ShardedRunErrors, NcclBackendWithoutCudaFailsClearly) {
   Result bad = Shardctl({"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json", "--output",
                          TempDir() + "/x.safetensors", "--backend", "mpi"});
   EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(bad.err, "--backend 'mpi' is not one of gloo, nccl")) << bad.err;
 }
 
 TEST(ShardedRunErrors, BadGemmValueIsRefused) {
@@ -264,6 +312,7 @@ TEST(InitCheckpoint, WritesAModelTheRunnerLoads) {
   EXPECT_LE(max_diff, 1e-5f);
   Result bad = Shardctl({"init-checkpoint", "--variant", "BertModel", "--config", R"({"hidden_size": 30})", "--out", dir});
   EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_TRUE(absl::StrContains(bad.err, "hidden_size 30 is not a multiple of num_attention_heads 12")) << bad.err;
 }
 
 }  // namespace

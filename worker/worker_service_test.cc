@@ -65,6 +65,31 @@ v1::TokenInputs Inputs() {
   return t;
 }
 
+// The bytes rank `rank` of `plan` holds at `element` bytes an element, from the checkpoint's shapes:
+// each tensor is [start, end) of split_dim of the file's tensor (all of it for split_dim -1).
+int64_t HeldBytes(const v1::RankShard& rank, int64_t element) {
+  auto file = checkpoint::SafetensorsFile::Open(std::string(kModel) + "/model.safetensors");
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return -1;
+  int64_t bytes = 0;
+  for (const v1::TensorShard& t : rank.tensors()) {
+    const checkpoint::TensorInfo* info = (*file)->Find(t.name());
+    for (const auto& alias : t.aliases()) {
+      if (info == nullptr) info = (*file)->Find(alias);
+    }
+    if (info == nullptr) {
+      ADD_FAILURE() << "no checkpoint tensor for " << t.name();
+      continue;
+    }
+    int64_t elements = 1;
+    for (size_t d = 0; d < info->shape.size(); ++d) {
+      elements *= static_cast<int>(d) == t.split_dim() ? t.end() - t.start() : info->shape[d];
+    }
+    bytes += elements * element;
+  }
+  return bytes;
+}
+
 // By the workers' --gemm (auto, the default; blas; onednn) and the plan's dtype.
 struct Path {
   std::optional<model::GemmPath> gemm;
@@ -116,7 +141,9 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
   for (int rank = 0; rank < 2; ++rank) {
     ASSERT_TRUE(load_status[rank].ok()) << load_status[rank].error_message();
     EXPECT_EQ(last[rank].phase(), v1::LoadProgress::READY);
-    EXPECT_EQ(last[rank].bytes_loaded(), plan->ranks(rank).param_bytes());
+    // What the loader placed, against the file's shapes sliced as the plan says (not the plan's own
+    // byte counts, which the loader sums), in the plan's dtype.
+    EXPECT_EQ(last[rank].bytes_loaded(), HeldBytes(plan->ranks(rank), GetParam().dtype == v1::BF16 ? 2 : 4));
     EXPECT_GT(updates[rank], plan->ranks(rank).tensors_size());  // one per tensor, then connect/ready
   }
 
@@ -167,13 +194,17 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
   stale.set_sequence(0);
   *stale.mutable_inputs() = Inputs();
   v1::ForwardResponse response;
-  EXPECT_EQ(workers[0].stub->Forward(Context().get(), stale, &response).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
+  grpc::Status refused = workers[0].stub->Forward(Context().get(), stale, &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(refused.error_message().find("forward 0 of job job-1 arrived out of order; next is 2"), std::string::npos)
+      << refused.error_message();
   v1::ForwardRequest malformed = stale;
   malformed.set_sequence(2);
   malformed.mutable_inputs()->mutable_input_ids()->RemoveLast();
-  EXPECT_EQ(workers[0].stub->Forward(Context().get(), malformed, &response).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
+  refused = workers[0].stub->Forward(Context().get(), malformed, &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("inputs must hold rows x seq values"), std::string::npos)
+      << refused.error_message();
 
   // What the worker reports to the coordinator: the rank, its world, and the next forward.
   for (int rank = 0; rank < 2; ++rank) {
@@ -195,8 +226,9 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
     EXPECT_TRUE(unloaded.was_loaded());
     EXPECT_EQ(workers[rank].service->loaded_jobs(), 0);
   }
-  EXPECT_EQ(workers[0].stub->Forward(Context().get(), stale, &response).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
+  refused = workers[0].stub->Forward(Context().get(), stale, &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(refused.error_message().find("job job-1 is not loaded here"), std::string::npos) << refused.error_message();
 }
 
 INSTANTIATE_TEST_SUITE_P(Gemm, WorkerServicePaths,
@@ -227,19 +259,27 @@ TEST(WorkerService, RefusesBadLoadRequests) {
     }
     return reader->Finish();
   };
-  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Each refusal with its code and the words that say which part of the request is wrong.
+  const auto expect_refused = [&](grpc::StatusCode code, const std::string& words) {
+    const grpc::Status s = read_all(load);
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_NE(s.error_message().find(words), std::string::npos) << s.error_message();
+  };
+  // A checkpoint the worker cannot see is the request's fault (NOT_FOUND becomes INVALID_ARGUMENT).
+  expect_refused(grpc::StatusCode::INVALID_ARGUMENT,
+                 "checkpoint /nonexistent/checkpoint has neither model.safetensors nor model.safetensors.index.json");
   load.set_checkpoint(kModel);
   load.set_rank(3);
-  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "rank 3 is outside the plan's world of 1");
   load.set_rank(0);
   load.set_job_id("");
-  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "job_id is required");
   load.set_job_id("j");
   load.set_backend("mpi");
-  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "backend 'mpi' is not served by this worker (gloo)");
   load.clear_backend();
   ASSERT_TRUE(read_all(load).ok());  // world of 1
-  EXPECT_EQ(read_all(load).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  expect_refused(grpc::StatusCode::ALREADY_EXISTS, "job j is already loaded here");
   EXPECT_TRUE(worker.service->UnloadJob("j"));
   EXPECT_FALSE(worker.service->UnloadJob("j"));
   EXPECT_TRUE(worker.service->HeldShards().empty());
@@ -283,8 +323,15 @@ TEST(WorkerService, LoadsOnlyCheckpointsUnderItsModelRoot) {
   grpc::Status s = read_all(fs::absolute(kModel).string());
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(s.error_message().find("outside the model root"), std::string::npos) << s.error_message();
-  s = read_all("../" + fs::path(kModel).filename().string());
+  // A real checkpoint beside the root, named through "..": outside, not missing.
+  fs::remove_all(root.string() + "-sibling");
+  fs::copy(kModel, root.string() + "-sibling", fs::copy_options::recursive);
+  s = read_all("../" + root.filename().string() + "-sibling");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("outside the model root"), std::string::npos) << s.error_message();
+  s = read_all("no-such-model");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("does not exist under the model root"), std::string::npos) << s.error_message();
   s = read_all("evil");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(s.error_message().find("config.json is a symbolic link that leads outside the model root"),
