@@ -247,6 +247,20 @@ class Cluster : public ::testing::Test {
     return MaxDiff(response.outputs(0), Expected());
   }
 
+  // Submits kModel (TP 2 x PP 2), waits for READY and checks one Infer answers: the start of the
+  // tests that then try something against a serving job.
+  void SubmitUntilServing(v1::Job* job) {
+    *job = Submit(kModel);
+    const v1::JobEvent ready = Watch(job->id());
+    ASSERT_EQ(ready.job().state(), v1::READY) << ready.job().failure_cause();
+    v1::InferRequest infer;
+    infer.set_job_id(job->id());
+    *infer.mutable_tokens() = Tokens();
+    v1::InferResponse response;
+    const grpc::Status status = stub_->Infer(Context().get(), infer, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+
   static v1::TokenInputs Tokens(int row = -1) {
     const auto j = nlohmann::json::parse(ReadAll(std::string(kModel) + "/input.json"));
     v1::TokenInputs t;
@@ -738,15 +752,8 @@ class TokenCluster : public Cluster {
 };
 
 TEST_F(TokenCluster, JobsRunWithTheTokenAndStrangersAreRefused) {
-  const v1::Job job = Submit(kModel);
-  const v1::JobEvent ready = Watch(job.id());
-  ASSERT_EQ(ready.job().state(), v1::READY) << ready.job().failure_cause();
-  v1::InferRequest infer;
-  infer.set_job_id(job.id());
-  *infer.mutable_tokens() = Tokens();
-  v1::InferResponse response;
-  grpc::Status status = stub_->Infer(Context().get(), infer, &response);
-  ASSERT_TRUE(status.ok()) << status.error_message();
+  v1::Job job;
+  ASSERT_NO_FATAL_FAILURE(SubmitUntilServing(&job));
   // No token: no submit, no cancel.
   grpc::ClientContext bare;
   bare.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -781,15 +788,8 @@ class TlsCluster : public Cluster {
 };
 
 TEST_F(TlsCluster, JobsRunOverMutualTlsAndOthersAreRefused) {
-  const v1::Job job = Submit(kModel);
-  const v1::JobEvent ready = Watch(job.id());
-  ASSERT_EQ(ready.job().state(), v1::READY) << ready.job().failure_cause();
-  v1::InferRequest infer;
-  infer.set_job_id(job.id());
-  *infer.mutable_tokens() = Tokens();
-  v1::InferResponse response;
-  grpc::Status status = stub_->Infer(Context().get(), infer, &response);
-  ASSERT_TRUE(status.ok()) << status.error_message();
+  v1::Job job;
+  ASSERT_NO_FATAL_FAILURE(SubmitUntilServing(&job));
   const std::string address = "127.0.0.1:" + std::to_string(port_);
   for (const auto& [what, credentials] :
        std::vector<std::pair<std::string, std::shared_ptr<grpc::ChannelCredentials>>>{

@@ -240,25 +240,31 @@ INSTANTIATE_TEST_SUITE_P(Gemm, WorkerServicePaths,
                                                          : std::string("auto");
                          });
 
-TEST(WorkerService, RefusesBadLoadRequests) {
-  RunningWorker worker = StartWorker();
+// A one-rank load of kModel (job "j") from `checkpoint`, and the status of a LoadShard call read to
+// its end.
+v1::LoadShardRequest OneRankLoad(const std::string& checkpoint) {
   v1::PlanRequest request;
   request.set_checkpoint(kModel);
-  auto plan = planner::Plan(request);
-  ASSERT_TRUE(plan.ok());
   v1::LoadShardRequest load;
   load.set_job_id("j");
-  *load.mutable_plan() = *plan;
-  load.set_checkpoint("/nonexistent/checkpoint");
+  *load.mutable_plan() = planner::Plan(request).value();
+  load.set_checkpoint(checkpoint);
   load.set_master_port(FreePort());
-  auto read_all = [&](const v1::LoadShardRequest& r) {
-    auto context = Context();
-    auto reader = worker.stub->LoadShard(context.get(), r);
-    v1::LoadProgress p;
-    while (reader->Read(&p)) {
-    }
-    return reader->Finish();
-  };
+  return load;
+}
+grpc::Status LoadToTheEnd(RunningWorker& worker, const v1::LoadShardRequest& load) {
+  auto context = Context();
+  auto reader = worker.stub->LoadShard(context.get(), load);
+  v1::LoadProgress p;
+  while (reader->Read(&p)) {
+  }
+  return reader->Finish();
+}
+
+TEST(WorkerService, RefusesBadLoadRequests) {
+  RunningWorker worker = StartWorker();
+  v1::LoadShardRequest load = OneRankLoad("/nonexistent/checkpoint");
+  auto read_all = [&](const v1::LoadShardRequest& r) { return LoadToTheEnd(worker, r); };
   // Each refusal with its code and the words that say which part of the request is wrong.
   const auto expect_refused = [&](grpc::StatusCode code, const std::string& words) {
     const grpc::Status s = read_all(load);
@@ -302,24 +308,7 @@ TEST(WorkerService, LoadsOnlyCheckpointsUnderItsModelRoot) {
   WorkerServiceOptions options;
   options.model_root = *model_root;
   RunningWorker worker = StartWorker(options);
-
-  v1::PlanRequest request;
-  request.set_checkpoint(kModel);
-  auto plan = planner::Plan(request);
-  ASSERT_TRUE(plan.ok());
-  v1::LoadShardRequest load;
-  load.set_job_id("j");
-  *load.mutable_plan() = *plan;
-  load.set_master_port(FreePort());
-  auto read_all = [&](const std::string& checkpoint) {
-    load.set_checkpoint(checkpoint);
-    auto context = Context();
-    auto reader = worker.stub->LoadShard(context.get(), load);
-    v1::LoadProgress p;
-    while (reader->Read(&p)) {
-    }
-    return reader->Finish();
-  };
+  auto read_all = [&](const std::string& checkpoint) { return LoadToTheEnd(worker, OneRankLoad(checkpoint)); };
   grpc::Status s = read_all(fs::absolute(kModel).string());
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(s.error_message().find("outside the model root"), std::string::npos) << s.error_message();
