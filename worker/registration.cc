@@ -65,10 +65,10 @@ void Registration::Run() {
     return mu_.AwaitWithTimeout(absl::Condition(&stop_), wait);
   };
   // Beats on a fixed schedule (start to start), not an interval after each call returns: a slow
-  // call or a brief stall must not stretch the silence the coordinator sees.
+  // call or a brief stall must not stretch the silence the coordinator sees. `next`: when the next
+  // call is due.
   absl::Time next = absl::Now();
   while (true) {
-    next += interval;
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + std::max(interval, absl::Seconds(1))));
     common::AttachToken(&context, options_.token);
@@ -111,10 +111,16 @@ void Registration::Run() {
         ok = false;
       }
     }
-    // Behind schedule (after a stall or a slow call): beat at once, and count the schedule from now.
     const absl::Time now = absl::Now();
-    if (next < now) next = now;
-    if (stopped_after(ok ? next - now : std::min(interval, kRetry))) return;
+    if (ok) {
+      next += interval;
+      if (next < now) next = now;  // behind (a stall, a slow call): at once, the schedule from now
+    } else {
+      // Retries run from now: failed calls must not push the schedule ahead of time (after the
+      // coordinator came back, the first beat would then wait for all the skipped intervals).
+      next = now + std::min(interval, kRetry);
+    }
+    if (stopped_after(next - now)) return;
   }
 }
 
