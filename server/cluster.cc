@@ -177,9 +177,19 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
   if (it == workers_.end()) {
     return absl::NotFoundError(absl::StrCat("unknown worker ", request.worker_id(), "; register again"));
   }
+  v1::HeartbeatResponse response;
+  if (request.leaving()) {
+    // Out of the pool now: a job scheduled onto it in the heartbeats' grace period would fail.
+    it->second->info.set_healthy(false);
+    if (!it->second->info.job_id().empty()) {
+      FailJobLocked(it->second->info.job_id(), absl::StrCat("worker ", it->first, " (rank ", it->second->info.rank(),
+                                                            ") at ", it->second->info.address(), " is shutting down"));
+    }
+    changed_.SignalAll();
+    return response;
+  }
   it->second->last_heartbeat = absl::Now();
   it->second->info.set_free_memory_bytes(request.free_memory_bytes());
-  v1::HeartbeatResponse response;
   TakeHeldShardsLocked(it->second.get(), request.held(), response.mutable_unload_job_ids());
   if (!it->second->info.healthy()) {
     it->second->info.set_healthy(true);  // back after a pause: its old job has already failed

@@ -119,7 +119,7 @@ absl::StatusOr<BatchObserver> BatchMetrics(common::MetricsRegistry* registry) {
 
 // Who is calling, for per-client limits: the common name of a verified TLS client certificate,
 // else the peer's host (its port changes per connection).
-std::string ClientOf(const grpc::ServerContext& context) {
+static std::string ClientOf(const grpc::ServerContext& context) {
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
     for (const grpc::string_ref& cn : auth->FindPropertyValues("x509_common_name")) {

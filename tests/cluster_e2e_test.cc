@@ -633,6 +633,30 @@ TEST_F(Cluster, WorkersUnloadJobsTheCoordinatorDoesNotKnow) {
   EXPECT_TRUE(WaitForWorkers(4));
 }
 
+// A worker sent SIGTERM leaves the pool at once (it says so before draining), well before its
+// heartbeats' silence would show (3 intervals of 1 s), so no job is placed on it meanwhile.
+TEST_F(Cluster, ASigtermedWorkerLeavesThePoolAtOnce) {
+  std::string id;
+  ASSERT_TRUE(WaitForWorkers(4));
+  const std::string log = ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[0])));
+  const size_t at = log.find(" as worker-");
+  ASSERT_NE(at, std::string::npos) << log;
+  id = log.substr(at + 4, log.find(' ', at + 4) - (at + 4));
+  const auto start = std::chrono::steady_clock::now();
+  kill(workers_[0], SIGTERM);
+  bool gone = false;
+  while (!gone && std::chrono::steady_clock::now() - start < std::chrono::milliseconds(1500)) {
+    v1::ListWorkersResponse workers;
+    ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
+    for (const auto& w : workers.workers()) gone |= w.worker_id() == id && !w.healthy();
+    if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(gone) << "worker " << id << " still healthy 1.5 s after SIGTERM";
+  EXPECT_EQ(WaitExit(workers_[0]), 0);
+  workers_.erase(workers_.begin());
+  spawn_index_.erase(spawn_index_.begin());
+}
+
 // Load (issue 10 item 5, CI scale): many concurrent clients on loopback mixing Plan calls (each
 // with its own TP x PP, so a crossed answer shows as the wrong world size) and Infer calls (each
 // client its own token rows, answered within tolerance of what the same rows gave alone, so an

@@ -120,7 +120,20 @@ void Registration::Run() {
       // coordinator came back, the first beat would then wait for all the skipped intervals).
       next = now + std::min(interval, kRetry);
     }
-    if (stopped_after(next - now)) return;
+    if (stopped_after(next - now)) {
+      // Shutting down: say so, so that the coordinator places no job here meanwhile. Best effort.
+      if (!worker_id.empty()) {
+        grpc::ClientContext leave;
+        leave.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+        common::AttachToken(&leave, options_.token);
+        v1::HeartbeatRequest request;
+        request.set_worker_id(worker_id);
+        request.set_leaving(true);
+        v1::HeartbeatResponse ignored;
+        stub->Heartbeat(&leave, request, &ignored);
+      }
+      return;
+    }
   }
 }
 

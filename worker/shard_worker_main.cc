@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
   }
   std::thread waiter([&started, &registration, drain]() {
     bertshard::common::WaitForShutdownSignal("shard-worker");
-    registration.reset();  // stop heartbeating first: the coordinator then fails our jobs
+    registration.reset();  // leave the pool first (the coordinator fails our jobs), then drain
     bertshard::common::DrainAndShutdown(started->server.get(), drain);
   });
   started->server->Wait();
