@@ -633,6 +633,44 @@ TEST_F(Cluster, WorkersUnloadJobsTheCoordinatorDoesNotKnow) {
   EXPECT_TRUE(WaitForWorkers(4));
 }
 
+// Fault matrix, SIGSTOP during a forward for longer than the threshold (3 intervals of 1 s): the
+// job fails naming the stopped worker, the Infer in flight returns (an error, not a hang), and once
+// continued the worker is healthy and idle again, its shard of the failed job dropped.
+TEST_F(Cluster, AWorkerStoppedPastTheThresholdFailsItsJobAndComesBackIdle) {
+  v1::Job job;
+  ASSERT_NO_FATAL_FAILURE(SubmitUntilServing(&job));
+  std::string id;
+  const int i = WorkerServing(job.id(), 1, &id);
+  ASSERT_GE(i, 0);
+  const pid_t pid = workers_[static_cast<size_t>(i)];
+  ASSERT_EQ(kill(pid, SIGSTOP), 0);
+  std::atomic<bool> returned{false};
+  grpc::Status infer_status;
+  std::thread infer_thread([&] {
+    v1::InferRequest infer;
+    infer.set_job_id(job.id());
+    *infer.mutable_tokens() = Tokens();
+    v1::InferResponse response;
+    infer_status = stub_->Infer(Context(30).get(), infer, &response);
+    returned = true;
+  });
+  v1::Job failed;
+  for (int k = 0; k < 200 && failed.state() != v1::FAILED; ++k) {
+    failed = GetJob(job.id());
+    if (failed.state() != v1::FAILED) usleep(50 * 1000);
+  }
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_NE(failed.failure_cause().find(id), std::string::npos) << failed.failure_cause();
+  // The call in flight ends by the collective timeout (8 s) at the latest.
+  for (int k = 0; k < 300 && !returned; ++k) usleep(50 * 1000);
+  EXPECT_TRUE(returned) << "the Infer in flight did not return 15 s after its worker stopped";
+  EXPECT_EQ(kill(pid, SIGCONT), 0);
+  infer_thread.join();
+  EXPECT_FALSE(infer_status.ok());
+  EXPECT_TRUE(WaitForWorkers(4)) << "the continued worker did not come back healthy and idle";
+  EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));
+}
+
 // A worker sent SIGTERM leaves the pool at once (it says so before draining), well before its
 // heartbeats' silence would show (3 intervals of 1 s), so no job is placed on it meanwhile.
 TEST_F(Cluster, ASigtermedWorkerLeavesThePoolAtOnce) {
