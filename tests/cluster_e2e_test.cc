@@ -799,8 +799,11 @@ TEST_F(Cluster, ConcurrentPlanAndInferLoadIsAnsweredCorrectlyWithFlatMemory) {
                 p == 0 ? "coordinator" : ("worker " + std::to_string(p - 1)).c_str(), start_rss[p], middle_rss[p],
                 end_rss[p]);
     // Flat: from the middle to the end, under 16 MiB of growth (allocator noise), whatever the
-    // scale; a leak per call grows with the calls made in the second half.
+    // scale; a leak per call grows with the calls made in the second half. Not under ASan, whose
+    // quarantine holds freed memory back (up to 256 MiB), so RSS grows with the calls by design.
+#if !defined(__SANITIZE_ADDRESS__)
     EXPECT_LT(end_rss[p] - middle_rss[p], 16 * 1024) << "process " << p << " grew from the middle to the end";
+#endif
   }
 }
 
