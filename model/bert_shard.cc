@@ -82,12 +82,14 @@ at::ScalarType ScalarTypeOf(v1::Dtype dtype) {
 // The query, key and value projections of a layer's self-attention, which the shard multiplies as
 // one product (FuseQkvOnceWhole).
 constexpr const char* kQkvParts[] = {"query", "key", "value"};
-bool IsQkvPart(const std::string& name) {
-  for (const char* part : kQkvParts) {
-    if (absl::StrContains(name, absl::StrCat(".attention.self.", part, "."))) return true;
+// Which of kQkvParts tensor `name` belongs to; -1 for none.
+int QkvPartIndex(const std::string& name) {
+  for (int i = 0; i < 3; ++i) {
+    if (absl::StrContains(name, absl::StrCat(".attention.self.", kQkvParts[i], "."))) return i;
   }
-  return false;
+  return -1;
 }
+bool IsQkvPart(const std::string& name) { return QkvPartIndex(name) >= 0; }
 
 // "...attention.self." of a query, key or value tensor's name: its layer's fused QKV prefix.
 std::string QkvPrefix(const std::string& part_name) {
@@ -207,7 +209,6 @@ class BertShard::Impl {
             "checkpoint tensor ", where.info->name, " has shape ", ShapeString(where.info->shape),
             "; the plan (from config.json) expects ", ShapeString(global)));
       }
-      const std::vector<int64_t> local_shape(t.local_shape().begin(), t.local_shape().end());
       checkpoint::Slice slice;
       if (t.split_dim() >= 0) {
         // Rows past the real size are padding: they stay zero.
@@ -215,49 +216,10 @@ class BertShard::Impl {
       }
       if (TransposesAtLoad(t)) {
         RETURN_IF_ERROR(ReadTransposed(t, *where.file, *where.info, slice));
-        *param_bytes += t.bytes();
-        shards_[t.name()] = &t;
-        if (IsQkvPart(t.name())) FuseQkvOnceWhole(t.name());
-        if (progress && !progress(static_cast<int>(shards_.size()), mine->tensors_size(), *param_bytes,
-                                  mine->param_bytes())) {
-          return absl::CancelledError(absl::StrCat("loading rank ", rank_, " was cancelled"));
-        }
-        continue;
-      }
-      // Every element is read from the file unless the slice ends in padding rows, which are zeros:
-      // no zero-fill pass over hundreds of megabytes that the read overwrites anyway.
-      // A narrower dtype is converted a block of rows at a time, through the scratch buffer, so the
-      // float32 form of a large tensor never exists whole: BERT-base's bf16 word embeddings held
-      // their 89 MiB float32 copy at the load's high-water mark.
-      const bool by_row_blocks = dtype_ != at::kFloat && local_shape.size() == 2 && slice.dim <= 0;
-      const at::ScalarType read_dtype = by_row_blocks ? dtype_ : at::kFloat;
-      at::Tensor local = t.padding() > 0 ? at::zeros(local_shape, read_dtype) : at::empty(local_shape, read_dtype);
-      if (by_row_blocks) {
-        const int64_t first = slice.dim < 0 ? 0 : slice.start, end = slice.dim < 0 ? global[0] : slice.end;
-        const int64_t cols = local_shape[1];
-        const int64_t block = std::max<int64_t>(1, (int64_t{4} << 20) / (4 * std::max<int64_t>(1, cols)));
-        for (int64_t row = first; row < end; row += block) {
-          const int64_t n = std::min(block, end - row);
-          if (!load_scratch_.defined() || load_scratch_.numel() < n * cols) load_scratch_ = at::empty({n * cols});
-          RETURN_IF_ERROR(where.file->ReadSlice(*where.info, {0, row, row + n}, load_scratch_.data_ptr<float>()));
-          local.narrow(0, row - first, n).copy_(load_scratch_.narrow(0, 0, n * cols).view({n, cols}));
-        }
-      } else if (slice.dim < 0 || slice.end > slice.start) {
-        RETURN_IF_ERROR(where.file->ReadSlice(*where.info, slice, local.data_ptr<float>()));
+      } else {
+        RETURN_IF_ERROR(ReadDense(t, *where.file, *where.info, slice, global));
       }
       *param_bytes += t.bytes();
-      int64_t row_elements = 1;
-      for (int i = 1; i < t.local_shape_size(); ++i) row_elements *= t.local_shape(i);
-      padding_bytes_ += t.padding() * row_elements * static_cast<int64_t>(c10::elementSize(dtype_));
-      // Read as float32 whatever the file holds (the reader converts F16/BF16 exactly), then
-      // converted once: bf16 and fp16 files round-trip unchanged, fp32 ones round to nearest.
-      local = local.to(device_, dtype_);
-      // On the oneDNN path a weight that only linears read is held once, packed.
-      const bool dense_needed = PackIfLinearWeight(t, local);
-      if (dense_needed) {
-        params_[t.name()] = local;
-        for (const auto& a : aliases) params_[a] = local;
-      }
       shards_[t.name()] = &t;
       if (IsQkvPart(t.name())) FuseQkvOnceWhole(t.name());
       if (progress && !progress(static_cast<int>(shards_.size()), mine->tensors_size(), *param_bytes,
@@ -267,6 +229,46 @@ class BertShard::Impl {
     }
     load_scratch_ = at::Tensor();
     arena_.reset();  // the tensors in it hold it from here on
+    return absl::OkStatus();
+  }
+
+  // Reads `t` into a dense tensor in the shard's dtype and device, and keeps it under its names
+  // (and packed, where a linear reads it on the oneDNN path).
+  absl::Status ReadDense(const v1::TensorShard& t, const checkpoint::SafetensorsFile& file,
+                         const checkpoint::TensorInfo& info, const checkpoint::Slice& slice,
+                         const std::vector<int64_t>& global) {
+    const std::vector<int64_t> local_shape(t.local_shape().begin(), t.local_shape().end());
+    // Every element is read from the file unless the slice ends in padding rows, which are zeros:
+    // no zero-fill pass over hundreds of megabytes that the read overwrites anyway.
+    // A narrower dtype is converted a block of rows at a time, through the scratch buffer, so the
+    // float32 form of a large tensor never exists whole: BERT-base's bf16 word embeddings held
+    // their 89 MiB float32 copy at the load's high-water mark.
+    const bool by_row_blocks = dtype_ != at::kFloat && local_shape.size() == 2 && slice.dim <= 0;
+    const at::ScalarType read_dtype = by_row_blocks ? dtype_ : at::kFloat;
+    at::Tensor local = t.padding() > 0 ? at::zeros(local_shape, read_dtype) : at::empty(local_shape, read_dtype);
+    if (by_row_blocks) {
+      const int64_t first = slice.dim < 0 ? 0 : slice.start, end = slice.dim < 0 ? global[0] : slice.end;
+      const int64_t cols = local_shape[1];
+      const int64_t block = std::max<int64_t>(1, (int64_t{4} << 20) / (4 * std::max<int64_t>(1, cols)));
+      for (int64_t row = first; row < end; row += block) {
+        const int64_t n = std::min(block, end - row);
+        RETURN_IF_ERROR(file.ReadSlice(info, {0, row, row + n}, Scratch(n * cols)));
+        local.narrow(0, row - first, n).copy_(load_scratch_.narrow(0, 0, n * cols).view({n, cols}));
+      }
+    } else if (slice.dim < 0 || slice.end > slice.start) {
+      RETURN_IF_ERROR(file.ReadSlice(info, slice, local.data_ptr<float>()));
+    }
+    int64_t row_elements = 1;
+    for (int i = 1; i < t.local_shape_size(); ++i) row_elements *= t.local_shape(i);
+    padding_bytes_ += t.padding() * row_elements * static_cast<int64_t>(c10::elementSize(dtype_));
+    // Read as float32 whatever the file holds (the reader converts F16/BF16 exactly), then
+    // converted once: bf16 and fp16 files round-trip unchanged, fp32 ones round to nearest.
+    local = local.to(device_, dtype_);
+    // On the oneDNN path a weight that only linears read is held once, packed.
+    if (PackIfLinearWeight(t, local)) {
+      params_[t.name()] = local;
+      for (const auto& a : t.aliases()) params_[a] = local;
+    }
     return absl::OkStatus();
   }
 
@@ -284,20 +286,23 @@ class BertShard::Impl {
     return use.read_by_linear && !use.looked_up;
   }
 
+  // The load's scratch buffer, grown to at least `elements` floats and reused across tensors.
+  float* Scratch(int64_t elements) {
+    if (!load_scratch_.defined() || load_scratch_.numel() < elements) load_scratch_ = at::empty({elements});
+    return load_scratch_.data_ptr<float>();
+  }
+
   // Reads `t` into a scratch buffer reused across tensors and transposes it into its packed
   // tensor: a query, key or value weight into its third of the layer's fused [in, 3 x width] one,
   // anything else into its own [in, out].
   absl::Status ReadTransposed(const v1::TensorShard& t, const checkpoint::SafetensorsFile& file,
                               const checkpoint::TensorInfo& info, const checkpoint::Slice& slice) {
     const int64_t rows = t.local_shape(0), cols = t.local_shape(1);
-    if (!load_scratch_.defined() || load_scratch_.numel() < rows * cols) load_scratch_ = at::empty({rows * cols});
-    RETURN_IF_ERROR(file.ReadSlice(info, slice, load_scratch_.data_ptr<float>()));
-    if (IsQkvPart(t.name())) {
+    RETURN_IF_ERROR(file.ReadSlice(info, slice, Scratch(rows * cols)));
+    if (const int part = QkvPartIndex(t.name()); part >= 0) {
       const std::string p = QkvPrefix(t.name());
       QkvInPlace& fused = qkv_in_place_[p];
       if (!fused.weight.defined()) fused.weight = arena_->Empty({cols, 3 * rows}, arena_);
-      int part = 0;
-      while (!absl::StrContains(t.name(), absl::StrCat(".attention.self.", kQkvParts[part], "."))) ++part;
       TransposeInto(load_scratch_.data_ptr<float>(), rows, cols, fused.weight.data_ptr<float>() + part * rows, 3 * rows);
       ++fused.parts;
       return absl::OkStatus();
