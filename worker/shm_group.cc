@@ -65,8 +65,9 @@ at::Tensor View(char* p, int64_t elements, at::ScalarType dtype) {
   return at::from_blob(p, {elements}, at::TensorOptions().dtype(dtype));
 }
 
-// out = sum over the `n` views in order; narrow floats accumulate in float32 and round once.
-void SumInto(const at::Tensor& out, const std::vector<at::Tensor>& parts) {
+// out = sum over `parts` in order; narrow floats accumulate in float32 and round once. `out` is a
+// view of the destination (a handle: writing through it writes there).
+void SumInto(at::Tensor out, const std::vector<at::Tensor>& parts) {
   if (IsNarrowFloat(out.scalar_type())) {
     at::Tensor acc = parts[0].to(at::kFloat);
     for (size_t j = 1; j < parts.size(); ++j) acc.add_(parts[j]);
@@ -77,8 +78,8 @@ void SumInto(const at::Tensor& out, const std::vector<at::Tensor>& parts) {
     out.copy_(parts[0]);
     return;
   }
-  at::add_out(const_cast<at::Tensor&>(out), parts[0], parts[1]);
-  for (size_t j = 2; j < parts.size(); ++j) const_cast<at::Tensor&>(out).add_(parts[j]);
+  at::add_out(out, parts[0], parts[1]);
+  for (size_t j = 2; j < parts.size(); ++j) out.add_(parts[j]);
 }
 
 }  // namespace
