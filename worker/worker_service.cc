@@ -11,6 +11,7 @@
 #include "checkpoint/checkpoint.h"
 #include "common/free_port.h"
 #include "common/grpc_auth.h"
+#include "common/fault_point.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
@@ -109,6 +110,7 @@ std::vector<v1::HeldShard> WorkerService::HeldShards() {
 }
 
 bool WorkerService::UnloadJob(const std::string& job_id) {
+  common::PausePoint("worker_unload");
   std::shared_ptr<LoadedJob> job;
   {
     absl::MutexLock lock(&mu_);
@@ -185,6 +187,7 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   SetMathThreads(job->threads);
   const absl::StatusOr<std::string> checkpoint_dir = options_.model_root.Resolve(request->checkpoint());
   if (!checkpoint_dir.ok()) return common::ToGrpcStatus(checkpoint_dir.status());
+  common::PausePoint("worker_load");  // fault tests stop a worker here, before it reads a tensor
   auto ckpt = checkpoint::Checkpoint::Open(*checkpoint_dir);
   if (!ckpt.ok()) {
     absl::Status s = ckpt.status();
@@ -224,6 +227,7 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   gloo.world_size = plan.world_size();
   gloo.tp_size = std::max(1, plan.shard_config().tensor_parallel_size());
   gloo.timeout = std::chrono::seconds(request->timeout_seconds() > 0 ? request->timeout_seconds() : 120);
+  common::PausePoint("worker_rendezvous");  // loaded, before joining the job's process groups
   auto comm = GlooCollectives::Connect(gloo);
   if (!comm.ok()) return common::ToGrpcStatus(comm.status());
   job->comm = *std::move(comm);
@@ -254,6 +258,7 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
     }
     job = it->second;
   }
+  common::PausePoint("worker_forward");
   const v1::TokenInputs& in = request->inputs();
   const int64_t n = in.rows() * in.seq();
   if (in.rows() < 1 || in.seq() < 1 || in.input_ids_size() != n || in.attention_mask_size() != n ||

@@ -1,0 +1,318 @@
+// File: tests/cluster_fixture.h
+// -----------------------------------------------------------------------------
+// The end-to-end cluster fixture: a coordinator and four shard-worker processes on loopback, built
+// from this workspace's binaries, with helpers to submit, watch, infer, find and kill the worker
+// serving a rank, and ask a worker directly whether it still holds a job. Shared by the cluster
+// tests (cluster_e2e_test, fault_matrix_test, cluster_behaviour_test); a test file changes the
+// coordinator's flags by deriving a fixture that sets them in its constructor.
+//
+// Thread safety: the helpers may be called from several test threads at once (each makes its own
+// gRPC context); SetUp, TearDown and the kill helpers only from the test's main thread.
+#ifndef BERTSHARD_TESTS_CLUSTER_FIXTURE_H_
+#define BERTSHARD_TESTS_CLUSTER_FIXTURE_H_
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bertshard/v1/coordinator.grpc.pb.h"
+#include "bertshard/v1/worker.grpc.pb.h"
+#include "checkpoint/safetensors.h"
+#include "common/grpc_auth.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/test_process.h"
+
+namespace bertshard::testing {
+
+inline constexpr char kModel[] = "tests/testdata/model/masked_lm_untied";
+
+// Carries $BERTSHARD_TOKEN when set (TokenCluster sets it for this process and the cluster's).
+inline std::unique_ptr<grpc::ClientContext> Context(int seconds = 60) {
+  auto c = std::make_unique<grpc::ClientContext>();
+  c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  const char* token = std::getenv("BERTSHARD_TOKEN");
+  common::AttachToken(c.get(), token == nullptr ? "" : token);
+  return c;
+}
+
+struct Cli {
+  int exit_code;
+  std::string output;
+};
+
+inline Cli Shardctl(std::vector<std::string> args) {
+  args.insert(args.begin(), "client/shardctl");
+  testing::Captured c = testing::Run(args);
+  return {c.exit_code, c.out + c.err};
+}
+
+class Cluster : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    data_dir_ = TempDir() + "/coordinator-" + std::to_string(++counter_);
+    StartCoordinator();
+    for (int i = 0; i < 4; ++i) {
+      spawn_index_.push_back(i);
+      std::vector<std::string> args = {"worker/shard-worker", "--listen=127.0.0.1:0", "--threads=1",
+                                       "--coordinator=127.0.0.1:" + std::to_string(port_)};
+      args.insert(args.end(), tls_flags_.begin(), tls_flags_.end());
+      workers_.push_back(Spawn(args, WorkerLog(i)));
+    }
+    ASSERT_TRUE(WaitForWorkers(4)) << ReadAll(WorkerLog(0));
+  }
+
+  void TearDown() override {
+    for (pid_t w : workers_) {
+      kill(w, SIGTERM);
+      WaitExit(w);
+    }
+    StopCoordinator();
+  }
+
+  std::string WorkerLog(size_t i) const { return data_dir_ + "-worker" + std::to_string(i) + ".log"; }
+
+  void StartCoordinator() {
+    const std::string log = data_dir_ + ".log";
+    std::ofstream(log, std::ios::trunc).close();
+    std::vector<std::string> args = {"server/bertshard-coordinator", "--listen=127.0.0.1:" + std::to_string(port_),
+                                     "--data_dir=" + data_dir_, "--heartbeat_interval=" + heartbeat_interval_,
+                                     "--collective_timeout_s=" + collective_timeout_s_, "--readopt_grace=6s",
+                                     "--drain_timeout=" + drain_timeout_};
+    args.insert(args.end(), tls_flags_.begin(), tls_flags_.end());
+    coordinator_ = Spawn(args, log);
+    const int port = WaitForPort(log);
+    ASSERT_GT(port, 0) << ReadAll(log);
+    port_ = port;
+    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(
+        "127.0.0.1:" + std::to_string(port_),
+        client_credentials_ != nullptr ? client_credentials_ : grpc::InsecureChannelCredentials()));
+  }
+
+  void StopCoordinator() {
+    if (coordinator_ <= 0) return;
+    kill(coordinator_, SIGTERM);
+    EXPECT_EQ(WaitExit(coordinator_), 0);
+    coordinator_ = -1;
+  }
+
+  int HealthyIdle() {
+    v1::ListWorkersResponse workers;
+    if (!stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok()) return -1;
+    int n = 0;
+    for (const auto& w : workers.workers()) n += (w.healthy() && w.job_id().empty()) ? 1 : 0;
+    return n;
+  }
+
+  // Heartbeats every second and death after 3 intervals of silence (the coordinator's default):
+  // slow enough that a loaded 2-core CI machine does not make healthy workers flap.
+  bool WaitForWorkers(int n) {
+    for (int i = 0; i < 400; ++i) {
+      if (HealthyIdle() >= n) return true;
+      usleep(50 * 1000);
+    }
+    return false;
+  }
+
+  v1::Job Submit(const std::string& checkpoint) {
+    v1::SubmitJobRequest submit;
+    submit.mutable_request()->set_checkpoint(std::filesystem::absolute(checkpoint).string());
+    submit.mutable_request()->mutable_parallel()->set_tp_size(2);
+    submit.mutable_request()->mutable_parallel()->set_pp_size(2);
+    v1::Job job;
+    grpc::Status s = stub_->SubmitJob(Context().get(), submit, &job);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return job;
+  }
+
+  // A READY TP 2 x PP 2 job on a model big enough that one forward takes a while on two cores, and
+  // a request on it that runs long enough to kill a worker mid-forward. `name`: the model's folder.
+  v1::InferRequest SlowForwardOnReadyJob(const std::string& name) {
+    const std::string dir = TempDir() + "/" + name;
+    Cli init = Shardctl({"init-checkpoint", "--variant", "BertModel", "--seed", "3", "--out", dir, "--config",
+                         R"({"vocab_size": 1000, "hidden_size": 256, "num_attention_heads": 4,
+                             "intermediate_size": 1024, "num_hidden_layers": 8, "max_position_embeddings": 512})"});
+    EXPECT_EQ(init.exit_code, 0) << init.output;
+    const v1::Job job = Submit(dir);
+    EXPECT_EQ(Watch(job.id()).job().state(), v1::READY);
+    v1::InferRequest infer;
+    infer.set_job_id(job.id());
+    v1::TokenInputs* t = infer.mutable_tokens();
+    t->set_rows(16);
+    t->set_seq(512);
+    for (int i = 0; i < 16 * 512; ++i) t->add_input_ids(1 + i % 997);
+    infer.set_micro_batches(8);
+    return infer;
+  }
+
+  // Watches until the job settles; returns the last event.
+  v1::JobEvent Watch(const std::string& id, int* progress_events = nullptr) {
+    v1::GetJobRequest request;
+    request.set_job_id(id);
+    auto context = Context();
+    auto reader = stub_->WatchJob(context.get(), request);
+    v1::JobEvent event, last;
+    while (reader->Read(&event)) {
+      if (progress_events != nullptr) {
+        for (const auto& r : event.ranks()) *progress_events += r.progress().tensors_loaded() > 0 ? 1 : 0;
+      }
+      last = event;
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    return last;
+  }
+
+  // The index in workers_ of the process serving `rank` of `job`, and its worker id; -1 if none.
+  int WorkerServing(const std::string& job, int rank, std::string* id) {
+    v1::ListWorkersResponse workers;
+    if (!stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok()) return -1;
+    for (const auto& w : workers.workers()) {
+      if (w.job_id() == job && w.rank() == rank) *id = w.worker_id();
+    }
+    if (id->empty()) return -1;
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("as " + *id + " (") != std::string::npos) {
+        return static_cast<int>(i);
+      }
+    }
+    return -1;
+  }
+
+  void KillWorker(int i) {
+    kill(workers_[static_cast<size_t>(i)], SIGKILL);
+    WaitExit(workers_[static_cast<size_t>(i)]);
+    workers_.erase(workers_.begin() + i);
+    spawn_index_.erase(spawn_index_.begin() + i);
+  }
+
+  // SIGKILLs the worker process serving `rank` of `job`; returns its worker id ("" if none).
+  std::string KillWorkerServing(const std::string& job, int rank) {
+    std::string victim_id;
+    const int i = WorkerServing(job, rank, &victim_id);
+    if (i < 0) return "";
+    KillWorker(i);
+    return victim_id;
+  }
+
+  // Whether worker process `i` (an index in workers_) still holds `job`, asked directly: it
+  // refuses a forward numbered -1 as out of order when it holds the job, as not loaded otherwise.
+  bool Holds(size_t i, const std::string& job) {
+    const int port = WaitForPort(WorkerLog(static_cast<size_t>(spawn_index_[i])));
+    auto worker = v1::Worker::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+    v1::ForwardRequest probe;
+    probe.set_job_id(job);
+    probe.set_sequence(-1);
+    *probe.mutable_inputs() = Tokens();
+    v1::ForwardResponse ignored;
+    const grpc::Status status = worker->Forward(Context(10).get(), probe, &ignored);
+    return status.error_message().find("is not loaded here") == std::string::npos;
+  }
+
+  // Waits up to ~10 s for every worker process to have dropped `job`.
+  bool WaitUnloadedEverywhere(const std::string& job) {
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      bool any = false;
+      for (size_t i = 0; i < workers_.size() && !any; ++i) any = Holds(i, job);
+      if (!any) return true;
+      usleep(50 * 1000);
+    }
+    return false;
+  }
+
+  v1::Job GetJob(const std::string& id) {
+    v1::GetJobRequest get;
+    get.set_job_id(id);
+    v1::Job job;
+    EXPECT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    return job;
+  }
+
+  // Infers the reference input on `job`; the largest difference from the reference logits.
+  float InferDiff(const std::string& job) {
+    v1::InferRequest infer;
+    infer.set_job_id(job);
+    *infer.mutable_tokens() = Tokens();
+    v1::InferResponse response;
+    grpc::Status status = stub_->Infer(Context().get(), infer, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    if (!status.ok() || response.outputs_size() != 1) return 1e9f;
+    return MaxDiff(response.outputs(0), Expected());
+  }
+
+  // Submits kModel (TP 2 x PP 2), waits for READY and checks one Infer answers: the start of the
+  // tests that then try something against a serving job.
+  void SubmitUntilServing(v1::Job* job) {
+    *job = Submit(kModel);
+    const v1::JobEvent ready = Watch(job->id());
+    ASSERT_EQ(ready.job().state(), v1::READY) << ready.job().failure_cause();
+    v1::InferRequest infer;
+    infer.set_job_id(job->id());
+    *infer.mutable_tokens() = Tokens();
+    v1::InferResponse response;
+    const grpc::Status status = stub_->Infer(Context().get(), infer, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+
+  static v1::TokenInputs Tokens(int row = -1) {
+    const auto j = nlohmann::json::parse(ReadAll(std::string(kModel) + "/input.json"));
+    v1::TokenInputs t;
+    t.set_seq(static_cast<int64_t>(j["input_ids"][0].size()));
+    t.set_choices(1);
+    for (size_t r = 0; r < j["input_ids"].size(); ++r) {
+      if (row >= 0 && static_cast<int>(r) != row) continue;
+      t.set_rows(t.rows() + 1);
+      for (const auto& v : j["input_ids"][r]) t.add_input_ids(v.get<int64_t>());
+      for (const auto& v : j["attention_mask"][r]) t.add_attention_mask(v.get<int64_t>());
+      for (const auto& v : j["token_type_ids"][r]) t.add_token_type_ids(v.get<int64_t>());
+    }
+    return t;
+  }
+
+  static std::vector<float> Expected(int row = -1) {
+    auto file = checkpoint::SafetensorsFile::Open(std::string(kModel) + "/expected.safetensors");
+    const checkpoint::TensorInfo* logits = (*file)->Find("logits");
+    std::vector<float> all(static_cast<size_t>(logits->numel()));
+    EXPECT_TRUE((*file)->ReadSlice(*logits, {}, all.data()).ok());
+    if (row < 0) return all;
+    const size_t per_row = all.size() / static_cast<size_t>(logits->shape[0]);
+    return std::vector<float>(all.begin() + row * per_row, all.begin() + (row + 1) * per_row);
+  }
+
+  static float MaxDiff(const v1::NamedTensor& got, const std::vector<float>& want) {
+    if (got.values_size() != static_cast<int>(want.size())) return 1e9f;
+    float m = 0;
+    for (size_t i = 0; i < want.size(); ++i) m = std::max(m, std::fabs(got.values(static_cast<int>(i)) - want[i]));
+    return m;
+  }
+
+  inline static int counter_ = 0;
+  // Coordinator flags; a test fixture may change them before SetUp.
+  std::string heartbeat_interval_ = "1s";
+  std::string collective_timeout_s_ = "8";
+  std::string drain_timeout_ = "10s";
+  // Given to the coordinator and every worker (TlsCluster); the test's own channel credentials.
+  std::vector<std::string> tls_flags_;
+  std::shared_ptr<grpc::ChannelCredentials> client_credentials_;
+  std::string data_dir_;
+  int port_ = 0;
+  pid_t coordinator_ = -1;
+  std::vector<pid_t> workers_;
+  std::vector<int> spawn_index_;  // which log each entry of workers_ writes
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+
+}  // namespace bertshard::testing
+
+#endif  // BERTSHARD_TESTS_CLUSTER_FIXTURE_H_
