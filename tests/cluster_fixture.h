@@ -73,6 +73,10 @@ class Cluster : public ::testing::Test {
   }
 
   void TearDown() override {
+    if (!fault_dir_.empty()) {
+      std::filesystem::remove_all(fault_dir_);  // no worker stays held
+      unsetenv("BERTSHARD_FAULT_DIR");
+    }
     for (pid_t w : workers_) {
       kill(w, SIGTERM);
       WaitExit(w);
@@ -122,6 +126,66 @@ class Cluster : public ::testing::Test {
       usleep(50 * 1000);
     }
     return false;
+  }
+
+  // Waits up to ~20 s for `n` healthy workers, busy or not (after a coordinator restart the
+  // workers register again holding their jobs).
+  bool WaitForHealthy(int n) {
+    for (int i = 0; i < 400; ++i) {
+      v1::ListWorkersResponse workers;
+      int healthy = 0;
+      if (stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok()) {
+        for (const auto& w : workers.workers()) healthy += w.healthy() ? 1 : 0;
+      }
+      if (healthy >= n) return true;
+      usleep(50 * 1000);
+    }
+    return false;
+  }
+
+  // Pause points (common/fault_point.h). UseFaultDir, called from a derived fixture's constructor,
+  // gives the workers SetUp spawns a fault directory; Hold(point) then stops every worker that
+  // reaches `point` until Release(point).
+  void UseFaultDir(const std::string& name) {
+    fault_dir_ = TempDir() + "/faults-" + std::to_string(getpid()) + "-" + name;
+    std::filesystem::remove_all(fault_dir_);
+    std::filesystem::create_directories(fault_dir_);
+    setenv("BERTSHARD_FAULT_DIR", fault_dir_.c_str(), 1);  // inherited by the processes spawned
+  }
+  void Hold(const std::string& point) { std::ofstream(fault_dir_ + "/" + point + ".hold").close(); }
+  void Release(const std::string& point) { std::filesystem::remove(fault_dir_ + "/" + point + ".hold"); }
+
+  // The pids of the processes that reached `point`, once at least `n` have (up to 60 s); empty
+  // on timeout.
+  std::vector<pid_t> WaitReached(const std::string& point, size_t n) {
+    const std::string prefix = point + ".";
+    for (int i = 0; i < 6000; ++i) {
+      std::vector<pid_t> pids;
+      for (const auto& entry : std::filesystem::directory_iterator(fault_dir_)) {
+        const std::string f = entry.path().filename().string();
+        if (f.rfind(prefix, 0) == 0 && f.size() > 8 && f.substr(f.size() - 8) == ".reached") {
+          pids.push_back(std::atoi(f.c_str() + prefix.size()));
+        }
+      }
+      if (pids.size() >= n) return pids;
+      usleep(10 * 1000);
+    }
+    return {};
+  }
+
+  // The index in workers_ of process `pid`; -1 if it is not one of them.
+  int IndexOf(pid_t pid) const {
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (workers_[i] == pid) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  // The worker id worker process `i` registered as ("" if its log does not say yet).
+  std::string IdOf(int i) const {
+    const std::string log = ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[static_cast<size_t>(i)])));
+    const size_t at = log.find(" as worker-");
+    return at == std::string::npos ? "" : log.substr(at + 4, log.find(' ', at + 4) - (at + 4));
   }
 
   v1::Job Submit(const std::string& checkpoint) {
@@ -305,6 +369,7 @@ class Cluster : public ::testing::Test {
   std::vector<std::string> tls_flags_;
   std::shared_ptr<grpc::ChannelCredentials> client_credentials_;
   std::string data_dir_;
+  std::string fault_dir_;  // empty unless UseFaultDir
   int port_ = 0;
   pid_t coordinator_ = -1;
   std::vector<pid_t> workers_;
