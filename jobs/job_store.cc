@@ -33,13 +33,33 @@ class Statement {
   int rc_ = SQLITE_OK;
 };
 
+// A failed write as the status a caller can act on. The disk being full is RESOURCE_EXHAUSTED
+// (gRPC's own example of it), a read-only database FAILED_PRECONDITION (nothing will change until
+// an operator fixes the directory), an I/O error UNAVAILABLE; anything else is a bug: INTERNAL.
+absl::Status WriteError(sqlite3* db, int rc, const std::string& what) {
+  const std::string detail = absl::StrCat(what, ": ", sqlite3_errmsg(db));
+  switch (rc & 0xff) {  // the primary code; extended codes refine it in the high bits
+    case SQLITE_FULL:
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the job database cannot grow (its disk is full): ", detail));
+    case SQLITE_READONLY:
+      return absl::FailedPreconditionError(
+          absl::StrCat("the job database is read-only (check the data directory): ", detail));
+    case SQLITE_IOERR:
+    case SQLITE_CANTOPEN:
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+      return absl::UnavailableError(absl::StrCat("the job database cannot be written now: ", detail));
+    default:
+      return absl::InternalError(absl::StrCat("sqlite ", detail));
+  }
+}
+
 absl::Status Exec(sqlite3* db, const char* sql) {
   char* error = nullptr;
-  if (sqlite3_exec(db, sql, nullptr, nullptr, &error) != SQLITE_OK) {
-    const std::string message = error != nullptr ? error : "unknown error";
-    sqlite3_free(error);
-    return absl::InternalError(absl::StrCat("sqlite: ", message, " (in: ", sql, ")"));
-  }
+  const int rc = sqlite3_exec(db, sql, nullptr, nullptr, &error);
+  sqlite3_free(error);  // sqlite3_errmsg says the same
+  if (rc != SQLITE_OK) return WriteError(db, rc, absl::StrCat("in: ", sql));
   return absl::OkStatus();
 }
 
@@ -74,10 +94,19 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
     return absl::UnavailableError(absl::StrCat("cannot open job database ", path, ": ", message));
   }
   auto store = std::unique_ptr<JobStore>(new JobStore(db, std::move(options)));
+  // SQLite opens a file it may not write read-only without saying so; the first write would fail
+  // much later. Say it now, when the operator starts the coordinator.
+  if (path != ":memory:" && sqlite3_db_readonly(db, "main") == 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the job database ", path, " is read-only: the coordinator must be able to write it and its directory"));
+  }
   absl::MutexLock lock(&store->mu_);
   sqlite3_busy_timeout(db, 5000);
   // WAL: readers never block the writer, and a crash never leaves a half-written job.
   absl::Status s = Exec(db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
+  if (absl::IsResourceExhausted(s) || absl::IsFailedPrecondition(s) || absl::IsUnavailable(s)) {
+    return absl::Status(s.code(), absl::StrCat("cannot open job database ", path, ": ", s.message()));
+  }
   if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat(path, " is not a usable job database: ", s.message()));
   RETURN_IF_ERROR(Exec(db,
                        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
@@ -104,10 +133,14 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   return store;
 }
 
-absl::Status JobStore::PutLocked(const v1::Job& job, bool insert) {
-  Statement stmt(db_, insert ? "INSERT INTO jobs (id, state, created_ms, updated_ms, job) VALUES (?1, ?2, ?3, ?4, ?5)"
+absl::Status JobStore::PutLocked(const v1::Job& job, bool insert, const v1::ShardPlan* plan) {
+  Statement stmt(db_, insert ? "INSERT INTO jobs (id, state, created_ms, updated_ms, job, plan) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
                              : "UPDATE jobs SET state = ?2, created_ms = ?3, updated_ms = ?4, job = ?5 WHERE id = ?1");
   RETURN_IF_ERROR(stmt.status());
+  const std::string plan_blob = plan != nullptr ? plan->SerializeAsString() : "";
+  if (insert && plan != nullptr) {
+    sqlite3_bind_blob(stmt.get(), 6, plan_blob.data(), static_cast<int>(plan_blob.size()), SQLITE_TRANSIENT);
+  }
   const std::string blob = job.SerializeAsString();
   sqlite3_bind_text(stmt.get(), 1, job.id().c_str(), -1, SQLITE_TRANSIENT);
   sqlite3_bind_int(stmt.get(), 2, job.state());
@@ -116,11 +149,11 @@ absl::Status JobStore::PutLocked(const v1::Job& job, bool insert) {
   sqlite3_bind_blob(stmt.get(), 5, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
   const int rc = sqlite3_step(stmt.get());
   if (rc == SQLITE_CONSTRAINT) return absl::AlreadyExistsError(absl::StrCat("job ", job.id(), " already exists"));
-  if (rc != SQLITE_DONE) return absl::InternalError(absl::StrCat("sqlite write: ", sqlite3_errmsg(db_)));
+  if (rc != SQLITE_DONE) return WriteError(db_, rc, absl::StrCat("writing job ", job.id()));
   return absl::OkStatus();
 }
 
-absl::Status JobStore::Create(v1::Job job) {
+absl::Status JobStore::Create(v1::Job job, const v1::ShardPlan* plan) {
   if (job.id().empty()) return absl::InvalidArgumentError("a job needs an id");
   const int64_t now = options_.now_millis();
   if (job.state() == v1::JOB_STATE_UNSPECIFIED) job.set_state(v1::PENDING);
@@ -130,7 +163,7 @@ absl::Status JobStore::Create(v1::Job job) {
   first->set_state(job.state());
   first->set_unix_millis(now);
   absl::MutexLock lock(&mu_);
-  return PutLocked(job, /*insert=*/true);
+  return PutLocked(job, /*insert=*/true, plan);
 }
 
 absl::StatusOr<v1::Job> JobStore::GetLocked(const std::string& id) {
@@ -193,7 +226,9 @@ absl::Status JobStore::SetPlan(const std::string& id, const v1::ShardPlan& plan)
   const std::string blob = plan.SerializeAsString();
   sqlite3_bind_text(stmt.get(), 1, id.c_str(), -1, SQLITE_TRANSIENT);
   sqlite3_bind_blob(stmt.get(), 2, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
-  if (sqlite3_step(stmt.get()) != SQLITE_DONE) return absl::InternalError(absl::StrCat("sqlite write: ", sqlite3_errmsg(db_)));
+  if (const int rc = sqlite3_step(stmt.get()); rc != SQLITE_DONE) {
+    return WriteError(db_, rc, absl::StrCat("writing the plan of job ", id));
+  }
   if (sqlite3_changes(db_) == 0) return absl::NotFoundError(absl::StrCat("no job ", id));
   return absl::OkStatus();
 }

@@ -45,16 +45,22 @@ struct JobStoreOptions {
 class JobStore {
  public:
   // Opens or creates the database at `path` (":memory:" for a private one). INVALID_ARGUMENT if
-  // the file is not a bertshard job database; UNAVAILABLE if it cannot be opened.
+  // the file is not a bertshard job database; UNAVAILABLE if it cannot be opened;
+  // FAILED_PRECONDITION if it can only be read (a read-only file or directory).
   static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path,
                                                         JobStoreOptions options = {});
   ~JobStore();
   JobStore(const JobStore&) = delete;
   JobStore& operator=(const JobStore&) = delete;
 
-  // Stores a new job; its state becomes PENDING when unset, with a first history entry.
-  // ALREADY_EXISTS for a duplicate id, INVALID_ARGUMENT for an empty id.
-  absl::Status Create(v1::Job job);
+  // Stores a new job, and `plan` with it when given (one write: never a job without its plan);
+  // its state becomes PENDING when unset, with a first history entry. ALREADY_EXISTS for a
+  // duplicate id, INVALID_ARGUMENT for an empty id.
+  //
+  // Every write (here and below) fails as RESOURCE_EXHAUSTED when the database's disk is full,
+  // FAILED_PRECONDITION when it has become read-only, UNAVAILABLE on an I/O error; what was
+  // written before stays readable.
+  absl::Status Create(v1::Job job, const v1::ShardPlan* plan = nullptr);
 
   // Moves job `id` to `state`, recording `reason` (the failure cause for FAILED, the pending
   // reason for PENDING). NOT_FOUND for an unknown id; FAILED_PRECONDITION for a transition the
@@ -78,7 +84,8 @@ class JobStore {
  private:
   JobStore(sqlite3* db, JobStoreOptions options);
   absl::StatusOr<v1::Job> GetLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status PutLocked(const v1::Job& job, bool insert) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status PutLocked(const v1::Job& job, bool insert, const v1::ShardPlan* plan = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<v1::Job> TransitionLocked(const std::string& id, v1::JobState state, const std::string& reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -249,8 +250,9 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request, 
   // so that listings say what runs.
   job.mutable_request()->set_variant(plan.variant());
   job.set_pending_reason(absl::StrCat("waiting for ", plan.world_size(), " healthy idle workers"));
-  RETURN_IF_ERROR(store_->Create(job));
-  RETURN_IF_ERROR(store_->SetPlan(job.id(), plan));
+  // Job and plan in one write: a full or read-only database refuses the job whole, with the
+  // store's code (RESOURCE_EXHAUSTED, FAILED_PRECONDITION), and nothing has started yet.
+  RETURN_IF_ERROR(store_->Create(job, &plan));
   auto runtime = std::make_shared<JobRuntime>();
   runtime->plan = std::move(plan);
   runtime->checkpoint = request.request().checkpoint();
@@ -291,8 +293,18 @@ void Cluster::ScheduleLocked() {
       p.set_worker_id(a.worker_id());
       runtime->second->progress.push_back(p);
     }
-    (void)store_->SetRanks(job.id(), ranks);
-    (void)store_->Transition(job.id(), v1::PLANNED, absl::StrCat(need, " workers assigned"));
+    absl::Status recorded = store_->SetRanks(job.id(), ranks).status();
+    if (recorded.ok()) recorded = store_->Transition(job.id(), v1::PLANNED, absl::StrCat(need, " workers assigned")).status();
+    if (!recorded.ok()) {
+      // Not recorded, so not started: the job stays PENDING as stored, its workers stay free, and
+      // the next change tries again (a restarted coordinator would see the same).
+      StoreErrorLocked(absl::StrCat("planning job ", job.id()), recorded);
+      for (int r = 0; r < need; ++r) {
+        idle[static_cast<size_t>(r)]->info.clear_job_id();
+        idle[static_cast<size_t>(r)]->info.set_rank(0);
+      }
+      continue;
+    }
     threads_.emplace_back([this, id = job.id()] { LoadJob(id); });
   }
   changed_.SignalAll();
@@ -301,7 +313,11 @@ void Cluster::ScheduleLocked() {
 void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state) {
   auto job = store_->Get(job_id);
   if (!job.ok() || TerminalState(job->state())) return;
-  (void)store_->Transition(job_id, state, cause);
+  // Unrecorded, the job still ends here (its workers are freed); the database keeps its last
+  // recorded state, which a restarted coordinator settles like any job it finds without ranks.
+  if (absl::Status s = store_->Transition(job_id, state, cause).status(); !s.ok()) {
+    StoreErrorLocked(absl::StrCat("ending job ", job_id, " as ", v1::JobState_Name(state), " (", cause, ")"), s);
+  }
   auto runtime = runtimes_.find(job_id);
   if (runtime != runtimes_.end()) {
     for (auto& context : runtime->second->load_contexts) context->TryCancel();
@@ -347,7 +363,12 @@ void Cluster::LoadJob(std::string job_id) {
       ranks_stubs.push_back({w, workers_.at(w)->info.address(), workers_.at(w)->stub, options_.worker_token});
     }
     master_host = Host(ranks_stubs[0].address);
-    (void)store_->Transition(job_id, v1::LOADING, "");
+    if (absl::Status s = store_->Transition(job_id, v1::LOADING, "").status(); !s.ok()) {
+      // Nothing is loaded yet; a job the database cannot follow is not started.
+      StoreErrorLocked(absl::StrCat("loading job ", job_id), s);
+      FailJobLocked(job_id, absl::StrCat("the job database could not record the load: ", s.message()));
+      return;
+    }
     changed_.SignalAll();
   }
   // Rank 0 hosts the rendezvous on a port its worker finds free.
@@ -410,10 +431,19 @@ void Cluster::LoadJob(std::string job_id) {
   runtime->load_contexts.clear();
   if (std::count(loaded.begin(), loaded.end(), 1) != static_cast<long>(loaded.size())) return;
   auto job = store_->Get(job_id);
-  if (job.ok() && job->state() == v1::LOADING && store_->Transition(job_id, v1::READY, "").ok()) {
-    runtime->serving = true;
-    changed_.SignalAll();
+  if (!job.ok() || job->state() != v1::LOADING) return;
+  if (absl::Status s = store_->Transition(job_id, v1::READY, "").status(); !s.ok()) {
+    // Serving a job the database still calls LOADING would be lost at the next restart.
+    StoreErrorLocked(absl::StrCat("readying job ", job_id), s);
+    FailJobLocked(job_id, absl::StrCat("the job database could not record it READY: ", s.message()));
+    return;
   }
+  runtime->serving = true;
+  changed_.SignalAll();
+}
+
+void Cluster::StoreErrorLocked(const std::string& what, const absl::Status& status) {
+  std::fprintf(stderr, "bertshard-coordinator: job database: %s: %s\n", what.c_str(), status.ToString().c_str());
 }
 
 void Cluster::MonitorLoop() {

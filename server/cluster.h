@@ -153,6 +153,9 @@ class Cluster {
   // The stored job with `recovering` filled in.
   absl::StatusOr<v1::Job> GetJobLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A write the job database refused (full, read-only, I/O): said on stderr. The
+  // callers decide what the job does without it.
+  void StoreErrorLocked(const std::string& what, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void LoadJob(std::string job_id);
   // `job_id` by value: callers pass fields this clears (a worker's job_id).
   void FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state = v1::FAILED)
