@@ -38,6 +38,25 @@ if [ "$status" -eq 0 ] && [ -f "${CUDA_HOME:-/usr/local/cuda}/include/nccl.h" ];
     tee -a "$log" || status=$?
   bazel build --config=cuda //worker:shard-rank 2>&1 | tail -1 || status=$?
 fi
+# libFuzzer itself, briefly: every target for a few seconds from its corpus (`bazel test` above
+# only replays the corpora). clang is installed here and not above, being large and needed only now.
+if [ "$status" -eq 0 ]; then
+  fuzz_seconds=${BERTSHARD_FUZZ_SECONDS:-5}
+  started=$(date +%s)
+  if BERTSHARD_DEPS=fuzz bash tools/install_deps.sh > /dev/null 2>&1; then
+    if bash tools/fuzz.sh "$fuzz_seconds" 2>&1 | tee -a "$log"; then
+      echo "//tools:fuzz.sh (libFuzzer, ${fuzz_seconds} s per target)  PASSED in $(( $(date +%s) - started ))s" | tee -a "$log"
+    else
+      echo "//tools:fuzz.sh (libFuzzer, ${fuzz_seconds} s per target)  FAILED" | tee -a "$log"
+      status=1
+    fi
+  elif [ "${CI:-}" = "true" ]; then
+    echo "//tools:fuzz.sh FAILED: clang and libFuzzer could not be installed (CI=true)" | tee -a "$log"
+    status=1
+  else
+    echo "test.sh: SKIPPED: the libFuzzer runs (clang and libFuzzer could not be installed)" >&2
+  fi
+fi
 passed=$(grep -cE '^//.* PASSED in' "$log" || true)
 failed=$(grep -cE '^//.* (FAILED|TIMEOUT|NO STATUS|FAILED TO BUILD)' "$log" || true)
 rm -f "$log"
