@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -21,7 +22,6 @@
 #include "checkpoint/safetensors.h"
 #include "client/plan_command.h"
 #include "common/file.h"
-#include "common/free_port.h"
 #include "common/status_macros.h"
 #include "model/gemm_flag.h"
 #include "nlohmann/json.hpp"
@@ -36,6 +36,7 @@ namespace bertshard::client {
 namespace {
 
 using nlohmann::json;
+using Clock = std::chrono::steady_clock;
 
 absl::Status Invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
@@ -91,9 +92,34 @@ struct RankProcess {
   std::string log;
 };
 
+int ExitCode(int wait_status) {
+  return WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : 128 + WTERMSIG(wait_status);
+}
+
+// Stops the ranks still running: SIGTERM, then SIGKILL to those not gone 3 s later; reaps them all.
+void StopRanks(std::vector<RankProcess>& ranks) {
+  for (RankProcess& r : ranks) {
+    if (!r.done) kill(r.pid, SIGTERM);
+  }
+  const auto grace = Clock::now() + std::chrono::seconds(3);
+  for (RankProcess& r : ranks) {
+    while (!r.done) {
+      int status = 0;
+      if (waitpid(r.pid, &status, WNOHANG) == r.pid) {
+        r.done = true;
+      } else if (Clock::now() > grace) {
+        kill(r.pid, SIGKILL);
+        waitpid(r.pid, &status, 0);
+        r.done = true;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  }
+}
+
 // Waits for every rank; the first failure (or the deadline) stops all the others.
-absl::Status WaitForRanks(std::vector<RankProcess>& ranks, std::chrono::seconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+absl::Status WaitForRanks(std::vector<RankProcess>& ranks, Clock::time_point deadline, int64_t timeout_s) {
   size_t remaining = ranks.size();
   std::string failure;
   while (remaining > 0) {
@@ -106,39 +132,62 @@ absl::Status WaitForRanks(std::vector<RankProcess>& ranks, std::chrono::seconds 
       r.done = true;
       --remaining;
       progressed = true;
-      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      r.exit_code = ExitCode(status);
       if (r.exit_code != 0 && failure.empty()) {
         failure = absl::StrCat("rank ", r.rank, " failed (exit ", r.exit_code, "):\n", Tail(r.log));
       }
     }
-    if (failure.empty() && std::chrono::steady_clock::now() > deadline) {
-      failure = absl::StrCat("ranks did not finish within ", timeout.count(), " s");
+    if (failure.empty() && Clock::now() > deadline) {
+      failure = absl::StrCat("ranks did not finish within ", timeout_s, " s");
     }
     if (!failure.empty()) break;
     if (!progressed) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if (failure.empty()) return absl::OkStatus();
-  for (RankProcess& r : ranks) {
-    if (!r.done) kill(r.pid, SIGTERM);
-  }
-  const auto grace = std::chrono::steady_clock::now() + std::chrono::seconds(3);
-  for (RankProcess& r : ranks) {
-    while (!r.done) {
-      int status = 0;
-      if (waitpid(r.pid, &status, WNOHANG) == r.pid) {
-        r.done = true;
-      } else if (std::chrono::steady_clock::now() > grace) {
-        kill(r.pid, SIGKILL);
-        waitpid(r.pid, &status, 0);
-        r.done = true;
-      } else {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-    }
-  }
+  StopRanks(ranks);
   return absl::AbortedError(failure);
 }
 
+// The port in rank 0's port file; NOT_FOUND while there is none yet. Rank 0 renames the file into
+// place, so one that is there is whole.
+absl::StatusOr<int> ReadPortFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("no port file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  int port = 0;
+  if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(text.str()), &port) || port < 1 || port > 65535) {
+    return absl::InternalError(absl::StrCat("rank 0 wrote a bad port file: '", text.str(), "'"));
+  }
+  return port;
+}
+
+// The port rank 0 bound for the rendezvous, once it has written it to `port_file`. Rank 0 exiting
+// first, or the deadline passing, is ABORTED with what rank 0 printed; the caller stops it.
+absl::StatusOr<int> WaitForRendezvousPort(const RankProcess& rank0, const std::string& port_file,
+                                          Clock::time_point deadline, int64_t timeout_s) {
+  while (true) {
+    absl::StatusOr<int> port = ReadPortFile(port_file);
+    if (!absl::IsNotFound(port.status())) return port;
+    // WNOWAIT: rank 0 stays unreaped, for WaitForRanks or StopRanks to collect as any rank.
+    siginfo_t info{};
+    if (waitid(P_PID, static_cast<id_t>(rank0.pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == rank0.pid) {
+      // It may have written the port and ended (a world of one) since the read above.
+      port = ReadPortFile(port_file);
+      if (!absl::IsNotFound(port.status())) return port;
+      const int exit_code = info.si_code == CLD_EXITED ? info.si_status : 128 + info.si_status;
+      return absl::AbortedError(
+          absl::StrCat("rank 0 failed (exit ", exit_code, ") before it hosted the rendezvous:\n", Tail(rank0.log)));
+    }
+    if (Clock::now() > deadline) {
+      const std::string printed = Tail(rank0.log);
+      return absl::AbortedError(absl::StrCat("rank 0 did not host the rendezvous within ", timeout_s, " s",
+                                             printed.empty() ? "" : ":\n", printed));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
 
 // "blas", "onednn", or under --gemm auto what was picked with the figures it was picked on:
 // "onednn (auto: blas 80.1, onednn 95.3 GFLOP/s)".
@@ -220,7 +269,6 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
                        {"token_type_ids", inputs.token_type_ids}};
     std::ofstream(dir + "/inputs.json") << normalised.dump();
   }
-  ASSIGN_OR_RETURN(int port, common::FindFreePort(/*loopback=*/true));
   const std::string binary = FindRankBinary(v);
   if (access(binary.c_str(), X_OK) != 0) {
     return absl::FailedPreconditionError(absl::StrCat("rank binary ", binary,
@@ -239,8 +287,9 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   for (auto& e : env_strings) envp.push_back(e.data());
   envp.push_back(nullptr);
 
-  std::vector<RankProcess> ranks;
-  for (int rank = 0; rank < world; ++rank) {
+  // `port` 0: rank 0 hosts the rendezvous on a port the system picks and writes it to port_file.
+  const std::string port_file = dir + "/master_port";
+  auto spawn = [&](int rank, int port) -> absl::StatusOr<RankProcess> {
     RankProcess r;
     r.rank = rank;
     r.log = absl::StrCat(dir, "/rank_", rank, ".log");
@@ -262,6 +311,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
         absl::StrCat("--gemm=", gemm),
         absl::StrCat("--tp_transport=", tp_transport),
     };
+    if (port == 0) args.push_back(absl::StrCat("--port_file=", port_file));
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -271,14 +321,31 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
     posix_spawn_file_actions_adddup2(&actions, 1, 2);
     const int rc = posix_spawn(&r.pid, binary.c_str(), &actions, nullptr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
-    if (rc != 0) {
-      for (RankProcess& started : ranks) kill(started.pid, SIGKILL);
-      for (RankProcess& started : ranks) waitpid(started.pid, nullptr, 0);
-      return absl::InternalError(absl::StrCat("cannot start ", binary, ": ", strerror(rc)));
+    if (rc != 0) return absl::InternalError(absl::StrCat("cannot start ", binary, ": ", strerror(rc)));
+    return r;
+  };
+
+  // Rank 0 first: it binds the rendezvous port itself and tells it, and only then do the others
+  // start, with that port. A port found free here and bound by rank 0 later could be taken in
+  // between (by anything on this host, such as another run doing the same).
+  const auto deadline = Clock::now() + std::chrono::seconds(timeout_s);
+  std::vector<RankProcess> ranks;
+  ASSIGN_OR_RETURN(RankProcess rank0, spawn(0, 0));
+  ranks.push_back(rank0);
+  absl::StatusOr<int> port = WaitForRendezvousPort(ranks[0], port_file, deadline, timeout_s);
+  for (int rank = 1; port.ok() && rank < world; ++rank) {
+    absl::StatusOr<RankProcess> r = spawn(rank, *port);
+    if (!r.ok()) {
+      port = r.status();
+      break;
     }
-    ranks.push_back(r);
+    ranks.push_back(*r);
   }
-  RETURN_IF_ERROR(WaitForRanks(ranks, std::chrono::seconds(timeout_s)));
+  if (!port.ok()) {
+    StopRanks(ranks);
+    return port.status();
+  }
+  RETURN_IF_ERROR(WaitForRanks(ranks, deadline, timeout_s));
 
   std::string table = absl::StrFormat("%-5s %-6s %-3s %9s %9s %10s %12s %12s  %s\n", "RANK", "STAGE", "TP",
                                       "LOAD s", "FORWARD s", "PEAK RSS", "CKPT READ",

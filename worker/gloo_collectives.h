@@ -14,6 +14,8 @@
 #ifndef BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
 #define BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include <chrono>
 #include <memory>
 #include <string>
@@ -30,7 +32,7 @@ struct GlooOptions {
   // (a worker's advertised host). Empty: master_addr, which is only right when every rank shares
   // rank 0's host (loopback); on other hosts that name is not local and binding to it fails.
   std::string bind_host;
-  int master_port = 0;
+  int master_port = 0;  // with `store`: the port it serves (the other ranks' master_port)
   int rank = 0;
   int world_size = 1;
   int tp_size = 1;  // ranks stage*tp .. stage*tp+tp-1 form a stage's TP group
@@ -40,6 +42,12 @@ struct GlooOptions {
   // /dev/shm); Gloo where they do not, or when false. See worker/shm_group.h.
   bool shared_memory = true;
   ShmOptions shm;  // its timeout is `timeout`
+  // A rendezvous store made beforehand, used instead of hosting one (rank 0) or connecting to
+  // master_addr:master_port; its timeout is set to `timeout`. This is how torchrun's agent hosts
+  // the store before it starts the ranks: rank 0 is handed a store already bound to a port the
+  // system picked (worker/rendezvous.h: HostStore, ReservedStores), and the others connect to that
+  // port -- rather than rank 0 binding a port chosen earlier, which may have been taken meanwhile.
+  c10::intrusive_ptr<c10d::Store> store;
 };
 
 class GlooCollectives final : public model::Collectives {

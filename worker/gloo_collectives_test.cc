@@ -11,13 +11,27 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/free_port.h"
 #include "gtest/gtest.h"
+#include "worker/rendezvous.h"
 
 namespace bertshard::worker {
 namespace {
 
-int FreePort() { return *common::FindFreePort(/*loopback=*/true); }
+// A job's rendezvous, hosted before any rank starts on a port the system picks (as a worker's
+// ReservePort does): rank 0 is handed the store, the others connect to its port. A port found free
+// and bound later by rank 0 could be taken in between by a test running alongside.
+class Rendezvous {
+ public:
+  Rendezvous() : store_(HostStore(std::chrono::seconds(30)).value()) {}
+  int port() const { return store_->getPort(); }
+  // GlooOptions::store for `rank`: the hosted store for rank 0, none for the others.
+  c10::intrusive_ptr<c10d::Store> StoreFor(int rank) const {
+    return rank == 0 ? c10::intrusive_ptr<c10d::Store>(store_) : c10::intrusive_ptr<c10d::Store>();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+};
 
 // The TP tests run twice: TP collectives through shared memory (the default where ranks share a
 // host, as these threads do) and through Gloo.
@@ -30,13 +44,13 @@ INSTANTIATE_TEST_SUITE_P(GlooCollectives, TpTransport, testing::Bool(),
                          [](const testing::TestParamInfo<bool>& info) { return info.param ? "Shm" : "Gloo"; });
 
 TEST_P(TpTransport, TensorParallelAndPipelineOpsOnFourRanks) {
-  const int port = FreePort();
+  const Rendezvous rendezvous;
   std::vector<std::string> failures(4);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
                         .world_size = 4, .tp_size = 2, .timeout = std::chrono::milliseconds(30000),
-                        .shared_memory = shared_memory()};
+                        .shared_memory = shared_memory(), .store = rendezvous.StoreFor(rank)};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
     if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
@@ -74,13 +88,13 @@ TEST_P(TpTransport, TensorParallelAndPipelineOpsOnFourRanks) {
 // range survive, so they were not converted to fp16 on the way), and sums run in float32 and round
 // once: 256 + 1 + 1 is 258 in bf16, while summing in bf16 rounds 256 + 1 back to 256 on the way.
 TEST_P(TpTransport, Bf16TravelsExactlyAndSumsInFloat32) {
-  const int port = FreePort();
+  const Rendezvous rendezvous;
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
                         .world_size = 3, .tp_size = 3, .timeout = std::chrono::milliseconds(30000),
-                        .shared_memory = shared_memory()};
+                        .shared_memory = shared_memory(), .store = rendezvous.StoreFor(rank)};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
     if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
@@ -119,12 +133,13 @@ TEST_P(TpTransport, Bf16TravelsExactlyAndSumsInFloat32) {
 // TP ranks that cannot share a segment (each looks in its own directory, as on two hosts) use Gloo,
 // and their collectives still add up.
 TEST(GlooCollectives, TpRanksWithoutACommonShmFallBackToGloo) {
-  const int port = FreePort();
+  const Rendezvous rendezvous;
   const std::string base = testing::TempDir() + "/gloo_shm_fallback_";
   std::vector<std::string> failures(2);
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
-                        .world_size = 2, .tp_size = 2, .timeout = std::chrono::milliseconds(30000)};
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
+                        .world_size = 2, .tp_size = 2, .timeout = std::chrono::milliseconds(30000),
+                        .store = rendezvous.StoreFor(rank)};
     options.shm.dir = base + std::to_string(rank);
     mkdir(options.shm.dir.c_str(), 0700);
     auto comm = GlooCollectives::Connect(options);
@@ -144,13 +159,14 @@ TEST(GlooCollectives, TpRanksWithoutACommonShmFallBackToGloo) {
 // send return. 64 MiB is far more than a socket buffer holds, so a send that waited for its
 // transfer could not return first (the receiver gives up waiting after 20 s and the test fails).
 TEST(GlooCollectives, SendReturnsBeforeTheReceiverTakesIt) {
-  const int port = FreePort();
+  const Rendezvous rendezvous;
   std::atomic<bool> send_returned{false};
   std::vector<std::string> failures(2);
   const int64_t n = int64_t{16} << 20;  // floats
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
-                        .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(60000)};
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
+                        .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(60000),
+                        .store = rendezvous.StoreFor(rank)};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
     if (rank == 0) {
@@ -176,12 +192,13 @@ TEST(GlooCollectives, SendReturnsBeforeTheReceiverTakesIt) {
 // Nobody leaves a barrier before the last rank arrives: each rank records the arrivals it saw on
 // leaving; rank 2 arrives late on purpose. Twice in a row, so each call's keys are its own.
 TEST(GlooCollectives, BarrierWaitsForEveryRank) {
-  const int port = FreePort();
+  const Rendezvous rendezvous;
   std::atomic<int> arrived{0};
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = rank,
-                        .world_size = 3, .tp_size = 1, .timeout = std::chrono::milliseconds(30000)};
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
+                        .world_size = 3, .tp_size = 1, .timeout = std::chrono::milliseconds(30000),
+                        .store = rendezvous.StoreFor(rank)};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
     for (int round = 1; round <= 2; ++round) {
@@ -200,31 +217,51 @@ TEST(GlooCollectives, BarrierWaitsForEveryRank) {
 }
 
 TEST(GlooCollectives, BarrierWithoutPeersTimesOutAsUnavailable) {
-  const int port = FreePort();
+  const Rendezvous rendezvous;
   std::thread peer([&] {
     // Rank 1 joins the rendezvous, then never calls Barrier.
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = 1,
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = 1,
                         .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500)};
     auto comm = GlooCollectives::Connect(options);
     ASSERT_TRUE(comm.ok()) << comm.status();
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   });
-  GlooOptions options{.master_addr = "127.0.0.1", .master_port = port, .rank = 0,
-                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500)};
+  GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = 0,
+                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500),
+                      .store = rendezvous.StoreFor(0)};
   auto comm = GlooCollectives::Connect(options);
   ASSERT_TRUE(comm.ok()) << comm.status();
+  const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ((*comm)->Barrier().code(), absl::StatusCode::kUnavailable);
+  // After the options' timeout, not the 30 s the store was hosted with: Connect set it.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
   peer.join();
 }
 
 TEST(GlooCollectives, RendezvousWithoutPeersTimesOutAsUnavailable) {
-  GlooOptions options{.master_addr = "127.0.0.1", .master_port = FreePort(), .rank = 0,
-                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500)};
+  const Rendezvous rendezvous;
+  GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = 0,
+                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500),
+                      .store = rendezvous.StoreFor(0)};
   auto comm = GlooCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();
   options.world_size = 3;
   options.tp_size = 2;
   EXPECT_EQ(GlooCollectives::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Rank 0 without a store hosts one on master_port; a port someone else holds (here: a hosted
+// store's) fails at once as UNAVAILABLE, naming the port, rather than waiting for the timeout.
+TEST(GlooCollectives, HostingOnATakenPortFailsAtOnceAsUnavailable) {
+  const Rendezvous taken;
+  GlooOptions options{.master_addr = "127.0.0.1", .master_port = taken.port(), .rank = 0,
+                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(30000)};
+  const auto start = std::chrono::steady_clock::now();
+  auto comm = GlooCollectives::Connect(options);
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();
+  EXPECT_NE(comm.status().message().find(absl::StrCat("127.0.0.1:", taken.port())), std::string::npos)
+      << comm.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
 }  // namespace

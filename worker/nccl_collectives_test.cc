@@ -10,14 +10,17 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "worker/rendezvous.h"
 
 namespace bertshard::worker {
 namespace {
 
 TEST(NcclCollectives, WithoutGpuConnectFailsCleanly) {
   if (NcclCollectives::DeviceForRank(0).ok()) GTEST_SKIP() << "a GPU is present";
-  GlooOptions options{.master_addr = "127.0.0.1", .master_port = 29999, .rank = 0, .world_size = 1,
-                      .tp_size = 1, .timeout = std::chrono::milliseconds(2000)};
+  // Refused before the rendezvous, which is hosted here all the same (on a port the system picks).
+  auto store = HostStore(std::chrono::seconds(2)).value();
+  GlooOptions options{.master_addr = "127.0.0.1", .master_port = store->getPort(), .rank = 0, .world_size = 1,
+                      .tp_size = 1, .timeout = std::chrono::milliseconds(2000), .store = store};
   auto comm = NcclCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kFailedPrecondition) << comm.status();
 }
@@ -27,10 +30,15 @@ TEST(NcclCollectives, AllReduceGatherScatterSendRecvOnTwoGpus) {
   auto device = NcclCollectives::DeviceForRank(0);
   if (device.ok()) devices = static_cast<int>(at::getNumGPUs());
   if (!at::hasCUDA() || devices < 2) GTEST_SKIP() << "needs 2 GPUs and a CUDA-enabled LibTorch";
+  // Hosted before the ranks start, on a port the system picks: rank 0 is handed the store, rank 1
+  // connects to its port (a fixed port may be taken by anything else on the host).
+  auto store = HostStore(std::chrono::seconds(30)).value();
   std::vector<std::string> failures(2);
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = 29771, .rank = rank, .world_size = 2,
-                        .tp_size = 2, .timeout = std::chrono::milliseconds(30000)};
+    GlooOptions options{.master_addr = "127.0.0.1", .master_port = store->getPort(), .rank = rank, .world_size = 2,
+                        .tp_size = 2, .timeout = std::chrono::milliseconds(30000),
+                        .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(store)
+                                           : c10::intrusive_ptr<c10d::Store>()};
     auto comm = NcclCollectives::Connect(options);
     if (!comm.ok()) {
       failures[rank] = std::string(comm.status().message());

@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -20,6 +21,7 @@
 #include "planner/model_config.h"
 #include "worker/gloo_collectives.h"
 #include "worker/math_threads.h"
+#include "worker/rendezvous.h"
 #ifdef BERTSHARD_WITH_NCCL
 #include <ATen/Context.h>
 
@@ -61,6 +63,20 @@ int64_t PeakRssBytes() {
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
 }
 
+// Written beside `path` and renamed into place: a reader polling for it never sees half a number.
+absl::Status WritePortFile(const std::string& path, int port) {
+  const std::string partial = path + ".partial";
+  {
+    std::ofstream out(partial);
+    out << port << "\n";
+    if (!out.flush()) return absl::InternalError(absl::StrCat("cannot write the port file ", partial));
+  }
+  if (std::rename(partial.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("cannot rename ", partial, " to ", path));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteOutputs(const std::string& path, const std::map<std::string, at::Tensor>& outputs) {
   std::vector<checkpoint::TensorData> tensors;
   for (const auto& [name, t] : outputs) {
@@ -100,6 +116,19 @@ absl::Status RunRank(const RankOptions& o) {
   } else if (o.backend != "gloo") {
     return absl::InvalidArgumentError(absl::StrCat("unknown backend ", o.backend, "; valid: gloo, nccl"));
   }
+  // Hosted first, before the load, so that the launcher can start the other ranks (which need the
+  // port) while this one loads.
+  c10::intrusive_ptr<c10d::Store> hosted_store;
+  int master_port = o.master_port;
+  if (master_port == 0) {
+    if (o.rank != 0 || o.port_file.empty()) {
+      return absl::InvalidArgumentError("master_port 0 (a port the system picks) is for rank 0, with a port file");
+    }
+    ASSIGN_OR_RETURN(auto store, HostStore(std::chrono::seconds(o.timeout_seconds)));
+    master_port = store->getPort();
+    RETURN_IF_ERROR(WritePortFile(o.port_file, master_port));
+    hosted_store = std::move(store);
+  }
   model::BertShard::LoadOptions load;
   load.device = device;
   std::optional<model::GemmChoice> measured;
@@ -122,7 +151,8 @@ absl::Status RunRank(const RankOptions& o) {
   const auto connect_start = Clock::now();
   GlooOptions gloo;
   gloo.master_addr = o.master_addr;
-  gloo.master_port = o.master_port;
+  gloo.master_port = master_port;
+  gloo.store = hosted_store;
   gloo.rank = o.rank;
   gloo.world_size = plan.world_size();
   gloo.tp_size = std::max(1, plan.shard_config().tensor_parallel_size());

@@ -20,7 +20,13 @@ struct RankOptions {
   std::string plan_path;        // ShardPlan, binary protobuf
   int rank = -1;
   std::string master_addr = "127.0.0.1";
+  // 0 (rank 0 only, with port_file): host the rendezvous on a port the system picks, bound before
+  // anyone learns it, so that nothing can take it before the other ranks arrive.
   int master_port = 0;
+  // With master_port 0: where rank 0 writes the port it bound (decimal, then a newline), once bound
+  // and before it loads its shard, for the launcher to start the other ranks with. The file appears
+  // whole (renamed into place).
+  std::string port_file;
   std::string checkpoint;       // HF model directory
   std::string inputs_path;      // normalised inputs written by shardctl (see run_command.h)
   int micro_batches = 1;

@@ -1,29 +1,79 @@
 // File: worker/rendezvous.h
 // -----------------------------------------------------------------------------
-// The TCPStore rendezvous every backend starts from: rank 0 hosts the store on
-// master_addr:master_port (MASTER_ADDR/MASTER_PORT style), the others connect, all with the
-// options' timeout.
+// The TCPStore rendezvous every backend starts from: rank 0 hosts the store (MASTER_ADDR/
+// MASTER_PORT style), the others connect to master_addr:master_port, all with the options' timeout.
 //
-// Thread safety: thread-safe (no shared state).
+// A store is best hosted on port 0 -- the system picks a free port and binds it in one step -- and
+// its port then handed to the other ranks (HostStore; WorkerService::ReservePort keeps such stores
+// in ReservedStores until their job's rank 0 takes one). A port found free, released and bound
+// later could be taken in between by anything else on the host.
+//
+// Thread safety: ConnectStore, HostStore and StoreBarrier share no state; ReservedStores is
+// thread-safe.
 #ifndef BERTSHARD_WORKER_RENDEZVOUS_H_
 #define BERTSHARD_WORKER_RENDEZVOUS_H_
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <chrono>
+#include <map>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "worker/gloo_collectives.h"
 
 namespace bertshard::worker {
 
-// UNAVAILABLE if the store cannot be hosted or reached in time.
+// options.store, with its timeout set to options.timeout, where there is one; otherwise rank 0
+// hosts a store on master_port and the others connect to master_addr:master_port. UNAVAILABLE if
+// the store cannot be hosted (the port is taken) or reached in time.
 absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const GlooOptions& options);
+
+// A store hosted on every interface of this host, on a port the system picks (getPort() says
+// which). For rank 0, through GlooOptions::store; the other ranks connect to the port. UNAVAILABLE
+// if no port can be bound.
+absl::StatusOr<c10::intrusive_ptr<c10d::TCPStore>> HostStore(std::chrono::milliseconds timeout);
 
 // Returns once all `world_size` ranks have called it with the same `key` (each key once): a
 // barrier through the store, the same for every backend and on no device. UNAVAILABLE when the
 // store's timeout passes first (a peer is gone).
 absl::Status StoreBarrier(c10d::Store& store, const std::string& key, int world_size);
+
+// Stores hosted ahead of their job, by port: Reserve() hosts one, and the job's rank 0 Claim()s it
+// by that port when it joins. One nobody claims within `ttl` is closed, so that a reservation
+// whose job never comes (its coordinator died in between) does not hold a port and a thread for
+// good.
+class ReservedStores {
+ public:
+  explicit ReservedStores(absl::Duration ttl);
+  ~ReservedStores();  // closes the stores still unclaimed
+  ReservedStores(const ReservedStores&) = delete;
+  ReservedStores& operator=(const ReservedStores&) = delete;
+
+  // Hosts a store (HostStore) and returns its port. UNAVAILABLE if it cannot be hosted.
+  absl::StatusOr<int> Reserve();
+  // The store reserved on `port`, handed over to the caller (it is no longer kept here); null if
+  // there is none: never reserved here, claimed already, or expired.
+  c10::intrusive_ptr<c10d::Store> Claim(int port);
+
+ private:
+  struct Reservation {
+    c10::intrusive_ptr<c10d::Store> store;
+    absl::Time expires;
+  };
+  void ExpireLoop();  // closes expired reservations until the destructor stops it
+
+  const absl::Duration ttl_;
+  absl::Mutex mu_;
+  absl::CondVar changed_;  // a reservation was added, or stopping_ set
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<int, Reservation> reserved_ ABSL_GUARDED_BY(mu_);
+  std::thread expirer_;  // last: started once the rest is built
+};
 
 }  // namespace bertshard::worker
 

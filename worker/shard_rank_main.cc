@@ -1,6 +1,7 @@
 // shard-rank: one rank process of a sharded BERT forward, started by `shardctl run --local`
-// (spawn + exec, one per rank). Exits 0 on success, 2 on a bad flag value; otherwise prints the
-// error and exits 1, and the launcher stops the other ranks.
+// (spawn + exec, one per rank: rank 0 first, with --master_port=0 --port_file, and the others once
+// it has written the port it bound). Exits 0 on success, 2 on a bad flag value; otherwise prints
+// the error and exits 1, and the launcher stops the other ranks.
 #include <cstdio>
 
 #include "absl/flags/flag.h"
@@ -11,7 +12,11 @@
 ABSL_FLAG(std::string, plan, "", "ShardPlan (binary protobuf)");
 ABSL_FLAG(int, rank, -1, "global rank = stage * tp_size + tp_rank");
 ABSL_FLAG(std::string, master_addr, "127.0.0.1", "rendezvous host (rank 0 hosts the TCPStore)");
-ABSL_FLAG(int, master_port, 0, "rendezvous port");
+ABSL_FLAG(int, master_port, 0,
+          "rendezvous port; 0 (rank 0 only, with --port_file): one the system picks, bound at once");
+ABSL_FLAG(std::string, port_file, "",
+          "with --master_port=0: rank 0 writes the port it bound here, for the launcher to start the "
+          "other ranks with");
 ABSL_FLAG(std::string, checkpoint, "", "HuggingFace model directory");
 ABSL_FLAG(std::string, inputs, "", "normalised inputs JSON");
 ABSL_FLAG(int, micro_batches, 1, "micro-batches per forward");
@@ -36,6 +41,7 @@ int main(int argc, char** argv) {
   options.rank = absl::GetFlag(FLAGS_rank);
   options.master_addr = absl::GetFlag(FLAGS_master_addr);
   options.master_port = absl::GetFlag(FLAGS_master_port);
+  options.port_file = absl::GetFlag(FLAGS_port_file);
   options.checkpoint = absl::GetFlag(FLAGS_checkpoint);
   options.inputs_path = absl::GetFlag(FLAGS_inputs);
   options.micro_batches = absl::GetFlag(FLAGS_micro_batches);

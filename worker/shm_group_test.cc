@@ -16,18 +16,20 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "common/free_port.h"
 #include "gtest/gtest.h"
+#include "worker/rendezvous.h"
 
 namespace bertshard::worker {
 namespace {
 
-c10::intrusive_ptr<c10d::Store> Store(int port, int rank, int world) {
+// The rendezvous store, hosted on a port the system picks before any rank starts (a port found
+// free and bound later could be taken in between by a test running alongside). Rank 0 uses it.
+c10::intrusive_ptr<c10d::TCPStore> HostedStore() { return HostStore(std::chrono::seconds(30)).value(); }
+
+// Another rank's client of the store hosted on `port`.
+c10::intrusive_ptr<c10d::Store> ClientStore(int port) {
   c10d::TCPStoreOptions o;
   o.port = static_cast<uint16_t>(port);
-  o.isServer = rank == 0;
-  o.numWorkers = static_cast<size_t>(world);
-  o.waitWorkers = false;
   o.timeout = std::chrono::seconds(30);
   return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
 }
@@ -35,12 +37,12 @@ c10::intrusive_ptr<c10d::Store> Store(int port, int rank, int world) {
 // Runs `body(rank, group)` on `size` threads that joined one group; returns each rank's failures.
 std::vector<std::string> OnRanks(int size, const ShmOptions& options,
                                  const std::function<void(int, SharedMemoryGroup*, std::string*)>& body) {
-  const int port = *common::FindFreePort(/*loopback=*/true);
+  const auto hosted = HostedStore();
   std::vector<std::string> failures(static_cast<size_t>(size));
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
-      auto store = Store(port, r, size);
+      auto store = r == 0 ? c10::intrusive_ptr<c10d::Store>(hosted) : ClientStore(hosted->getPort());
       auto group = SharedMemoryGroup::Join(*store, "shm/test", r, size, options);
       if (!group.ok()) return void(failures[r] = std::string(group.status().message()));
       if (*group == nullptr) return void(failures[r] = "did not join (fell back)");
@@ -68,18 +70,28 @@ ShmOptions Small() {
 // A peer process that exits is noticed within a fraction of a second, long before the timeout.
 // First in this file: it forks, best done before other tests have started threads.
 TEST(SharedMemoryGroup, APeerProcessThatExitsIsNoticedAtOnce) {
-  const int port = *common::FindFreePort(/*loopback=*/true);
   ShmOptions o = Small();
   o.timeout = std::chrono::seconds(60);
+  // The parent hosts the store after the fork (the child starts with no store threads in it) and
+  // passes the child its port through a pipe.
+  int port_pipe[2];
+  ASSERT_EQ(pipe(port_pipe), 0);
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
     // Rank 1: joins, then exits without taking part in any collective.
-    auto store = Store(port, 1, 2);
+    close(port_pipe[1]);
+    int port = 0;
+    if (read(port_pipe[0], &port, sizeof(port)) != sizeof(port)) _exit(4);
+    auto store = ClientStore(port);
     auto group = SharedMemoryGroup::Join(*store, "shm/test", 1, 2, o);
     _exit(group.ok() && *group ? 0 : 3);
   }
-  auto store = Store(port, 0, 2);
+  close(port_pipe[0]);
+  auto store = HostedStore();
+  const int port = store->getPort();
+  ASSERT_EQ(write(port_pipe[1], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+  close(port_pipe[1]);
   auto group = SharedMemoryGroup::Join(*store, "shm/test", 0, 2, o);
   ASSERT_TRUE(group.ok()) << group.status();
   ASSERT_NE(*group, nullptr);
@@ -141,14 +153,14 @@ TEST(SharedMemoryGroup, RanksThatCannotShareASegmentAllFallBack) {
   const std::string base = testing::TempDir() + "/shm_fallback";
   std::filesystem::create_directories(base + "/a");
   std::filesystem::create_directories(base + "/b");
-  const int port = *common::FindFreePort(/*loopback=*/true);
+  const auto hosted = HostedStore();
   std::vector<std::string> results(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
       ShmOptions o = Small();
       o.dir = base + (r == 0 ? "/a" : "/b");
-      auto store = Store(port, r, 2);
+      auto store = r == 0 ? c10::intrusive_ptr<c10d::Store>(hosted) : ClientStore(hosted->getPort());
       auto group = SharedMemoryGroup::Join(*store, "shm/test", r, 2, o);
       results[r] = !group.ok() ? std::string(group.status().message()) : *group ? "joined" : "fell back";
     });
@@ -201,8 +213,7 @@ TEST(SharedMemoryGroup, AMissingPeerTimesOutAsUnavailable) {
 }
 
 TEST(SharedMemoryGroup, BadSizesAreInvalidArguments) {
-  const int port = *common::FindFreePort(/*loopback=*/true);
-  auto store = Store(port, 0, 1);
+  auto store = HostedStore();
   EXPECT_EQ(SharedMemoryGroup::Join(*store, "p", 0, 1, ShmOptions()).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SharedMemoryGroup::Join(*store, "p", 2, 2, ShmOptions()).status().code(),

@@ -9,7 +9,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
-#include "common/free_port.h"
 #include "common/grpc_auth.h"
 #include "common/fault_point.h"
 #include "common/grpc_status.h"
@@ -18,6 +17,7 @@
 #include "model/gemm.h"
 #include "worker/gloo_collectives.h"
 #include "worker/math_threads.h"
+#include "worker/rendezvous.h"
 
 namespace bertshard::worker {
 namespace {
@@ -76,7 +76,8 @@ struct WorkerService::LoadedJob {
   JobMetrics metrics;
 };
 
-WorkerService::WorkerService(WorkerServiceOptions options) : options_(options) {}
+WorkerService::WorkerService(WorkerServiceOptions options)
+    : options_(options), reserved_stores_(std::make_unique<ReservedStores>(options.port_reservation_ttl)) {}
 WorkerService::~WorkerService() = default;
 
 int WorkerService::loaded_jobs() {
@@ -175,6 +176,11 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
       return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " is already loaded here")};
     }
   }
+  // Rank 0 takes over the store its ReservePort hosted on master_port at once, so that no expiry
+  // closes it while the shard loads (and it goes with this call if the load fails). None here (a
+  // port chosen some other way, or a reservation that expired): Connect hosts one on master_port.
+  c10::intrusive_ptr<c10d::Store> reserved_store;
+  if (request->rank() == 0) reserved_store = reserved_stores_->Claim(request->master_port());
   auto job = std::make_shared<LoadedJob>();
   if (auto metrics = MetricsForJob(options_.metrics, request->job_id(), request->rank()); metrics.ok()) {
     job->metrics = *metrics;
@@ -227,6 +233,7 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   gloo.world_size = plan.world_size();
   gloo.tp_size = std::max(1, plan.shard_config().tensor_parallel_size());
   gloo.timeout = std::chrono::seconds(request->timeout_seconds() > 0 ? request->timeout_seconds() : 120);
+  gloo.store = std::move(reserved_store);
   common::PausePoint("worker_rendezvous");  // loaded, before joining the job's process groups
   auto comm = GlooCollectives::Connect(gloo);
   if (!comm.ok()) return common::ToGrpcStatus(comm.status());
@@ -316,7 +323,9 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
 grpc::Status WorkerService::ReservePort(grpc::ServerContext* context, const v1::ReservePortRequest*,
                                         v1::ReservePortResponse* response) {
   if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
-  auto port = common::FindFreePort(/*loopback=*/false);
+  // Bound now, not found free for rank 0 to bind later: anything on this host (an outgoing
+  // connection's ephemeral port, another job's reservation) could take it in between.
+  auto port = reserved_stores_->Reserve();
   if (!port.ok()) return common::ToGrpcStatus(port.status());
   response->set_port(*port);
   return grpc::Status::OK;

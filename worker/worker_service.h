@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "common/model_root.h"
 #include "common/metrics.h"
@@ -56,7 +57,13 @@ struct WorkerServiceOptions {
   common::ModelRoot model_root;
   // The cluster's bearer token (common/grpc_auth.h): every RPC needs it; empty: none does.
   std::string token;
+  // How long the rendezvous store a ReservePort hosts waits for its job's rank 0 LoadShard (which
+  // the coordinator sends right after it) before it is closed: a coordinator that dies in between
+  // must not leave the port bound for good.
+  absl::Duration port_reservation_ttl = absl::Minutes(2);
 };
+
+class ReservedStores;  // worker/rendezvous.h
 
 class WorkerService final : public v1::Worker::Service {
  public:
@@ -69,6 +76,10 @@ class WorkerService final : public v1::Worker::Service {
                        v1::ForwardResponse* response) override;
   grpc::Status Unload(grpc::ServerContext* context, const v1::UnloadRequest* request,
                       v1::UnloadResponse* response) override;
+  // Hosts a job's rendezvous store now, on a port the system picks, and answers that port; the
+  // job's rank 0 LoadShard with that master_port then takes the store over (unclaimed, it is closed
+  // after options.port_reservation_ttl, as are those of the coordinator's are-you-there probes).
+  // A port merely found free could be taken before rank 0 bound it.
   grpc::Status ReservePort(grpc::ServerContext* context, const v1::ReservePortRequest* request,
                            v1::ReservePortResponse* response) override;
 
@@ -99,6 +110,7 @@ class WorkerService final : public v1::Worker::Service {
   // PickGemmPathForPlan times: measured once each.
   absl::Mutex gemm_mu_;
   std::map<std::tuple<int, int64_t, int64_t, int>, model::GemmChoice> gemm_choices_ ABSL_GUARDED_BY(gemm_mu_);
+  const std::unique_ptr<ReservedStores> reserved_stores_;  // ReservePort's, until rank 0 claims them
 };
 
 }  // namespace bertshard::worker

@@ -2,7 +2,12 @@
 // run forwards in sequence and unload -- driven over gRPC as the coordinator will drive them.
 #include "worker/worker_service.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,7 +17,6 @@
 
 #include "checkpoint/safetensors.h"
 #include "grpcpp/grpcpp.h"
-#include "common/free_port.h"
 #include "common/grpc_auth.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -22,8 +26,6 @@ namespace bertshard::worker {
 namespace {
 
 constexpr char kModel[] = "tests/testdata/model/masked_lm_untied";
-
-int FreePort() { return *common::FindFreePort(/*loopback=*/true); }
 
 struct RunningWorker {
   std::unique_ptr<WorkerService> service;
@@ -47,6 +49,14 @@ std::unique_ptr<grpc::ClientContext> Context() {
   auto c = std::make_unique<grpc::ClientContext>();
   c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   return c;
+}
+
+// A job's rendezvous port, hosted by `worker` (its rank 0) from now on, as the coordinator gets it.
+int ReservePort(RunningWorker& worker) {
+  v1::ReservePortResponse port;
+  const grpc::Status status = worker.stub->ReservePort(Context().get(), v1::ReservePortRequest(), &port);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return port.port();
 }
 
 v1::TokenInputs Inputs() {
@@ -111,7 +121,7 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
   auto plan = planner::Plan(request);
   ASSERT_TRUE(plan.ok()) << plan.status();
   RunningWorker workers[2] = {StartWorker(options), StartWorker(options)};
-  const int port = FreePort();
+  const int port = ReservePort(workers[0]);
 
   std::vector<v1::LoadProgress> last(2);
   std::vector<int> updates(2, 0);
@@ -240,16 +250,16 @@ INSTANTIATE_TEST_SUITE_P(Gemm, WorkerServicePaths,
                                                          : std::string("auto");
                          });
 
-// A one-rank load of kModel (job "j") from `checkpoint`, and the status of a LoadShard call read to
-// its end.
-v1::LoadShardRequest OneRankLoad(const std::string& checkpoint) {
+// A one-rank load of kModel (job "j") from `checkpoint` on the rendezvous port `port`, and the
+// status of a LoadShard call read to its end.
+v1::LoadShardRequest OneRankLoad(const std::string& checkpoint, int port) {
   v1::PlanRequest request;
   request.set_checkpoint(kModel);
   v1::LoadShardRequest load;
   load.set_job_id("j");
   *load.mutable_plan() = planner::Plan(request).value();
   load.set_checkpoint(checkpoint);
-  load.set_master_port(FreePort());
+  load.set_master_port(port);
   return load;
 }
 grpc::Status LoadToTheEnd(RunningWorker& worker, const v1::LoadShardRequest& load) {
@@ -263,7 +273,7 @@ grpc::Status LoadToTheEnd(RunningWorker& worker, const v1::LoadShardRequest& loa
 
 TEST(WorkerService, RefusesBadLoadRequests) {
   RunningWorker worker = StartWorker();
-  v1::LoadShardRequest load = OneRankLoad("/nonexistent/checkpoint");
+  v1::LoadShardRequest load = OneRankLoad("/nonexistent/checkpoint", ReservePort(worker));
   auto read_all = [&](const v1::LoadShardRequest& r) { return LoadToTheEnd(worker, r); };
   // Each refusal with its code and the words that say which part of the request is wrong.
   const auto expect_refused = [&](grpc::StatusCode code, const std::string& words) {
@@ -284,6 +294,8 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   load.set_backend("mpi");
   expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "backend 'mpi' is not served by this worker (gloo)");
   load.clear_backend();
+  // The first request's rank 0 took the reserved store and closed it with its failed load.
+  load.set_master_port(ReservePort(worker));
   ASSERT_TRUE(read_all(load).ok());  // world of 1
   expect_refused(grpc::StatusCode::ALREADY_EXISTS, "job j is already loaded here");
   EXPECT_TRUE(worker.service->UnloadJob("j"));
@@ -308,7 +320,9 @@ TEST(WorkerService, LoadsOnlyCheckpointsUnderItsModelRoot) {
   WorkerServiceOptions options;
   options.model_root = *model_root;
   RunningWorker worker = StartWorker(options);
-  auto read_all = [&](const std::string& checkpoint) { return LoadToTheEnd(worker, OneRankLoad(checkpoint)); };
+  auto read_all = [&](const std::string& checkpoint) {
+    return LoadToTheEnd(worker, OneRankLoad(checkpoint, ReservePort(worker)));
+  };
   grpc::Status s = read_all(fs::absolute(kModel).string());
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(s.error_message().find("outside the model root"), std::string::npos) << s.error_message();
@@ -365,6 +379,85 @@ TEST(WorkerService, EveryRpcNeedsTheClusterTokenWhenOneIsSet) {
   }
   v1::ReservePortResponse port;
   EXPECT_TRUE(worker.stub->ReservePort(context("cluster-secret-1").get(), v1::ReservePortRequest(), &port).ok());
+}
+
+// Whether something accepts connections on 127.0.0.1:`port`.
+bool Listening(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool connected = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return connected;
+}
+
+// errno of binding `port` on every interface; 0 if the bind succeeded. SO_REUSEADDR, so that only a
+// listening socket makes it fail, not connections to a closed one still in TIME_WAIT.
+int BindError(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  const int error = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 ? 0 : errno;
+  close(fd);
+  return error;
+}
+
+// Whether nothing listens on `port` any more within `timeout` (closing a store is not instant).
+bool ReleasedWithin(int port, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (Listening(port)) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+// ReservePort binds the rendezvous port itself, before any load, and the job's rank 0 takes that
+// store over: nothing on the host can take the port between the answer and the rendezvous.
+TEST(WorkerService, ReservePortHostsTheRendezvousThatRankZeroTakesOver) {
+  WorkerServiceOptions options;
+  options.port_reservation_ttl = absl::Seconds(2);
+  RunningWorker worker = StartWorker(options);
+  v1::LoadShardRequest load = OneRankLoad(kModel, 0);  // the plan first: the expiry runs from the reservation
+  const int port = ReservePort(worker);
+  ASSERT_GT(port, 0);
+  EXPECT_TRUE(Listening(port));
+  EXPECT_EQ(BindError(port), EADDRINUSE);
+  // A second reservation is a port of its own.
+  const int other = ReservePort(worker);
+  EXPECT_NE(other, port);
+  EXPECT_TRUE(Listening(other));
+  // Rank 0 loads on the reserved port: it can only have used the reserved store, since hosting
+  // another store on the port would fail (address in use).
+  load.set_master_port(port);
+  const grpc::Status loaded = LoadToTheEnd(worker, load);
+  ASSERT_TRUE(loaded.ok()) << loaded.error_message();
+  // The job holds the store past the reservation's expiry; the unclaimed one is closed by then.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_TRUE(Listening(port));
+  EXPECT_TRUE(ReleasedWithin(other, std::chrono::seconds(5)));
+  // Unloading the job closes its store.
+  EXPECT_TRUE(worker.service->UnloadJob("j"));
+  EXPECT_TRUE(ReleasedWithin(port, std::chrono::seconds(5)));
+}
+
+// A reservation no load claims (its coordinator died after asking) does not hold the port for good.
+TEST(WorkerService, AnUnclaimedReservationIsReleasedAfterItsExpiry) {
+  WorkerServiceOptions options;
+  options.port_reservation_ttl = absl::Milliseconds(300);
+  RunningWorker worker = StartWorker(options);
+  const auto asked = std::chrono::steady_clock::now();
+  const int port = ReservePort(worker);
+  ASSERT_GT(port, 0);
+  EXPECT_TRUE(Listening(port));
+  EXPECT_TRUE(ReleasedWithin(port, std::chrono::seconds(5)));
+  EXPECT_GE(std::chrono::steady_clock::now() - asked, std::chrono::milliseconds(290));  // not before its time
 }
 
 }  // namespace
