@@ -29,9 +29,12 @@ struct TensorLocation {
 
 class Checkpoint {
  public:
-  // Opens the weights of `directory` (config.json is read by the planner). NOT_FOUND when neither
-  // model.safetensors nor model.safetensors.index.json exists; INVALID_ARGUMENT for a malformed
-  // index or shard.
+  // Opens the weights of `directory` (config.json is read by the planner). When both
+  // model.safetensors and model.safetensors.index.json exist, model.safetensors is read and the
+  // index ignored, as transformers' from_pretrained does. NOT_FOUND when neither exists, or when
+  // the index names shard files that do not (the message lists them); INVALID_ARGUMENT for a
+  // malformed index (no weight_map object, an empty one, a shard name that is not a bare file
+  // name) or shard, or a tensor stored in two shards.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& directory);
 
   // The tensor stored under `name`, or else under the first of `aliases` that is stored (HF

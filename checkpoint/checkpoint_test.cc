@@ -15,6 +15,11 @@ std::string MakeDir(const std::string& name) {
   return dir;
 }
 
+void ExpectStatus(const absl::Status& status, absl::StatusCode code, const std::string& fragment) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_TRUE(absl::StrContains(status.message(), fragment)) << status;
+}
+
 TEST(Checkpoint, ReadsShardedIndexAndFollowsAliases) {
   const std::string dir = MakeDir("sharded");
   ASSERT_TRUE(WriteSafetensors(dir + "/part-1.safetensors", {{"a.weight", {2}, {1, 2}}}).ok());
@@ -38,7 +43,8 @@ TEST(Checkpoint, ReadsShardedIndexAndFollowsAliases) {
 }
 
 TEST(Checkpoint, RefusesMissingWeightsBadIndexAndDuplicates) {
-  EXPECT_EQ(Checkpoint::Open(MakeDir("empty")).status().code(), absl::StatusCode::kNotFound);
+  ExpectStatus(Checkpoint::Open(MakeDir("empty")).status(), absl::StatusCode::kNotFound,
+               "has neither model.safetensors nor model.safetensors.index.json");
   const std::string bad = MakeDir("bad_index");
   std::ofstream(bad + "/model.safetensors.index.json") << R"({"weight_map": ["x"]})";
   EXPECT_EQ(Checkpoint::Open(bad).status().code(), absl::StatusCode::kInvalidArgument);
@@ -49,7 +55,74 @@ TEST(Checkpoint, RefusesMissingWeightsBadIndexAndDuplicates) {
   ASSERT_TRUE(WriteSafetensors(dup + "/p1.safetensors", {{"a", {1}, {1}}}).ok());
   ASSERT_TRUE(WriteSafetensors(dup + "/p2.safetensors", {{"a", {1}, {2}}}).ok());
   std::ofstream(dup + "/model.safetensors.index.json") << R"({"weight_map": {"a": "p1.safetensors", "b": "p2.safetensors"}})";
-  EXPECT_EQ(Checkpoint::Open(dup).status().code(), absl::StatusCode::kInvalidArgument);
+  ExpectStatus(Checkpoint::Open(dup).status(), absl::StatusCode::kInvalidArgument,
+               "tensor a is stored in more than one shard");
+}
+
+// A shard the index names but the directory lacks (a partial copy): NOT_FOUND naming every
+// missing file and the index that names them, before any shard is mapped.
+TEST(Checkpoint, RefusesAnIndexNamingMissingShardFiles) {
+  const std::string dir = MakeDir("missing_shard");
+  ASSERT_TRUE(WriteSafetensors(dir + "/part-1.safetensors", {{"a.weight", {2}, {1, 2}}}).ok());
+  std::ofstream(dir + "/model.safetensors.index.json")
+      << R"({"weight_map": {"a.weight": "part-1.safetensors", "b.weight": "part-2.safetensors",
+                            "c.weight": "part-3.safetensors", "d.weight": "part-2.safetensors"}})";
+  ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kNotFound,
+               "checkpoint " + dir + ": model.safetensors.index.json names shard files part-2.safetensors, "
+               "part-3.safetensors, which are missing");
+  ASSERT_TRUE(WriteSafetensors(dir + "/part-3.safetensors", {{"c.weight", {1}, {3}}}).ok());
+  ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kNotFound,
+               "names shard file part-2.safetensors, which is missing");
+  ASSERT_TRUE(WriteSafetensors(dir + "/part-2.safetensors", {{"b.weight", {1}, {2}}, {"d.weight", {1}, {4}}}).ok());
+  auto complete = Checkpoint::Open(dir);
+  ASSERT_TRUE(complete.ok()) << complete.status();
+  EXPECT_TRUE((*complete)->Find("d.weight", {}).ok());
+}
+
+// model.safetensors next to an index: the single file is read, as transformers' from_pretrained
+// reads it, and the index is not even parsed (here it is malformed and names a missing shard).
+TEST(Checkpoint, PrefersModelSafetensorsOverAnIndexBesideIt) {
+  const std::string dir = MakeDir("both");
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", {{"a.weight", {1}, {1}}}).ok());
+  ASSERT_TRUE(WriteSafetensors(dir + "/part-1.safetensors", {{"a.weight", {1}, {2}}, {"b.weight", {1}, {3}}}).ok());
+  std::ofstream(dir + "/model.safetensors.index.json")
+      << R"({"weight_map": {"a.weight": "part-1.safetensors", "b.weight": "part-1.safetensors"}})";
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  auto a = (*ckpt)->Find("a.weight", {});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->file->path(), dir + "/model.safetensors");
+  float value = 0;
+  ASSERT_TRUE(a->file->ReadSlice(*a->info, {}, &value).ok());
+  EXPECT_EQ(value, 1.f);
+  ExpectStatus((*ckpt)->Find("b.weight", {}).status(), absl::StatusCode::kNotFound, "has no tensor b.weight");
+
+  std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {"a.weight": "gone.safetensors"}})";
+  EXPECT_TRUE(Checkpoint::Open(dir).ok());
+  std::ofstream(dir + "/model.safetensors.index.json") << "{not json";
+  EXPECT_TRUE(Checkpoint::Open(dir).ok());
+  // Without the single file the same directory reads the index, and says what is wrong with it.
+  ASSERT_EQ(std::remove((dir + "/model.safetensors").c_str()), 0);
+  ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kInvalidArgument,
+               "model.safetensors.index.json is not a safetensors index (needs a weight_map object)");
+}
+
+TEST(Checkpoint, RefusesIndexesThatNameNoUsableShard) {
+  const std::string dir = MakeDir("bad_names");
+  std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {}})";
+  ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kInvalidArgument,
+               "has an empty weight_map: it names no shard file");
+  for (const std::string name : {R"("")", R"("..")", R"(".")", R"("sub/x.safetensors")", "7"}) {
+    SCOPED_TRACE(name);
+    std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {"x": )" << name << "}}";
+    ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kInvalidArgument,
+                 "model.safetensors.index.json: tensor x maps to a bad shard file name");
+  }
+  // A shard that is there but corrupt is refused by the safetensors reader, naming the file.
+  std::ofstream(dir + "/p.safetensors") << "abc";
+  std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {"x": "p.safetensors"}})";
+  ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kInvalidArgument,
+               "safetensors file " + dir + "/p.safetensors: file is 3 bytes, shorter than the 8-byte header length");
 }
 
 }  // namespace

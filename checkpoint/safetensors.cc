@@ -185,21 +185,48 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     auto dtype = ParseDType(entry["dtype"].get<std::string>());
     if (!dtype.ok()) return Bad(path, absl::StrCat("tensor ", name, ": ", dtype.status().message()));
     info.dtype = *dtype;
-    uint64_t numel = 1;
-    for (const auto& d : entry["shape"]) {
-      if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 40)) {
-        return Bad(path, absl::StrCat("tensor ", name, " has a bad shape ", entry["shape"].dump()));
+    // Each dimension is checked before any product is formed, and the product is formed with an
+    // overflow check: a wrapped element count (e.g. [2^32, 2^32] -> 0) could match a small byte
+    // range and send ReadSlice far outside the mapping. Messages name the dimension, not the
+    // header text.
+    const json& shape = entry["shape"];
+    for (size_t i = 0; i < shape.size(); ++i) {
+      if (!shape[i].is_number_unsigned()) {
+        return Bad(path, absl::StrCat("tensor ", name, " has a bad shape: dimension ", i,
+                                      " is not a non-negative integer"));
       }
-      info.shape.push_back(static_cast<int64_t>(d.get<uint64_t>()));
-      numel *= d.get<uint64_t>();
-      if (numel > (uint64_t{1} << 40)) return Bad(path, absl::StrCat("tensor ", name, " is absurdly large"));
+      const uint64_t dim = shape[i].get<uint64_t>();
+      if (dim > kMaxTensorElements) {
+        return Bad(path, absl::StrCat("tensor ", name, " has a bad shape: dimension ", i, " is ", dim,
+                                      ", more than the ", kMaxTensorElements, " elements a tensor may have"));
+      }
+      info.shape.push_back(static_cast<int64_t>(dim));
+    }
+    uint64_t numel = 1;
+    if (std::find(info.shape.begin(), info.shape.end(), 0) != info.shape.end()) {
+      numel = 0;  // an empty tensor, whatever its other dimensions
+    } else {
+      for (int64_t dim : info.shape) {
+        if (numel > kMaxTensorElements / static_cast<uint64_t>(dim)) {
+          return Bad(path, absl::StrCat("tensor ", name, " has a shape of more than ", kMaxTensorElements,
+                                        " elements"));
+        }
+        numel *= static_cast<uint64_t>(dim);
+      }
     }
     for (const auto& o : entry["data_offsets"]) {
-      if (!o.is_number_unsigned()) return Bad(path, absl::StrCat("tensor ", name, " has non-integer data_offsets"));
+      if (!o.is_number_unsigned()) {
+        return Bad(path, absl::StrCat("tensor ", name, " has bad data_offsets: they must be two non-negative integers "
+                                      "[begin, end]"));
+      }
     }
     info.begin = entry["data_offsets"][0].get<uint64_t>();
     info.end = entry["data_offsets"][1].get<uint64_t>();
-    if (info.begin > info.end || info.end > data_size) {
+    if (info.begin > info.end) {
+      return Bad(path, absl::StrCat("tensor ", name, " has data_offsets [", info.begin, ", ", info.end,
+                                    ") whose end comes before their begin"));
+    }
+    if (info.end > data_size) {
       return Bad(path, absl::StrCat("tensor ", name, " data_offsets [", info.begin, ", ", info.end,
                                     ") lie outside the ", data_size, "-byte data section"));
     }
@@ -267,10 +294,6 @@ absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice,
     return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has dtype ", DTypeString(t.dtype),
                                                    "; model weights must be F32, F16, BF16 or F64"));
   }
-  if (slice.dim >= 0 && t.shape.size() > 2) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.shape.size(),
-                                                   " dims; slices of at most 2 are supported"));
-  }
   const int esize = DTypeSize(t.dtype);
   const uint8_t* base = map_ + data_offset_ + t.begin;
   if (slice.dim < 0) {
@@ -281,26 +304,30 @@ absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice,
   if (slice.dim >= static_cast<int>(t.shape.size()) || slice.start < 0 || slice.end < slice.start ||
       slice.end > t.shape[static_cast<size_t>(slice.dim)]) {
     return absl::InvalidArgumentError(absl::StrCat("slice [", slice.start, ", ", slice.end, ") of dim ",
-                                                   slice.dim, " is outside tensor ", t.name));
+                                                   slice.dim, " is outside tensor ", t.name, " (", t.shape.size(),
+                                                   " dims)"));
   }
-  const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
-  if (slice.dim == 0) {
-    const int64_t count = (slice.end - slice.start) * cols;
-    ConvertReleasing(base + slice.start * cols * esize, t.dtype, count, out);
-    bytes_read_ += static_cast<uint64_t>(count * esize);
-    return absl::OkStatus();
-  }
-  const int64_t width = slice.end - slice.start;
-  // Rows in blocks of about a chunk of the file, each block's pages dropped once it is copied.
-  const int64_t rows_per_block = std::max<int64_t>(1, (int64_t{4} << 20) / std::max<int64_t>(1, cols * esize));
-  for (int64_t first = 0; first < t.shape[0]; first += rows_per_block) {
-    const int64_t last = std::min(t.shape[0], first + rows_per_block);
-    for (int64_t row = first; row < last; ++row) {
-      Convert(base + (row * cols + slice.start) * esize, t.dtype, width, out + row * width);
+  // Row-major: the tensor is `outer` blocks of shape[dim] x `inner` elements, and the slice is the
+  // same run of `width` elements in each block. Open bounded every product by kMaxTensorElements.
+  const auto d = static_cast<size_t>(slice.dim);
+  int64_t outer = 1, inner = 1;
+  for (size_t i = 0; i < d; ++i) outer *= t.shape[i];
+  for (size_t i = d + 1; i < t.shape.size(); ++i) inner *= t.shape[i];
+  const int64_t stride = t.shape[d] * inner;
+  const int64_t width = (slice.end - slice.start) * inner;
+  const uint8_t* first = base + slice.start * inner * esize;
+  if (outer == 1 || width == stride) {  // one contiguous run
+    ConvertReleasing(first, t.dtype, outer * width, out);
+  } else {
+    // Blocks in groups of about 4 MiB of the file, each group's pages dropped once it is copied.
+    const int64_t per_group = std::max<int64_t>(1, (int64_t{4} << 20) / std::max<int64_t>(1, stride * esize));
+    for (int64_t group = 0; group < outer; group += per_group) {
+      const int64_t last = std::min(outer, group + per_group);
+      for (int64_t b = group; b < last; ++b) Convert(first + b * stride * esize, t.dtype, width, out + b * width);
+      ReleasePages(base + group * stride * esize, static_cast<size_t>((last - group) * stride * esize));
     }
-    ReleasePages(base + first * cols * esize, static_cast<size_t>((last - first) * cols * esize));
   }
-  bytes_read_ += static_cast<uint64_t>(t.shape[0] * width * esize);
+  bytes_read_ += static_cast<uint64_t>(outer * width * esize);
   return absl::OkStatus();
 }
 

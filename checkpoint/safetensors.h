@@ -57,12 +57,17 @@ struct Slice {
 
 // Largest header accepted: big checkpoints have a few thousand tensors (~1 MiB of JSON).
 inline constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
+// Most elements (and largest dimension) a tensor may have: 2^40, far beyond any BERT weight
+// (BERT-large's biggest is 31M), and small enough that element and byte counts never overflow.
+inline constexpr uint64_t kMaxTensorElements = uint64_t{1} << 40;
 
 class SafetensorsFile {
  public:
   // Maps and validates `path`. INVALID_ARGUMENT for any malformed header: length beyond the bound
-  // or the file, bad JSON, unknown dtype, shape x dtype size != byte length, offsets out of bounds,
-  // tensors not contiguous or overlapping. NOT_FOUND if the file cannot be opened.
+  // or the file, bad JSON, unknown dtype, a shape that is not non-negative integers or has more
+  // than kMaxTensorElements elements, data_offsets that are not two non-negative integers, reversed
+  // (begin > end) or outside the data section, shape x dtype size != byte length, tensors not
+  // contiguous or overlapping. NOT_FOUND if the file cannot be opened.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
 
   ~SafetensorsFile();
@@ -74,10 +79,11 @@ class SafetensorsFile {
   const TensorInfo* Find(absl::string_view name) const;
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
 
-  // Copies `slice` of a tensor into `out` (row-major, float32), converting F64/F16/BF16. A whole
-  // tensor may have any rank; a slice needs rank <= 2. INVALID_ARGUMENT for a non-floating dtype.
-  // For dim 1 of a matrix it reads each row's column range. INVALID_ARGUMENT if the slice is out
-  // of the tensor's bounds. Bytes touched are added to bytes_read().
+  // Copies `slice` of a tensor into `out` (row-major, float32, the sliced dimension shortened to
+  // end - start), converting F64/F16/BF16. Any rank, any dimension: a slice of dim d reads, for
+  // each index of the dimensions before d, one contiguous run of the file. INVALID_ARGUMENT for a
+  // non-floating dtype, or if the slice is out of the tensor's bounds. Bytes copied are added to
+  // bytes_read().
   absl::Status ReadSlice(const TensorInfo& tensor, const Slice& slice, float* out) const;
 
   uint64_t bytes_read() const { return bytes_read_.load(); }

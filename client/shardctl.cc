@@ -37,11 +37,15 @@ On a coordinator (--server HOST:PORT, default $BERTSHARD_SERVER or 127.0.0.1:500
 default $BERTSHARD_TOKEN: the bearer token a coordinator with tokens needs; --tls-ca F [--tls-cert F
 --tls-key F], default $BERTSHARD_TLS_CA/_CERT/_KEY: TLS, with a client certificate for mutual TLS):
   shardctl submit --checkpoint DIR [--tp N --pp N ...] [--watch] [--no-wait]   prints the job id
+      --watch: then print its states until it settles: READY exits 0, FAILED 1 with the cause
+      --no-wait: refuse the job (FAILED_PRECONDITION, exit 1) instead of queueing it PENDING when
+        too few workers are idle; submit never waits for loading without --watch
   shardctl jobs | job ID | watch ID | cancel ID | workers
   shardctl infer ID --text "..." [--text-pair "..."] | --input FILE.json [--output FILE.safetensors]
                  [--top-k K] [--truncate] [--micro-batches M]
-      prints the head's predictions (top-k tokens per [MASK], labels with scores, the answer span)
-      and the outputs' shapes; --output writes the raw tensors
+      prints the input_ids the model ran on (and token_type_ids for a pair), the head's predictions
+      (top-k tokens per [MASK], labels with scores, the answer span) and the outputs' shapes;
+      --output writes the raw tensors
   shardctl embed ID "text" ["text" ...] | --file FILE|- | --input FILE.json [--pooling mean|cls|max|
                  mean_sqrt_len] [--normalize true|false] [--truncate] [--format table|json]
       one vector per text (a BertModel job), pooled as the checkpoint's sentence-transformers files

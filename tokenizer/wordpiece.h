@@ -88,7 +88,9 @@ class WordPieceTokenizer {
   // Ids of `text`'s pieces, without [CLS]/[SEP].
   absl::StatusOr<std::vector<int64_t>> TokenIds(absl::string_view text) const;
 
-  // [CLS] text [SEP] (pair [SEP]). INVALID_ARGUMENT for text that is not UTF-8; for an encoding
+  // [CLS] text [SEP] (pair [SEP]). Empty text, or text that cleaning empties (only whitespace or
+  // control characters), gives [CLS] [SEP] as HF does; callers that need words check for that
+  // (the server refuses it). INVALID_ARGUMENT for text that is not UTF-8; for an encoding
   // longer than options.max_length without options.truncation (the message gives both lengths);
   // and, with truncation, for a max_length too small to hold [CLS] and the [SEP]s.
   absl::StatusOr<Encoding> Encode(absl::string_view text, std::optional<absl::string_view> pair,

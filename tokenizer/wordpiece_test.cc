@@ -211,6 +211,87 @@ TEST(WordPiece, LongWordsCountCharactersAfterNormalisation) {
   EXPECT_EQ(*Cased().Tokenize(Repeat("e\u0301", 60)), (Pieces{"[UNK]"}));
 }
 
+// HF's WordPiece (max_input_chars_per_word = 100) makes a word of more than 100 characters one
+// [UNK], and splits one of exactly 100 as any other. On a vocabulary of "a" and "##a" nothing else
+// can make the 101-character word unknown; values from tokenizers 0.19.1.
+TEST(WordPiece, WordsOverTheMaximumLengthBecomeOneUnk) {
+  auto tok = WordPieceTokenizer::FromVocab({"[UNK]", "[CLS]", "[SEP]", "a", "##a", "x", "\u00e9", "##\u00e9"}, {});
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  Pieces hundred = {"a"};
+  hundred.insert(hundred.end(), 99, "##a");
+  EXPECT_EQ(*(*tok)->Tokenize(std::string(100, 'a')), hundred);
+  EXPECT_EQ(*(*tok)->Tokenize(std::string(101, 'a')), (Pieces{"[UNK]"}));
+  // Only the long word: its neighbours are split as usual.
+  EXPECT_EQ(*(*tok)->TokenIds("x " + std::string(101, 'a') + " x"), (Ids{5, 0, 5}));
+  // Characters, not bytes: 100 two-byte characters (200 bytes) are within the limit.
+  auto cased = WordPieceTokenizer::FromVocab({"[UNK]", "[CLS]", "[SEP]", "\u00e9", "##\u00e9"},
+                                             TokenizerOptions{.do_lower_case = false});
+  ASSERT_TRUE(cased.ok()) << cased.status();
+  Pieces accented = {"\u00e9"};
+  accented.insert(accented.end(), 99, "##\u00e9");
+  EXPECT_EQ(*(*cased)->Tokenize(Repeat("\u00e9", 100)), accented);
+  EXPECT_EQ(*(*cased)->Tokenize(Repeat("\u00e9", 101)), (Pieces{"[UNK]"}));
+  // The limit is an option.
+  auto five = WordPieceTokenizer::FromVocab({"[UNK]", "[CLS]", "[SEP]", "a", "##a"},
+                                            TokenizerOptions{.max_chars_per_word = 5});
+  ASSERT_TRUE(five.ok()) << five.status();
+  EXPECT_EQ(*(*five)->Tokenize("aaaaa aaaaaa"), (Pieces{"a", "##a", "##a", "##a", "##a", "[UNK]"}));
+  // The real vocabulary, in an encoding: [CLS] [UNK] [SEP].
+  EXPECT_EQ(Uncased().Encode("x" + std::string(100, 'a'), std::nullopt)->input_ids, (Ids{101, 100, 102}));
+}
+
+// tokenize_chinese_chars = false (HF: handle_chinese_chars=False) leaves CJK ideographs inside their
+// word, which WordPiece then splits with "##" pieces; punctuation and whitespace still separate
+// words. Expected values from tokenizers 0.19.1 (BertWordPieceTokenizer on this vocabulary).
+TEST(WordPiece, CjkCharactersStayInTheirWordWithoutTokenizeChineseChars) {
+  TokenizerOptions options;
+  options.tokenize_chinese_chars = false;
+  auto tok = WordPieceTokenizer::FromVocabFile("tests/testdata/vocab/bert-base-uncased-vocab.txt", options);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::string text = "\u4e2d\u6587\uff0c\u597d x\u4e2dy";  // 中文，好 x中y
+  EXPECT_EQ(*(*tok)->BasicTokenize(text), (Pieces{"\u4e2d\u6587", "\uff0c", "\u597d", "x\u4e2dy"}));
+  EXPECT_EQ(*(*tok)->TokenIds(text), (Ids{1746, 30387, 1989, 100, 1060, 30272, 2100}));
+  EXPECT_EQ(*(*tok)->Tokenize("\u4e2d\u6587abc"), (Pieces{"\u4e2d", "##\u6587", "##ab", "##c"}));
+  // The default splits each ideograph off.
+  EXPECT_EQ(*Uncased().BasicTokenize(text), (Pieces{"\u4e2d", "\u6587", "\uff0c", "\u597d", "x", "\u4e2d", "y"}));
+  EXPECT_EQ(*Uncased().TokenIds(text), (Ids{1746, 1861, 1989, 100, 1060, 1746, 1061}));
+  // And tokenizer_config.json's false reaches the tokenizer.
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/no_cjk_split";
+  ASSERT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
+  std::ofstream(dir + "/tokenizer_config.json") << R"({"tokenize_chinese_chars": false})";
+  auto read = ReadTokenizerConfig(dir);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_FALSE(read->tokenize_chinese_chars);
+  EXPECT_TRUE(read->do_lower_case);
+}
+
+// Empty text, and text that cleaning empties (whitespace, control and format characters), encode
+// as [CLS] [SEP] (a pair adds its [SEP]), as HF's tokenizer does; refusing it is the server's
+// business (server/inference.cc PrepareInput), not the tokenizer's.
+TEST(WordPiece, EmptyAndWhitespaceOnlyTextEncodesAsClsSep) {
+  for (const std::string text : {"", "   ", " \t\n\r\u3000\u00a0\u2028", "\x01\u200b\ufeff"}) {
+    SCOPED_TRACE(testing::Message() << "text of " << text.size() << " bytes");
+    EXPECT_EQ(*Uncased().TokenIds(text), Ids{});
+    auto e = Uncased().Encode(text, std::nullopt);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_EQ(e->input_ids, (Ids{101, 102}));
+    EXPECT_EQ(e->token_type_ids, (Ids{0, 0}));
+    EXPECT_EQ(e->attention_mask, (Ids{1, 1}));
+    EXPECT_FALSE(e->truncated);
+    auto pair = Uncased().Encode(text, absl::string_view(text));
+    ASSERT_TRUE(pair.ok()) << pair.status();
+    EXPECT_EQ(pair->input_ids, (Ids{101, 102, 102}));
+    EXPECT_EQ(pair->token_type_ids, (Ids{0, 0, 1}));
+  }
+  // Still within a limit of 2 without truncation; 1 cannot hold [CLS] [SEP].
+  EXPECT_TRUE(Uncased().Encode("  ", std::nullopt, 2).ok());
+  auto too_small = Uncased().Encode("", std::nullopt, 1);
+  EXPECT_EQ(too_small.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_small.status().message().find("the text is 2 tokens with [CLS]/[SEP]; the model takes at most 1"),
+            absl::string_view::npos)
+      << too_small.status();
+}
+
 TEST(WordPiece, SpecialTokensAreMatchedInTheRawTextOnly) {
   EXPECT_EQ(*Uncased().Tokenize("x[MASK]y [mask]"), (Pieces{"x", "[MASK]", "y", "[", "mask", "]"}));
   EXPECT_EQ(*Uncased().Tokenize("[CLS][SEP][PAD][UNK]"), (Pieces{"[CLS]", "[SEP]", "[PAD]", "[UNK]"}));
