@@ -29,14 +29,15 @@ void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {
 }
 
 // When ranks fail together (a dead worker makes its peers' collectives fail too), the cause is
-// the worker that no longer answers; otherwise the first failure. Pings need no lock.
+// the worker that no longer answers; otherwise the first failure. The ping is the worker's gRPC
+// health check: it changes nothing there (ReservePort, used before, now hosts a rendezvous store
+// for minutes) and needs no token. Pings need no lock.
 std::string Blame(const std::vector<RankStub>& ranks, const std::string& first_failure) {
   for (size_t r = 0; r < ranks.size(); ++r) {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Now() + absl::Seconds(2));
-    common::AttachToken(&context, ranks[r].token);
-    v1::ReservePortResponse ignored;
-    grpc::Status status = ranks[r].stub->ReservePort(&context, v1::ReservePortRequest(), &ignored);
+    grpc::health::v1::HealthCheckResponse ignored;
+    grpc::Status status = ranks[r].health->Check(&context, grpc::health::v1::HealthCheckRequest(), &ignored);
     if (!status.ok()) {
       return absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, ") at ", ranks[r].address,
                           " is unreachable: ", status.error_message());
@@ -144,9 +145,11 @@ v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerReque
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(1 << 30);
   args.SetMaxSendMessageSize(1 << 30);
-  worker->stub = v1::Worker::NewStub(grpc::CreateCustomChannel(
+  auto channel = grpc::CreateCustomChannel(
       request.address(),
-      options_.worker_credentials != nullptr ? options_.worker_credentials : grpc::InsecureChannelCredentials(), args));
+      options_.worker_credentials != nullptr ? options_.worker_credentials : grpc::InsecureChannelCredentials(), args);
+  worker->stub = v1::Worker::NewStub(channel);
+  worker->health = grpc::health::v1::Health::NewStub(channel);
   Worker* w = worker.get();
   workers_[id] = std::move(worker);
   if (!kept_job.empty()) {
@@ -358,9 +361,20 @@ void Cluster::LoadJob(std::string job_id) {
   std::string master_host;
   {
     absl::MutexLock lock(&mu_);
-    runtime = runtimes_.at(job_id);
+    // Between planning and here (the PLANNED window) the job may have been cancelled, and a worker
+    // may have registered again under a new id: neither may start a load.
+    auto job = store_->Get(job_id);
+    auto found = runtimes_.find(job_id);
+    if (stopping_ || !job.ok() || TerminalState(job->state()) || found == runtimes_.end()) return;
+    runtime = found->second;
     for (const std::string& w : runtime->rank_workers) {
-      ranks_stubs.push_back({w, workers_.at(w)->info.address(), workers_.at(w)->stub, options_.worker_token});
+      auto worker = workers_.find(w);
+      if (worker == workers_.end()) {
+        FailJobLocked(job_id, absl::StrCat("worker ", w, " left the pool before the job began loading"));
+        return;
+      }
+      ranks_stubs.push_back(
+          {w, worker->second->info.address(), worker->second->stub, options_.worker_token, worker->second->health});
     }
     master_host = Host(ranks_stubs[0].address);
     if (absl::Status s = store_->Transition(job_id, v1::LOADING, "").status(); !s.ok()) {
@@ -371,7 +385,8 @@ void Cluster::LoadJob(std::string job_id) {
     }
     changed_.SignalAll();
   }
-  // Rank 0 hosts the rendezvous on a port its worker finds free.
+  // Rank 0's worker hosts the rendezvous store now, on a port of its choosing, and keeps it for
+  // rank 0's load (no port is found free and bound later).
   v1::ReservePortResponse port;
   {
     grpc::ClientContext context;
@@ -389,15 +404,26 @@ void Cluster::LoadJob(std::string job_id) {
   }
   std::vector<std::thread> ranks;
   std::vector<char> loaded(ranks_stubs.size(), 0);  // each written by its rank's thread only
-  for (size_t r = 0; r < ranks_stubs.size(); ++r) {
-    auto context = std::make_shared<grpc::ClientContext>();
-    SetDeadline(context.get(), absl::Now() + options_.load_timeout);
-    common::AttachToken(context.get(), ranks_stubs[r].token);
-    {
-      absl::MutexLock lock(&mu_);
+  // Every rank's load context is registered at once, and only while the job has not ended: a
+  // cancel or failure while the port was being reserved found no context to cancel, and must not
+  // be followed by loads of the ended job on workers that are idle again or serve another job
+  // (tests/cluster_behaviour_test.cc, CancelPendingAndLoadingJobs). Stopping: nothing would cancel
+  // loads started now; the job stays LOADING for the next coordinator, as above.
+  std::vector<std::shared_ptr<grpc::ClientContext>> contexts;
+  {
+    absl::MutexLock lock(&mu_);
+    auto job = store_->Get(job_id);
+    if (stopping_ || (job.ok() && TerminalState(job->state()))) return;
+    for (size_t r = 0; r < ranks_stubs.size(); ++r) {
+      auto context = std::make_shared<grpc::ClientContext>();
+      SetDeadline(context.get(), absl::Now() + options_.load_timeout);
+      common::AttachToken(context.get(), ranks_stubs[r].token);
       runtime->load_contexts.push_back(context);
+      contexts.push_back(std::move(context));
     }
-    ranks.emplace_back([&, r, context] {
+  }
+  for (size_t r = 0; r < ranks_stubs.size(); ++r) {
+    ranks.emplace_back([&, r, context = contexts[r]] {
       v1::LoadShardRequest load;
       load.set_job_id(job_id);
       *load.mutable_plan() = runtime->plan;
@@ -643,7 +669,7 @@ absl::StatusOr<BatchOutputs> Cluster::ForwardBatch(const std::string& job_id, co
     JobRuntime& runtime = *found->second;
     for (const std::string& w : runtime.rank_workers) {
       const Worker& worker = *workers_.at(w);
-      ranks.push_back({w, worker.info.address(), worker.stub, options_.worker_token});
+      ranks.push_back({w, worker.info.address(), worker.stub, options_.worker_token, worker.health});
     }
     forward.set_sequence(runtime.next_sequence++);
   }

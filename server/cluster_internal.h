@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "bertshard/v1/job.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "server/batch_queue.h"
 #include "server/cluster.h"
@@ -31,6 +32,7 @@ inline bool TerminalState(v1::JobState s) { return s == v1::FAILED || s == v1::C
 struct Cluster::Worker {
   v1::WorkerInfo info;
   std::shared_ptr<v1::Worker::Stub> stub;
+  std::shared_ptr<grpc::health::v1::Health::Stub> health;  // the same channel
   absl::Time last_heartbeat;
 };
 

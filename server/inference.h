@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "serving/heads.h"
 #include "serving/pooling.h"
 #include "tokenizer/wordpiece.h"
@@ -99,6 +100,8 @@ struct RankStub {
   std::string address;
   std::shared_ptr<v1::Worker::Stub> stub;
   std::string token;  // sent with each call (the workers' bearer token; empty: none)
+  // The worker's gRPC health service on the same channel: whether it answers at all.
+  std::shared_ptr<grpc::health::v1::Health::Stub> health;
 };
 
 struct ForwardOutcome {
