@@ -514,17 +514,7 @@ TEST_F(BehaviourCluster, InferCallersThatLeaveMidForwardLeaveTheJobServing) {
 // with `choices`, logits [batch, choices] equal to the checked-in reference, one prediction per
 // choice group; text input is refused.
 TEST_F(BehaviourCluster, TextPairsAndMultipleChoiceThroughTheService) {
-  const std::string text_model = TempDir() + "/pairs_model";
-  std::filesystem::create_directories(text_model);
-  for (const char* f : {"config.json", "model.safetensors"}) {
-    std::filesystem::copy_file(std::string(kBertModel) + "/" + f, text_model + "/" + f,
-                               std::filesystem::copy_options::overwrite_existing);
-  }
-  {
-    std::ofstream vocab(text_model + "/vocab.txt");
-    vocab << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n";
-    for (int i = 5; i < 99; ++i) vocab << "w" << i << "\n";
-  }
+  const std::string text_model = testing::CheckpointWithWordVocabulary(kBertModel, "pairs_model");
   const v1::Job pairs_job = SubmitLayout(text_model, 1, 2);
   const v1::Job choice_job = SubmitLayout(kMultipleChoice, 2, 1);
   ASSERT_EQ(Watch(pairs_job.id()).job().state(), v1::READY);

@@ -97,17 +97,7 @@ TEST_F(Cluster, SubmitWatchInferConcurrentlyAndCancel) {
 }
 
 TEST_F(Cluster, TextInputUsesTheCheckpointVocabulary) {
-  const std::string dir = TempDir() + "/text_model";
-  std::filesystem::create_directories(dir);
-  for (const char* f : {"config.json", "model.safetensors"}) {
-    std::filesystem::copy_file(std::string(kModel) + "/" + f, dir + "/" + f,
-                               std::filesystem::copy_options::overwrite_existing);
-  }
-  std::ofstream vocab(dir + "/vocab.txt");
-  vocab << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n";
-  for (int i = 5; i < 99; ++i) vocab << "w" << i << "\n";
-  vocab.close();
-  const v1::Job job = Submit(dir);
+  const v1::Job job = Submit(testing::CheckpointWithWordVocabulary(kModel, "text_model"));
   ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
   v1::InferRequest infer;
   infer.set_job_id(job.id());

@@ -57,6 +57,21 @@ inline Cli Shardctl(std::vector<std::string> args) {
   return {c.exit_code, c.out + c.err};
 }
 
+// A copy of `model`'s config.json and model.safetensors in TempDir()/`name`, with a vocab.txt of
+// the model's 99 ids: [PAD] [UNK] [CLS] [SEP] [MASK] are 0-4 and "wN" is id N, so a test can write
+// text whose token ids it knows. Returns the directory.
+inline std::string CheckpointWithWordVocabulary(const std::string& model, const std::string& name) {
+  const std::string dir = TempDir() + "/" + name;
+  std::filesystem::create_directories(dir);
+  for (const char* f : {"config.json", "model.safetensors"}) {
+    std::filesystem::copy_file(model + "/" + f, dir + "/" + f, std::filesystem::copy_options::overwrite_existing);
+  }
+  std::ofstream vocab(dir + "/vocab.txt");
+  vocab << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n";
+  for (int i = 5; i < 99; ++i) vocab << "w" << i << "\n";
+  return dir;
+}
+
 class Cluster : public ::testing::Test {
  protected:
   void SetUp() override {

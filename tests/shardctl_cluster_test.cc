@@ -60,20 +60,6 @@ Cli ShardctlWithStdin(std::vector<std::string> args, const std::string& input) {
 
 std::vector<std::string> Lines(const std::string& text) { return absl::StrSplit(text, '\n', absl::SkipEmpty()); }
 
-// kModel's config and weights with a vocabulary of its 99 ids: [PAD] [UNK] [CLS] [SEP] [MASK] are
-// 0-4, "wN" is id N (cluster_e2e_test's TextInputUsesTheCheckpointVocabulary does the same).
-std::string TextCheckpoint() {
-  const std::string dir = TempDir() + "/text_model";
-  std::filesystem::create_directories(dir);
-  for (const char* f : {"config.json", "model.safetensors"}) {
-    std::filesystem::copy_file(std::string(kModel) + "/" + f, dir + "/" + f,
-                               std::filesystem::copy_options::overwrite_existing);
-  }
-  std::ofstream vocab(dir + "/vocab.txt");
-  vocab << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n";
-  for (int i = 5; i < 99; ++i) vocab << "w" << i << "\n";
-  return dir;
-}
 
 // kModel's config with a sharded index whose second shard file was never copied.
 std::string CheckpointMissingAShard() {
@@ -112,7 +98,7 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
   ASSERT_TRUE(WaitForWorkers(4)) << "the failed job's workers did not come back idle";
 
   // submit --watch: the job id first, then its states, ending READY.
-  const std::string checkpoint = TextCheckpoint();
+  const std::string checkpoint = testing::CheckpointWithWordVocabulary(kModel, "text_model");
   Cli submit = Shardctl({"submit", server, "--checkpoint", checkpoint, "--tp", "2", "--pp", "2", "--watch"});
   ASSERT_EQ(submit.exit_code, 0) << submit.output;
   const std::vector<std::string> submit_lines = Lines(submit.output);
