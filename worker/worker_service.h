@@ -78,8 +78,8 @@ class WorkerService final : public v1::Worker::Service {
                       v1::UnloadResponse* response) override;
   // Hosts a job's rendezvous store now, on a port the system picks, and answers that port; the
   // job's rank 0 LoadShard with that master_port then takes the store over (unclaimed, it is closed
-  // after options.port_reservation_ttl, as are those of the coordinator's are-you-there probes).
-  // A port merely found free could be taken before rank 0 bound it.
+  // after options.port_reservation_ttl). A port merely found free could be taken before rank 0
+  // bound it.
   grpc::Status ReservePort(grpc::ServerContext* context, const v1::ReservePortRequest* request,
                            v1::ReservePortResponse* response) override;
 
