@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/fault_point.h"
 #include "common/grpc_auth.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -356,6 +357,8 @@ void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::Jo
 }
 
 void Cluster::LoadJob(std::string job_id) {
+  // The job is PLANNED here, and stays so until the lock below: fault tests hold it in that window.
+  common::PausePoint("coordinator_planned");
   std::shared_ptr<JobRuntime> runtime;
   std::vector<RankStub> ranks_stubs;  // copied: a worker registering again may change rank_workers
   std::string master_host;

@@ -449,6 +449,53 @@ TEST_F(BehaviourCluster, CancelPendingAndLoadingJobs) {
   EXPECT_EQ(GetJob(setting_up.id()).state(), v1::CANCELLED);
 }
 
+// 4b. The PLANNED window: workers are assigned, the load has not begun. The coordinator's load
+// thread is held at its start ("coordinator_planned"). A job cancelled there is CANCELLED and no
+// worker is ever asked to load it. A worker that registers again there under a new id (its entry
+// replaced) fails the job naming it; before the fix the load thread looked the old id up with
+// std::map::at and the exception ended the coordinator.
+TEST_F(BehaviourCluster, CancelAndReRegistrationWhileAJobIsPlanned) {
+  Hold("coordinator_planned");
+  const v1::Job planned = Submit(kModel);
+  ASSERT_FALSE(WaitReached("coordinator_planned", 1).empty());
+  ASSERT_EQ(GetJob(planned.id()).state(), v1::PLANNED);
+  v1::Job cancelled;
+  grpc::Status s = Cancel(planned.id(), &cancelled);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(cancelled.state(), v1::CANCELLED);
+  EXPECT_EQ(States(cancelled), (std::vector<v1::JobState>{v1::PENDING, v1::PLANNED, v1::CANCELLED}));
+  EXPECT_TRUE(PollFor(10, [&] { return HealthyIdle() == 4; })) << Workers().DebugString();
+
+  // Next: a one-worker job held in the window while its worker registers again, without it.
+  ClearReached("coordinator_planned");
+  const v1::Job second = SubmitLayout(kModel, 1, 1);
+  ASSERT_EQ(second.ranks_size(), 1);
+  ASSERT_FALSE(WaitReached("coordinator_planned", 1).empty());
+  ASSERT_EQ(GetJob(second.id()).state(), v1::PLANNED);
+  v1::RegisterWorkerRequest again;
+  again.set_address(second.ranks(0).worker_address());
+  v1::RegisterWorkerResponse registered;
+  s = stub_->RegisterWorker(Context().get(), again, &registered);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  ASSERT_NE(registered.worker_id(), second.ranks(0).worker_id());
+  Release("coordinator_planned");  // both held load threads go on
+
+  const v1::Job failed = WaitState(second.id(), v1::FAILED);
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_NE(failed.failure_cause().find(second.ranks(0).worker_id()), std::string::npos) << failed.failure_cause();
+  // The coordinator is alive and the pool usable: a job loads and answers on it.
+  v1::Job next;
+  ASSERT_NO_FATAL_FAILURE(SubmitUntilServing(&next));
+  EXPECT_LE(InferDiff(next.id()), 1e-5f);
+  // No worker was ever asked to load the job cancelled while PLANNED (a load logs "job ID rank").
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    const std::string log = ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i])));
+    EXPECT_EQ(log.find("job " + planned.id() + " rank"), std::string::npos) << "worker " << i << ":\n" << log;
+    EXPECT_FALSE(Holds(i, planned.id())) << "worker " << i;
+  }
+  EXPECT_EQ(GetJob(planned.id()).state(), v1::CANCELLED);
+}
+
 // 5. A caller whose deadline passes while its forward is held on the workers gets
 // DEADLINE_EXCEEDED, and one that goes away (TryCancel) CANCELLED; either way the job stays READY,
 // the held forward finishes once released, and the next requests are answered correctly (the
