@@ -218,26 +218,6 @@ class Cluster : public ::testing::Test {
     return job;
   }
 
-  // A READY TP 2 x PP 2 job on a model big enough that one forward takes a while on two cores, and
-  // a request on it that runs long enough to kill a worker mid-forward. `name`: the model's folder.
-  v1::InferRequest SlowForwardOnReadyJob(const std::string& name) {
-    const std::string dir = TempDir() + "/" + name;
-    Cli init = Shardctl({"init-checkpoint", "--variant", "BertModel", "--seed", "3", "--out", dir, "--config",
-                         R"({"vocab_size": 1000, "hidden_size": 256, "num_attention_heads": 4,
-                             "intermediate_size": 1024, "num_hidden_layers": 8, "max_position_embeddings": 512})"});
-    EXPECT_EQ(init.exit_code, 0) << init.output;
-    const v1::Job job = Submit(dir);
-    EXPECT_EQ(Watch(job.id()).job().state(), v1::READY);
-    v1::InferRequest infer;
-    infer.set_job_id(job.id());
-    v1::TokenInputs* t = infer.mutable_tokens();
-    t->set_rows(16);
-    t->set_seq(512);
-    for (int i = 0; i < 16 * 512; ++i) t->add_input_ids(1 + i % 997);
-    infer.set_micro_batches(8);
-    return infer;
-  }
-
   // Watches until the job settles; returns the last event.
   v1::JobEvent Watch(const std::string& id, int* progress_events = nullptr) {
     v1::GetJobRequest request;
