@@ -270,6 +270,20 @@ class Cluster : public ::testing::Test {
   // Whether worker process `i` (an index in workers_) still holds `job`, asked directly: it
   // refuses a forward numbered -1 as out of order when it holds the job, as not loaded otherwise.
   bool Holds(size_t i, const std::string& job) {
+    return ProbeForward(i, job).error_message().find("is not loaded here") == std::string::npos;
+  }
+
+  // The forward sequence number worker process `i` expects next for `job` (-1 if it does not hold
+  // it). The probe waits for a forward running there, which holds the job's lock, to finish.
+  int64_t NextSequence(size_t i, const std::string& job) {
+    const std::string message = ProbeForward(i, job).error_message();
+    const size_t at = message.find("next is ");
+    return at == std::string::npos ? -1 : std::atoll(message.c_str() + at + 8);
+  }
+
+  // A forward numbered -1 of `job`, sent straight to worker process `i`: refused as out of order
+  // when it holds the job, as not loaded otherwise.
+  grpc::Status ProbeForward(size_t i, const std::string& job) {
     const int port = WaitForPort(WorkerLog(static_cast<size_t>(spawn_index_[i])));
     auto worker = v1::Worker::NewStub(
         grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
@@ -278,8 +292,7 @@ class Cluster : public ::testing::Test {
     probe.set_sequence(-1);
     *probe.mutable_inputs() = Tokens();
     v1::ForwardResponse ignored;
-    const grpc::Status status = worker->Forward(Context(10).get(), probe, &ignored);
-    return status.error_message().find("is not loaded here") == std::string::npos;
+    return worker->Forward(Context(10).get(), probe, &ignored);
   }
 
   // Waits up to ~10 s for every worker process to have dropped `job`.

@@ -116,7 +116,8 @@ TEST_P(FaultMatrix, Row) {
     v1::Job cancelled;
     ASSERT_TRUE(stub_->CancelJob(Context().get(), cancel, &cancelled).ok());
   }
-  const std::vector<pid_t> reached = WaitReached(point, 1);
+  // The coordinator dies once every worker is in the phase; a worker fault hits the first there.
+  const std::vector<pid_t> reached = WaitReached(point, row.coordinator && point == "worker_forward" ? 4 : 1);
   ASSERT_FALSE(reached.empty()) << "no worker reached " << point;
 
   if (row.coordinator) {
@@ -129,6 +130,18 @@ TEST_P(FaultMatrix, Row) {
       infer_thread.join();
       EXPECT_FALSE(infer_status.ok());
       EXPECT_EQ(infer_status.error_code(), grpc::StatusCode::UNAVAILABLE) << infer_status.error_message();
+    }
+    if (point == "worker_forward") {
+      // The held forwards were under way, so they run to the end without the coordinator. It comes
+      // back once every worker has finished (the next forward they expect is then 2:
+      // SubmitUntilServing's Infer was 0); a forward still running when its worker registers
+      // again would fail the job instead ("a forward was cut off"). The probe waits for the job's
+      // lock, which a running forward holds.
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        int64_t next = -1;
+        for (int k = 0; k < 300 && (next = NextSequence(i, job.id())) != 2; ++k) usleep(100 * 1000);
+        ASSERT_EQ(next, 2) << "worker " << i << " did not finish the held forward";
+      }
     }
     const absl::Time restarted = absl::Now();
     StartCoordinator();

@@ -265,7 +265,6 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
     }
     job = it->second;
   }
-  common::PausePoint("worker_forward");
   const v1::TokenInputs& in = request->inputs();
   const int64_t n = in.rows() * in.seq();
   if (in.rows() < 1 || in.seq() < 1 || in.input_ids_size() != n || in.attention_mask_size() != n ||
@@ -284,6 +283,9 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
                          job->next_sequence)};
   }
   if (context->IsCancelled()) return {grpc::StatusCode::CANCELLED, "cancelled before the forward"};
+  // Fault tests stop a worker here: its forward is under way (the job's lock held, the sequence
+  // taken), and it runs to the end once let go, whatever became of the caller.
+  common::PausePoint("worker_forward");
   auto tensor = [&](const google::protobuf::RepeatedField<int64_t>& values) {
     return at::tensor(std::vector<int64_t>(values.begin(), values.end()), at::kLong).view({in.rows(), in.seq()});
   };
