@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "model/gemm.h"
+#include "model/torch_compat.h"
 #include "planner/model_config.h"
 #include "planner/stage_layout.h"
 
@@ -617,12 +618,14 @@ class BertShard::Impl {
       if (failure != 0) throw std::runtime_error(absl::StrCat("dnnl_sgemm failed with status ", failure.load()));
       return context;
     }
-    // Other dtypes and devices: batched products (for bf16 on CPU, oneDNN's batched matmul).
+    // Other dtypes and devices: LibTorch's fused attention where it has one (2.x), else batched
+    // products (for bf16 on CPU, oneDNN's batched matmul).
     const auto part = [&](int64_t index) {
       return qkv.narrow(2, index * width, width).view({mb, seq, heads, head_dim}).permute({0, 2, 1, 3});
     };
-    at::Tensor scores = at::matmul(part(0), part(1).transpose(-1, -2)).div_(root).add_(ext_mask);
-    return at::matmul(at::softmax(scores, -1), part(2)).permute({0, 2, 1, 3}).reshape({mb, seq, width});
+    return ScaledDotProductAttention(part(0), part(1), part(2), ext_mask.to(qkv.scalar_type()))
+        .permute({0, 2, 1, 3})
+        .reshape({mb, seq, width});
   }
 
   // The layers of one slot on a full-sequence hidden state; split and gathered around them under
