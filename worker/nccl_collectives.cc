@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/gpu_placement.h"
 #include "worker/rendezvous.h"
 
 namespace bertshard::worker {
@@ -129,11 +130,10 @@ absl::StatusOr<ncclDataType_t> NcclType(const at::Tensor& t) {
 
 }  // namespace
 
-absl::StatusOr<int> NcclCollectives::DeviceForRank(int rank) {
+absl::StatusOr<int> NcclCollectives::DeviceForRank(int rank, int ranks_on_host) {
   int count = 0;
   RETURN_IF_ERROR(CudaStatus(cudaGetDeviceCount(&count), "no usable CUDA device (cudaGetDeviceCount)"));
-  if (count < 1) return absl::FailedPreconditionError("no CUDA device visible");
-  return rank % count;
+  return GpuForRank(rank, ranks_on_host, count);
 }
 
 NcclCollectives::NcclCollectives(std::unique_ptr<State> state) : state_(std::move(state)) {}

@@ -25,7 +25,8 @@ namespace bertshard::worker {
 class NcclCollectives final : public model::Collectives {
  public:
   // The CUDA device this rank uses, or FAILED_PRECONDITION when there is no usable GPU.
-  static absl::StatusOr<int> DeviceForRank(int rank);
+  // `rank`'s GPU (worker/gpu_placement.h); `ranks_on_host` 0 when not known here.
+  static absl::StatusOr<int> DeviceForRank(int rank, int ranks_on_host = 0);
 
   // Rendezvous as in GlooOptions; builds the world and TP communicators. FAILED_PRECONDITION
   // without a GPU, UNAVAILABLE when peers do not arrive or NCCL fails.

@@ -108,7 +108,8 @@ absl::Status RunRank(const RankOptions& o) {
       return absl::FailedPreconditionError(
           "the nccl backend needs a CUDA-enabled LibTorch (build with BERTSHARD_LIBTORCH set; see README)");
     }
-    ASSIGN_OR_RETURN(int gpu, NcclCollectives::DeviceForRank(o.rank));
+    // `shardctl run --local`: every rank on this host, so each needs a GPU of its own.
+    ASSIGN_OR_RETURN(int gpu, NcclCollectives::DeviceForRank(o.rank, /*ranks_on_host=*/plan.world_size()));
     device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(gpu));
 #else
     return absl::FailedPreconditionError("this shard-rank was built without NCCL: bazel build --config=cuda");
