@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Makes gpu-bundle/: what tools/gpu_check.sh needs on a GPU host that has no Bazel, apt or network
+# (only a CUDA PyTorch in its python3, CMake, ninja and nvcc). Run here, on the build machine:
+#
+#   bash tools/gpu_bundle.sh        # then copy the repository (with gpu-bundle/) to the GPU host
+#
+# It builds shardctl and shard-rank with --config=cuda -c opt against the pinned PyTorch 2.11 /
+# CUDA 13 wheel (tools/libtorch_from_wheel.sh), the build GPU hosts run, and copies them with the
+# shared libraries they need that such a host lacks (abseil, protobuf, ...; not glibc, libstdc++,
+# LibTorch or CUDA, which come from the host and its PyTorch). gpu_check.sh points LD_LIBRARY_PATH
+# at bundle/lib and at the host's PyTorch. Kept under 48 MiB, so that a copy of the repository
+# with it stays under 64 MiB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+libtorch=$(bash tools/libtorch_from_wheel.sh)
+cuda_home=$(bash tools/libtorch_from_wheel.sh --cuda-home)
+# A second output base: the wheel's LibTorch beside Debian's, neither evicting the other's cache.
+output_base="${BERTSHARD_GPU_BUNDLE_OUTPUT_BASE:-$HOME/.cache/bertshard/bazel-gpu-bundle}"
+BERTSHARD_LIBTORCH="$libtorch" CUDA_HOME="$cuda_home" \
+  bazel --output_base="$output_base" build --config=cuda -c opt //client:shardctl //worker:shard-rank >&2
+bin="$output_base/execroot/bertshard/bazel-out/k8-opt/bin"
+rm -rf gpu-bundle.tmp
+mkdir -p gpu-bundle.tmp/bin gpu-bundle.tmp/lib
+cp "$bin/client/shardctl" "$bin/worker/shard-rank" gpu-bundle.tmp/bin/
+chmod u+w gpu-bundle.tmp/bin/*
+# The libraries the binaries load, as resolved here, less those the GPU host provides itself.
+host_provided='^(libc|libm|libdl|librt|libutil|libpthread|libstdc\+\+|libgcc_s|libgomp|ld-linux-x86-64|linux-vdso)\.so'
+torch_provided='^(libtorch[a-z_]*|libc10[a-z_]*|libcudart|libcupti|libnccl|libnvshmem[a-z_]*)\.so'
+for binary in gpu-bundle.tmp/bin/*; do
+  LD_LIBRARY_PATH="$libtorch/lib:$libtorch/../nvidia/cu13/lib:$libtorch/../nvidia/nccl/lib" ldd "$binary" |
+    awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+done | sort -u | while read -r name path; do
+  if [[ "$name" =~ $host_provided || "$name" =~ $torch_provided ]]; then continue; fi
+  cp -L "$path" "gpu-bundle.tmp/lib/$name"
+done
+{
+  echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes')"
+  echo "against $(basename "$(dirname "$(dirname "$libtorch")")") (tools/requirements-libtorch.txt)"
+  (cd gpu-bundle.tmp && find . -type f -printf '%s %p\n' | sort -k2)
+} > gpu-bundle.tmp/MANIFEST
+size_kib=$(du -sk gpu-bundle.tmp | cut -f1)
+if [ "$size_kib" -gt $((48 * 1024)) ]; then
+  echo "gpu_bundle: gpu-bundle is ${size_kib} KiB, over the 48 MiB it must stay under" >&2
+  exit 1
+fi
+rm -rf gpu-bundle
+mv gpu-bundle.tmp gpu-bundle
+echo "gpu_bundle: gpu-bundle/ is ready (${size_kib} KiB; see gpu-bundle/MANIFEST)" >&2

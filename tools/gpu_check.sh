@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The GPU check (issue 11): one command, on a host with an NVIDIA GPU and a CUDA PyTorch plus
+# HuggingFace transformers in its python3, and nothing else counted on (no Bazel, apt or network).
+# It brings what it needs: gpu-bundle/, made beforehand on a build machine by tools/gpu_bundle.sh
+# (shardctl and shard-rank built with --config=cuda against PyTorch 2.11 / CUDA 13, and the shared
+# libraries such a host lacks). It prints, and writes under $OUT when set (else gpu-check-out/):
+#   1. the GPU and PyTorch it found, or "no usable GPU" and exit 2;
+#   2. parity: our unsharded forward on the GPU (the NCCL backend, one rank per GPU: world size 1
+#      on a one-GPU host) against HF's BertModel on the same GPU, in fp32, fp16 and bf16, random
+#      BERT-base-shaped weights; tolerances 1e-4 (fp32) and 1e-2 (fp16, bf16) relative to the
+#      largest output;
+#   3. with two or more GPUs: tensor parallel over all of them, fp32, against HF;
+#   4. throughput, BERT-base batch 32 x seq 128, each dtype: ours, HF eager and HF torch.compile,
+#      rows/s, with the issue's targets (bf16: ours >= 1.0x eager and >= 0.8x compile).
+# Bounded: every step has a time limit; the whole is meant to end within 8 minutes.
+#
+#   bash tools/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-$PWD/gpu-check-out}"
+mkdir -p "$out"
+report="$out/report.txt"
+: > "$report"
+say() { echo "$*" | tee -a "$report"; }
+fail() {  # MESSAGE [EXIT_CODE]
+  say "gpu_check: FAILED: $1"
+  exit "${2:-1}"
+}
+python=${BERTSHARD_GPU_PYTHON:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# 1. A GPU PyTorch sees.
+probe=$(timeout 120 "$python" tools/gpu_check.py probe 2>&1)
+status=$?
+say "gpu_check: $probe"
+[ "$status" = 0 ] || fail "$(echo "$probe" | tail -n 1)" 2
+[ -x gpu-bundle/bin/shardctl ] && [ -x gpu-bundle/bin/shard-rank ] ||
+  fail "gpu-bundle/ is missing: run 'bash tools/gpu_bundle.sh' on a build machine (it needs Bazel) and copy the repository with it" 2
+say "gpu_check: bundle: $(head -n 2 gpu-bundle/MANIFEST | tr '\n' ' ')"
+
+# Our binaries load LibTorch and CUDA from the host's PyTorch, the rest from the bundle. Only for
+# them: python3 keeps its own libraries.
+torch_dir=$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+nvidia_libs=$("$python" - <<'PY'
+import glob, os, site
+dirs = set()
+for root in site.getsitepackages() + [site.getusersitepackages()]:
+    dirs.update(os.path.dirname(p) for p in glob.glob(os.path.join(root, "nvidia", "**", "lib*.so*"), recursive=True))
+print(":".join(sorted(dirs)))
+PY
+)
+library_path="$PWD/gpu-bundle/lib:$torch_dir/lib${nvidia_libs:+:$nvidia_libs}"
+ours() {
+  LD_LIBRARY_PATH="$library_path" timeout "$1" "$PWD/gpu-bundle/bin/shardctl" "${@:2}"
+}
+if ! missing=$(LD_LIBRARY_PATH="$library_path" ldd gpu-bundle/bin/shard-rank 2>&1 | grep "not found"); then
+  :
+else
+  fail "shard-rank cannot load: $missing"
+fi
+gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())')
+
+# 2-3. Parity on random BERT-base-shaped weights, a smaller sequence than the benchmark's.
+ours 120 init-checkpoint --variant BertModel --seed 1 --out "$work/bert-base" > /dev/null ||
+  fail "shardctl init-checkpoint failed"
+timeout 60 "$python" tools/gpu_check.py input "$work/bert-base" 128 4 "$work/parity.json" || fail "no parity input"
+parity_failures=0
+for dtype in fp32 fp16 bf16; do
+  if ! ours 300 run --local --backend nccl --rank-binary "$PWD/gpu-bundle/bin/shard-rank" --dtype "$dtype" \
+      --checkpoint "$work/bert-base" --input "$work/parity.json" --output "$work/ours-$dtype.safetensors" \
+      --timeout 240 > "$out/run-$dtype.log" 2>&1; then
+    say "parity $dtype: FAIL: our run failed: $(tail -n 5 "$out/run-$dtype.log" | tr '\n' ' ')"
+    parity_failures=$((parity_failures + 1))
+    continue
+  fi
+  timeout 300 "$python" tools/gpu_check.py parity "$work/bert-base" "$work/parity.json" \
+    "$work/ours-$dtype.safetensors" "$dtype" 2>&1 | tee -a "$report"
+  [ "${PIPESTATUS[0]}" = 0 ] || parity_failures=$((parity_failures + 1))
+done
+if [ "$gpus" -ge 2 ]; then
+  tp=$gpus
+  while [ $((12 % tp)) != 0 ]; do tp=$((tp - 1)); done  # BERT-base has 12 heads
+  if ours 300 run --local --backend nccl --rank-binary "$PWD/gpu-bundle/bin/shard-rank" --tp "$tp" \
+      --checkpoint "$work/bert-base" --input "$work/parity.json" --output "$work/ours-tp.safetensors" \
+      --timeout 240 > "$out/run-tp$tp.log" 2>&1; then
+    say "tensor parallel over $tp GPUs:"
+    timeout 300 "$python" tools/gpu_check.py parity "$work/bert-base" "$work/parity.json" \
+      "$work/ours-tp.safetensors" fp32 2>&1 | tee -a "$report"
+    [ "${PIPESTATUS[0]}" = 0 ] || parity_failures=$((parity_failures + 1))
+  else
+    say "tensor parallel over $tp GPUs: FAIL: $(tail -n 5 "$out/run-tp$tp.log" | tr '\n' ' ')"
+    parity_failures=$((parity_failures + 1))
+  fi
+fi
+
+# 4. Throughput, BERT-base batch 32 x seq 128.
+timeout 60 "$python" tools/gpu_check.py input "$work/bert-base" 128 32 "$work/bench.json" || fail "no benchmark input"
+say "throughput, BERT-base batch 32 x seq 128 (rows/s; ours: the mean of 19 forwards after a warm-up)"
+for dtype in fp32 fp16 bf16; do
+  ours_rate="failed"
+  if ours 300 run --local --backend nccl --rank-binary "$PWD/gpu-bundle/bin/shard-rank" --dtype "$dtype" \
+      --checkpoint "$work/bert-base" --input "$work/bench.json" --output "$work/bench-$dtype.safetensors" \
+      --iterations 20 --report "$work/bench-$dtype.json" --timeout 240 > "$out/bench-$dtype.log" 2>&1; then
+    ours_rate=$("$python" - "$work/bench-$dtype.json" <<'PY'
+import json, sys
+ranks = json.load(open(sys.argv[1]))
+per_iteration = [max(r["forward_seconds_all"][i] for r in ranks) for i in range(len(ranks[0]["forward_seconds_all"]))]
+steady = per_iteration[1:] or per_iteration
+print(f"{32 * len(steady) / sum(steady):.1f}")
+PY
+)
+  fi
+  hf=$(timeout 300 "$python" tools/gpu_check.py throughput "$work/bert-base" "$work/bench.json" "$dtype" 20 2> "$out/hf-$dtype.log" | tail -n 1)
+  say "$("$python" - "$dtype" "$ours_rate" "$hf" <<'PY'
+import json, sys
+dtype, ours, hf = sys.argv[1], sys.argv[2], sys.argv[3]
+try:
+    hf = json.loads(hf)
+except ValueError:
+    hf = {}
+line = f"  {dtype}: ours {ours}, HF eager {hf.get('eager', float('nan')):.1f}, HF torch.compile {hf.get('compile', float('nan')):.1f}"
+if ours != "failed" and hf:
+    line += f"  (ours / eager {float(ours) / hf['eager']:.2f}x, ours / compile {float(ours) / hf['compile']:.2f}x"
+    if dtype == "bf16":
+        line += "; targets >= 1.0x and >= 0.8x"
+    line += ")"
+print(line)
+PY
+)"
+done
+
+[ "$parity_failures" = 0 ] || fail "$parity_failures parity check(s) failed (logs in $out)"
+say "gpu_check: parity PASSED in every dtype; figures above"
