@@ -17,7 +17,7 @@
 #   bash tools/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-$PWD/gpu-check-out}"
+out="${OUT:-$PWD/gpu-check-out}"  # git-ignored
 mkdir -p "$out"
 report="$out/report.txt"
 : > "$report"
