@@ -9,7 +9,8 @@
 // (the test learns which process got there, and when) and waits until "load.hold" is gone. Without
 // the variable a call is one cached getenv; production never sets it.
 //
-// Thread safety: thread-safe; several threads may wait at the same point.
+// Thread safety: thread-safe; several threads may wait at the same point, but the marker names
+// the process only: a test counts processes that got there, not threads.
 #ifndef BERTSHARD_COMMON_FAULT_POINT_H_
 #define BERTSHARD_COMMON_FAULT_POINT_H_
 

@@ -45,8 +45,9 @@ struct JobStoreOptions {
 class JobStore {
  public:
   // Opens or creates the database at `path` (":memory:" for a private one). INVALID_ARGUMENT if
-  // the file is not a bertshard job database; UNAVAILABLE if it cannot be opened;
-  // FAILED_PRECONDITION if it can only be read (a read-only file or directory).
+  // the file is not a bertshard job database; FAILED_PRECONDITION if an existing database can
+  // only be read (a read-only file, or one in a read-only directory); UNAVAILABLE if it cannot be
+  // opened or created (a missing database in a read-only directory is this).
   static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path,
                                                         JobStoreOptions options = {});
   ~JobStore();

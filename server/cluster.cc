@@ -165,7 +165,7 @@ v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerReque
       std::vector<v1::RankAssignment> ranks(job->ranks().begin(), job->ranks().end());
       ranks[r].set_worker_id(id);
       ranks[r].set_worker_address(request.address());
-      (void)store_->SetRanks(kept_job, ranks);
+      RecordLocked(store_->SetRanks(kept_job, ranks).status(), absl::StrCat("moving job ", kept_job, "'s rank ", r, " to worker ", id));
     }
   }
   v1::RegisterWorkerResponse response;
@@ -300,13 +300,17 @@ void Cluster::ScheduleLocked() {
     absl::Status recorded = store_->SetRanks(job.id(), ranks).status();
     if (recorded.ok()) recorded = store_->Transition(job.id(), v1::PLANNED, absl::StrCat(need, " workers assigned")).status();
     if (!recorded.ok()) {
-      // Not recorded, so not started: the job stays PENDING as stored, its workers stay free, and
-      // the next change tries again (a restarted coordinator would see the same).
+      // Not recorded, so not started: the job stays PENDING as stored, with no ranks, its workers
+      // stay free, and the monitor tries again every quarter interval until the database takes it
+      // (a restarted coordinator would see the same).
       StoreErrorLocked(absl::StrCat("planning job ", job.id()), recorded);
       for (int r = 0; r < need; ++r) {
         idle[static_cast<size_t>(r)]->info.clear_job_id();
         idle[static_cast<size_t>(r)]->info.set_rank(0);
       }
+      runtime->second->rank_workers.clear();
+      runtime->second->progress.clear();
+      schedule_retry_ = true;
       continue;
     }
     threads_.emplace_back([this, id = job.id()] { LoadJob(id); });
@@ -325,6 +329,7 @@ void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::Jo
   auto runtime = runtimes_.find(job_id);
   if (runtime != runtimes_.end()) {
     for (auto& context : runtime->second->load_contexts) context->TryCancel();
+    runtime->second->forward_abort->Abort(absl::StrCat("job ", job_id, " is ", v1::JobState_Name(state), ": ", cause));
     runtime->second->recovery.reset();
     runtime->second->serving = false;
     if (auto batcher = std::move(runtime->second->batcher); batcher != nullptr) {
@@ -472,7 +477,15 @@ void Cluster::LoadJob(std::string job_id) {
 }
 
 void Cluster::StoreErrorLocked(const std::string& what, const absl::Status& status) {
-  std::fprintf(stderr, "bertshard-coordinator: job database: %s: %s\n", what.c_str(), status.ToString().c_str());
+  // Once per distinct failure: a refusal retried every quarter interval would flood the log.
+  std::string line = absl::StrCat("bertshard-coordinator: job database: ", what, ": ", status.ToString());
+  if (line == last_store_error_) return;
+  std::fprintf(stderr, "%s\n", line.c_str());
+  last_store_error_ = std::move(line);
+}
+
+void Cluster::RecordLocked(const absl::Status& status, const std::string& what) {
+  if (!status.ok()) StoreErrorLocked(what, status);
 }
 
 void Cluster::MonitorLoop() {
@@ -484,6 +497,10 @@ void Cluster::MonitorLoop() {
     if (stopping_) break;
     // A draining server takes no heartbeats: silence then says nothing about the workers.
     if (draining_) continue;
+    if (schedule_retry_) {
+      schedule_retry_ = false;  // set again by a planning the database refuses again
+      ScheduleLocked();
+    }
     const absl::Time now = absl::Now();
     for (auto& [id, w] : workers_) {
       if (!w->info.healthy() || now - w->last_heartbeat <= options_.heartbeat_interval * options_.missed_heartbeats) {
@@ -662,6 +679,7 @@ absl::StatusOr<BatchOutputs> Cluster::ForwardBatch(const std::string& job_id, co
   const absl::Time deadline = absl::Now() + options_.forward_timeout;
   std::vector<RankStub> ranks;
   v1::ForwardRequest forward;
+  std::shared_ptr<ForwardAbort> abort;
   {
     absl::MutexLock lock(&mu_);
     auto found = runtimes_.find(job_id);
@@ -675,11 +693,16 @@ absl::StatusOr<BatchOutputs> Cluster::ForwardBatch(const std::string& job_id, co
       ranks.push_back({w, worker.info.address(), worker.stub, options_.worker_token, worker.health});
     }
     forward.set_sequence(runtime.next_sequence++);
+    abort = runtime.forward_abort;
   }
   forward.set_job_id(job_id);
   *forward.mutable_inputs() = merged;
   forward.set_micro_batches(std::max(1, micro_batches));
-  ForwardOutcome outcome = ForwardOnAllRanks(ranks, forward, deadline);
+  ForwardOutcome outcome = ForwardOnAllRanks(ranks, forward, deadline, abort.get());
+  if (outcome.aborted) {
+    // The job failed meanwhile (FailJobLocked says why); nothing more to blame.
+    return absl::UnavailableError(absl::StrCat("inference failed: ", outcome.status.error_message()));
+  }
   if (outcome.failed_rank >= 0) {
     // The ranks may be out of step now: the job fails at once, and the survivors unload.
     const RankStub& failed = ranks[static_cast<size_t>(outcome.failed_rank)];

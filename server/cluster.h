@@ -156,6 +156,8 @@ class Cluster {
   // A write the job database refused (full, read-only, I/O): said on stderr. The
   // callers decide what the job does without it.
   void StoreErrorLocked(const std::string& what, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StoreErrorLocked when `status` is not OK: for writes whose refusal changes nothing else here.
+  void RecordLocked(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void LoadJob(std::string job_id);
   // `job_id` by value: callers pass fields this clears (a worker's job_id).
   void FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state = v1::FAILED)
@@ -182,6 +184,9 @@ class Cluster {
   std::map<std::string, std::shared_ptr<JobRuntime>> runtimes_ ABSL_GUARDED_BY(mu_);
   int64_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
+  // A planning the job database refused: the monitor schedules again until it is taken.
+  bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
+  std::string last_store_error_ ABSL_GUARDED_BY(mu_);  // the last one logged, not repeated
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;  // Drain() was called
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);

@@ -63,6 +63,9 @@ struct Cluster::JobRuntime {
   // Merges concurrent Infer/Embed calls into forwards; made on the first call, closed (and
   // released off the lock) when the job ends.
   std::shared_ptr<BatchQueue> batcher;
+  // Ends the forward in flight when the job fails elsewhere (FailJobLocked), instead of letting it
+  // wait for the surviving ranks' collective timeout.
+  std::shared_ptr<ForwardAbort> forward_abort = std::make_shared<ForwardAbort>();
   std::atomic<int> infer_calls{0};  // Infer/Embed calls in progress on this job (queue depth)
   absl::Mutex assets_mu;            // loading the assets once
   std::shared_ptr<const JobAssets> assets ABSL_GUARDED_BY(assets_mu);

@@ -26,11 +26,14 @@ absl::Status Cluster::RecoverJobsLocked() {
     } else {
       absl::StatusOr<v1::PlanRequest> local = LocalRequest(job.request());
       plan = local.ok() ? planner::Plan(*local) : absl::StatusOr<v1::ShardPlan>(local.status());
-      if (plan.ok()) (void)store_->SetPlan(job.id(), *plan);
+      if (plan.ok()) RecordLocked(store_->SetPlan(job.id(), *plan), absl::StrCat("storing job ", job.id(), "'s new plan"));
     }
     if (!plan.ok()) {
-      (void)store_->Transition(job.id(), v1::FAILED,
-                               absl::StrCat("the coordinator restarted and cannot plan the job: ", plan.status().message()));
+      RecordLocked(store_->Transition(job.id(), v1::FAILED,
+                                      absl::StrCat("the coordinator restarted and cannot plan the job: ",
+                                                   plan.status().message()))
+                       .status(),
+                   absl::StrCat("failing job ", job.id()));
       continue;
     }
     auto runtime = std::make_shared<JobRuntime>();
@@ -38,10 +41,14 @@ absl::Status Cluster::RecoverJobsLocked() {
     runtime->checkpoint = job.request().checkpoint();
     if (job.state() == v1::PLANNED) {
       // Nothing was loading yet: place it again.
-      (void)store_->SetRanks(job.id(), {});
-      (void)store_->Transition(job.id(), v1::PENDING,
-                               absl::StrCat("the coordinator restarted before loading; waiting for ",
-                                            runtime->plan.world_size(), " healthy idle workers"));
+      // Refused, the job stays PLANNED in the database and is not placed; the next restart
+      // tries again (said on stderr).
+      RecordLocked(store_->SetRanks(job.id(), {}).status(), absl::StrCat("clearing job ", job.id(), "'s ranks"));
+      RecordLocked(store_->Transition(job.id(), v1::PENDING,
+                                      absl::StrCat("the coordinator restarted before loading; waiting for ",
+                                                   runtime->plan.world_size(), " healthy idle workers"))
+                       .status(),
+                   absl::StrCat("putting job ", job.id(), " back to PENDING"));
     } else if (job.state() == v1::LOADING || job.state() == v1::READY) {
       runtime->recovery = std::make_unique<Recovery>();
       runtime->recovery->deadline = deadline;
@@ -134,11 +141,13 @@ void Cluster::DecideRecoveryLocked(const std::string& job_id) {
     p.mutable_progress()->set_phase(v1::LoadProgress::READY);
     runtime.progress.push_back(p);
   }
-  (void)store_->SetRanks(job_id, ranks);
+  RecordLocked(store_->SetRanks(job_id, ranks).status(), absl::StrCat("recording job ", job_id, "'s ranks"));
   auto job = store_->Get(job_id);
   if (job.ok() && job->state() == v1::LOADING) {
-    (void)store_->Transition(job_id, v1::READY,
-                             absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"));
+    RecordLocked(store_->Transition(job_id, v1::READY,
+                                    absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"))
+                     .status(),
+                 absl::StrCat("readying job ", job_id));
   }
   job = store_->Get(job_id);
   runtime.serving = job.ok() && job->state() == v1::READY;

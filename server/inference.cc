@@ -352,13 +352,37 @@ struct FanOut {
   size_t answered ABSL_GUARDED_BY(mu) = 0;
   int failed_rank ABSL_GUARDED_BY(mu) = -1;
   grpc::Status failure ABSL_GUARDED_BY(mu);
+  bool aborted ABSL_GUARDED_BY(mu) = false;
 };
 
 }  // namespace
 
+void ForwardAbort::Abort(const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  if (aborted_) return;
+  aborted_ = true;
+  reason_ = reason;
+  if (in_flight_) in_flight_(reason);
+}
+
 ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::ForwardRequest& forward,
-                                 absl::Time deadline) {
+                                 absl::Time deadline, ForwardAbort* abort) {
   auto fan = std::make_shared<FanOut>(ranks.size(), forward);
+  if (abort != nullptr) {
+    absl::MutexLock lock(&abort->mu_);
+    if (abort->aborted_) {
+      ForwardOutcome outcome;
+      outcome.aborted = true;
+      outcome.status = grpc::Status(grpc::StatusCode::UNAVAILABLE, abort->reason_);
+      return outcome;
+    }
+    abort->in_flight_ = [fan](const std::string& reason) {
+      absl::MutexLock fan_lock(&fan->mu);
+      if (fan->failed_rank >= 0 || fan->aborted) return;
+      fan->aborted = true;
+      fan->failure = grpc::Status(grpc::StatusCode::UNAVAILABLE, reason);
+    };
+  }
   for (auto& context : fan->contexts) {
     context = std::make_unique<grpc::ClientContext>();
     context->set_deadline(absl::ToChronoTime(deadline));
@@ -379,18 +403,26 @@ ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::F
                                     });
   }
   ForwardOutcome outcome;
-  absl::MutexLock lock(&fan->mu);
-  auto settled = [&fan, n = ranks.size()] {
-    return fan->failed_rank >= 0 || fan->answered == n;
-  };
-  fan->mu.Await(absl::Condition(&settled));
-  if (fan->failed_rank >= 0) {
-    for (auto& context : fan->contexts) context->TryCancel();
-    outcome.failed_rank = fan->failed_rank;
-    outcome.status = fan->failure;
-    return outcome;
+  {
+    absl::MutexLock lock(&fan->mu);
+    auto settled = [&fan, n = ranks.size()] {
+      return fan->failed_rank >= 0 || fan->aborted || fan->answered == n;
+    };
+    fan->mu.Await(absl::Condition(&settled));
+    if (fan->failed_rank >= 0 || fan->aborted) {
+      for (auto& context : fan->contexts) context->TryCancel();
+      outcome.failed_rank = fan->aborted ? -1 : fan->failed_rank;
+      outcome.aborted = fan->aborted;
+      outcome.status = fan->failure;
+    } else {
+      outcome.responses = std::move(fan->responses);
+    }
   }
-  outcome.responses = std::move(fan->responses);
+  if (abort != nullptr) {
+    // Off the fan-out's lock: Abort takes its own lock first, then the fan-out's.
+    absl::MutexLock lock(&abort->mu_);
+    abort->in_flight_ = nullptr;
+  }
   return outcome;
 }
 

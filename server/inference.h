@@ -17,11 +17,13 @@
 #ifndef BERTSHARD_SERVER_INFERENCE_H_
 #define BERTSHARD_SERVER_INFERENCE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
@@ -107,14 +109,33 @@ struct RankStub {
 struct ForwardOutcome {
   std::vector<v1::ForwardResponse> responses;  // one per rank when every call succeeded
   int failed_rank = -1;                        // the first rank whose call failed; -1 if none
-  grpc::Status status;                         // that call's status
+  grpc::Status status;                         // that call's status, or the abort's reason
+  bool aborted = false;                        // ended by ForwardAbort::Abort
+};
+
+// Lets another thread end a job's forwards early: when the job fails for another reason (a worker
+// went silent), its forward in flight would otherwise wait for the surviving ranks' collective
+// timeout. One per job; its forwards run one at a time.
+class ForwardAbort {
+ public:
+  // Cancels the forward in flight, if any, and every later one, each ending with `reason`.
+  void Abort(const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  friend ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>&, const v1::ForwardRequest&, absl::Time,
+                                          ForwardAbort*);
+  absl::Mutex mu_;  // taken before a fan-out's own lock, never after
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
+  std::string reason_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> in_flight_ ABSL_GUARDED_BY(mu_);  // cancels the running one
 };
 
 // Calls Forward(`forward`) on every rank in parallel, each with `deadline`. Returns when all have
-// answered, or at the first failure (a dead worker answers UNAVAILABLE at once): the calls still
-// running are then cancelled and finish in the background, owning what they use.
+// answered, at the first failure (a dead worker answers UNAVAILABLE at once), or when `abort`
+// (optional) is aborted: the calls still running are then cancelled and finish in the background,
+// owning what they use.
 ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::ForwardRequest& forward,
-                                 absl::Time deadline);
+                                 absl::Time deadline, ForwardAbort* abort = nullptr);
 
 }  // namespace bertshard::server
 

@@ -355,9 +355,7 @@ TEST_F(BehaviourCluster, PendingJobsStayPendingAcrossACoordinatorRestart) {
 // call reserving rank 0's rendezvous port held up by stopping that worker) is never loaded once the
 // call goes through: no worker is asked to load it (server/cluster.cc LoadJob used to go on and
 // load it on workers it had already marked idle). The workers then serve a new job.
-//
-// (PLANNED is not tested: a job is PLANNED only between the scheduler assigning its workers and its
-// loading thread taking the coordinator's lock, with nothing a test can hold in between.)
+// (PLANNED: CancelAndReRegistrationWhileAJobIsPlanned.)
 TEST_F(BehaviourCluster, CancelPendingAndLoadingJobs) {
   Hold("worker_load");
   const v1::Job loading = Submit(kModel);

@@ -93,6 +93,7 @@ class Cluster : public ::testing::Test {
       unsetenv("BERTSHARD_FAULT_DIR");
     }
     for (pid_t w : workers_) {
+      kill(w, SIGCONT);  // a worker a failed test left stopped would never handle SIGTERM
       kill(w, SIGTERM);
       WaitExit(w);
     }
@@ -200,10 +201,10 @@ class Cluster : public ::testing::Test {
     return -1;
   }
 
-  // The worker id worker process `i` registered as ("" if its log does not say yet).
+  // The worker id worker process `i` last registered as ("" if its log does not say yet).
   std::string IdOf(int i) const {
     const std::string log = ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[static_cast<size_t>(i)])));
-    const size_t at = log.find(" as worker-");
+    const size_t at = log.rfind(" as worker-");  // the latest: a worker registers again under a new id
     return at == std::string::npos ? "" : log.substr(at + 4, log.find(' ', at + 4) - (at + 4));
   }
 

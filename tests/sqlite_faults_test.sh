@@ -30,6 +30,8 @@ mount -t tmpfs -o size=1m tmpfs "$data" || skip sqlite_faults_test "cannot mount
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
 pid=""
+# Whatever ends the script, no coordinator outlives it (it would also keep the namespace alive).
+trap '[ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null; umount "$data" 2>/dev/null; true' EXIT
 start() {
   : > "$work/coordinator.log"
   "$coordinator" --listen=127.0.0.1:0 --data_dir="$data" --drain_timeout=2s >> "$work/coordinator.log" 2>&1 &
@@ -47,6 +49,7 @@ start() {
 stop() {
   kill -TERM "$pid"
   wait "$pid" || fail "coordinator exited $? after SIGTERM"
+  pid=""
 }
 ctl() { "$shardctl" "$@" --server "127.0.0.1:$port" --timeout 10; }
 submit() { ctl submit --checkpoint "$model" --tp 2 --pp 2; }

@@ -26,10 +26,17 @@ chmod u+w gpu-bundle.tmp/bin/*
 # The libraries the binaries load, as resolved here, less those the GPU host provides itself.
 host_provided='^(libc|libm|libdl|librt|libutil|libpthread|libstdc\+\+|libgcc_s|libgomp|ld-linux-x86-64|linux-vdso)\.so'
 torch_provided='^(libtorch[a-z_]*|libc10[a-z_]*|libcudart|libcupti|libnccl|libnvshmem[a-z_]*)\.so'
-for binary in gpu-bundle.tmp/bin/*; do
-  LD_LIBRARY_PATH="$libtorch/lib:$libtorch/../nvidia/cu13/lib:$libtorch/../nvidia/nccl/lib" ldd "$binary" |
-    awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
-done | sort -u | while read -r name path; do
+libs=$(for binary in gpu-bundle.tmp/bin/*; do
+  LD_LIBRARY_PATH="$libtorch/lib:$libtorch/../nvidia/cu13/lib:$libtorch/../nvidia/nccl/lib" ldd "$binary"
+done)
+# A library unresolved here would be missing there too, silently: stop instead. (LibTorch's CUDA
+# libraries, which the wheel leaves to other packages, come from the GPU host's PyTorch.)
+unresolved=$(echo "$libs" | grep "not found" | awk '{print $1}' | grep -vE '^lib(cublas|cublasLt|cudnn|cufft|curand|cusolver|cusparse|cusparseLt|nvJitLink|nvrtc|nvToolsExt|cufile|nvshmem_host)[a-zA-Z_]*\.so' || true)
+if [ -n "$unresolved" ]; then
+  echo "gpu_bundle: the binaries need libraries not found here: $unresolved" >&2
+  exit 1
+fi
+echo "$libs" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' | sort -u | while read -r name path; do
   if [[ "$name" =~ $host_provided || "$name" =~ $torch_provided ]]; then continue; fi
   cp -L "$path" "gpu-bundle.tmp/lib/$name"
 done

@@ -31,7 +31,7 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const GlooOptions& 
 absl::StatusOr<c10::intrusive_ptr<c10d::TCPStore>> HostStore(std::chrono::milliseconds timeout) {
   try {
     c10d::TCPStoreOptions store_options;
-    store_options.port = 0;  // LibTorch 1.13 binds it as given, and getPort() reports the bound port
+    store_options.port = 0;  // an ephemeral port, bound at once; getPort() reports it (LibTorch 1.13 and 2.x)
     store_options.isServer = true;
     store_options.waitWorkers = false;  // the world's size is not known yet
     store_options.timeout = timeout;
