@@ -400,7 +400,9 @@ void Cluster::LoadJob(std::string job_id) {
     grpc::ClientContext context;
     SetDeadline(&context, absl::Now() + absl::Seconds(10));
     common::AttachToken(&context, ranks_stubs[0].token);
-    grpc::Status status = ranks_stubs[0].stub->ReservePort(&context, v1::ReservePortRequest(), &port);
+    v1::ReservePortRequest reserve;
+    reserve.set_job_id(job_id);
+    grpc::Status status = ranks_stubs[0].stub->ReservePort(&context, reserve, &port);
     if (!status.ok()) {
       absl::MutexLock lock(&mu_);
       // Stopping: the job stays LOADING for the next coordinator, which fails it with that cause.

@@ -65,7 +65,7 @@ ReservedStores::~ReservedStores() {
   expirer_.join();
 }
 
-absl::StatusOr<int> ReservedStores::Reserve() {
+absl::StatusOr<int> ReservedStores::Reserve(const std::string& job_id) {
   // The claimer sets the job's timeout (ConnectStore); this one only bounds the store's connection
   // to itself.
   auto store = HostStore(c10d::Store::kDefaultTimeout);
@@ -73,15 +73,16 @@ absl::StatusOr<int> ReservedStores::Reserve() {
   const int port = (*store)->getPort();
   absl::MutexLock lock(&mu_);
   // The port is bound: no other reservation here can hold it.
-  reserved_[port] = Reservation{*std::move(store), absl::Now() + ttl_};
+  reserved_[port] = Reservation{*std::move(store), absl::Now() + ttl_, job_id};
   changed_.Signal();
   return port;
 }
 
-c10::intrusive_ptr<c10d::Store> ReservedStores::Claim(int port) {
+c10::intrusive_ptr<c10d::Store> ReservedStores::Claim(const std::string& job_id, int port) {
   absl::MutexLock lock(&mu_);
   auto it = reserved_.find(port);
-  if (it == reserved_.end()) return {};
+  // Another job's store is not taken: that job's rank 0 will come for it.
+  if (it == reserved_.end() || (!it->second.job_id.empty() && it->second.job_id != job_id)) return {};
   c10::intrusive_ptr<c10d::Store> store = std::move(it->second.store);
   reserved_.erase(it);
   return store;

@@ -54,16 +54,19 @@ class ReservedStores {
   ReservedStores(const ReservedStores&) = delete;
   ReservedStores& operator=(const ReservedStores&) = delete;
 
-  // Hosts a store (HostStore) and returns its port. UNAVAILABLE if it cannot be hosted.
-  absl::StatusOr<int> Reserve();
-  // The store reserved on `port`, handed over to the caller (it is no longer kept here); null if
-  // there is none: never reserved here, claimed already, or expired.
-  c10::intrusive_ptr<c10d::Store> Claim(int port);
+  // Hosts a store (HostStore) for job `job_id` and returns its port. UNAVAILABLE if it cannot be
+  // hosted.
+  absl::StatusOr<int> Reserve(const std::string& job_id);
+  // The store reserved on `port` for `job_id` (or for no job in particular: reserved with ""),
+  // handed over to the caller (it is no longer kept here); null if there is none: never reserved
+  // here, reserved for another job, claimed already, or expired.
+  c10::intrusive_ptr<c10d::Store> Claim(const std::string& job_id, int port);
 
  private:
   struct Reservation {
     c10::intrusive_ptr<c10d::Store> store;
     absl::Time expires;
+    std::string job_id;
   };
   void ExpireLoop();  // closes expired reservations until the destructor stops it
 

@@ -180,7 +180,7 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   // closes it while the shard loads (and it goes with this call if the load fails). None here (a
   // port chosen some other way, or a reservation that expired): Connect hosts one on master_port.
   c10::intrusive_ptr<c10d::Store> reserved_store;
-  if (request->rank() == 0) reserved_store = reserved_stores_->Claim(request->master_port());
+  if (request->rank() == 0) reserved_store = reserved_stores_->Claim(request->job_id(), request->master_port());
   auto job = std::make_shared<LoadedJob>();
   if (auto metrics = MetricsForJob(options_.metrics, request->job_id(), request->rank()); metrics.ok()) {
     job->metrics = *metrics;
@@ -322,12 +322,12 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerService::ReservePort(grpc::ServerContext* context, const v1::ReservePortRequest*,
+grpc::Status WorkerService::ReservePort(grpc::ServerContext* context, const v1::ReservePortRequest* request,
                                         v1::ReservePortResponse* response) {
   if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   // Bound now, not found free for rank 0 to bind later: anything on this host (an outgoing
   // connection's ephemeral port, another job's reservation) could take it in between.
-  auto port = reserved_stores_->Reserve();
+  auto port = reserved_stores_->Reserve(request->job_id());
   if (!port.ok()) return common::ToGrpcStatus(port.status());
   response->set_port(*port);
   return grpc::Status::OK;

@@ -52,9 +52,12 @@ std::unique_ptr<grpc::ClientContext> Context() {
 }
 
 // A job's rendezvous port, hosted by `worker` (its rank 0) from now on, as the coordinator gets it.
-int ReservePort(RunningWorker& worker) {
+// `job`: the job it is for ("" for any).
+int ReservePort(RunningWorker& worker, const std::string& job = "") {
+  v1::ReservePortRequest request;
+  request.set_job_id(job);
   v1::ReservePortResponse port;
-  const grpc::Status status = worker.stub->ReservePort(Context().get(), v1::ReservePortRequest(), &port);
+  const grpc::Status status = worker.stub->ReservePort(Context().get(), request, &port);
   EXPECT_TRUE(status.ok()) << status.error_message();
   return port.port();
 }
@@ -425,7 +428,14 @@ TEST(WorkerService, ReservePortHostsTheRendezvousThatRankZeroTakesOver) {
   options.port_reservation_ttl = absl::Seconds(2);
   RunningWorker worker = StartWorker(options);
   v1::LoadShardRequest load = OneRankLoad(kModel, 0);  // the plan first: the expiry runs from the reservation
-  const int port = ReservePort(worker);
+  // Reserved for another job: job "j"'s rank 0 does not take it, and hosting its own store on the
+  // port then fails (the address is in use) instead of joining the other job's rendezvous.
+  const int foreign = ReservePort(worker, "another-job");
+  load.set_master_port(foreign);
+  const grpc::Status refused = LoadToTheEnd(worker, load);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  EXPECT_TRUE(Listening(foreign));  // still reserved for its own job
+  const int port = ReservePort(worker, "j");
   ASSERT_GT(port, 0);
   EXPECT_TRUE(Listening(port));
   EXPECT_EQ(BindError(port), EADDRINUSE);
@@ -438,10 +448,10 @@ TEST(WorkerService, ReservePortHostsTheRendezvousThatRankZeroTakesOver) {
   load.set_master_port(port);
   const grpc::Status loaded = LoadToTheEnd(worker, load);
   ASSERT_TRUE(loaded.ok()) << loaded.error_message();
-  // The job holds the store past the reservation's expiry; the unclaimed one is closed by then.
-  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-  EXPECT_TRUE(Listening(port));
+  // The job holds the store past the reservation's expiry: `other`, reserved after `port`, being
+  // closed shows that expiry has passed for both.
   EXPECT_TRUE(ReleasedWithin(other, std::chrono::seconds(5)));
+  EXPECT_TRUE(Listening(port));
   // Unloading the job closes its store.
   EXPECT_TRUE(worker.service->UnloadJob("j"));
   EXPECT_TRUE(ReleasedWithin(port, std::chrono::seconds(5)));
