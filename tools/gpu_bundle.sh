@@ -16,12 +16,22 @@ libtorch=$(bash tools/libtorch_from_wheel.sh)
 cuda_home=$(bash tools/libtorch_from_wheel.sh --cuda-home)
 # A second output base: the wheel's LibTorch beside Debian's, neither evicting the other's cache.
 output_base="${BERTSHARD_GPU_BUNDLE_OUTPUT_BASE:-$HOME/.cache/bertshard/bazel-gpu-bundle}"
-BERTSHARD_LIBTORCH="$libtorch" CUDA_HOME="$cuda_home" \
-  bazel --output_base="$output_base" build --config=cuda -c opt //client:shardctl //worker:shard-rank >&2
-bin="$output_base/execroot/bertshard/bazel-out/k8-opt/bin"
+targets=(//client:shardctl //worker:shard-rank)
+build() {
+  BERTSHARD_LIBTORCH="$libtorch" CUDA_HOME="$cuda_home" bazel --output_base="$output_base" "$@" --config=cuda -c opt
+}
+build build "${targets[@]}" >&2
 rm -rf gpu-bundle.tmp
 mkdir -p gpu-bundle.tmp/bin gpu-bundle.tmp/lib
-cp "$bin/client/shardctl" "$bin/worker/shard-rank" gpu-bundle.tmp/bin/
+# Where Bazel put them (relative to the execution root), asked rather than assumed.
+execroot=$(build info execution_root 2>/dev/null)
+# (Debian's Bazel predates --output=files: the Starlark output says the same.)
+for file in $(build cquery --output=starlark --starlark:expr='" ".join([f.path for f in target.files.to_list()])' \
+    "${targets[0]} + ${targets[1]}" 2>/dev/null); do
+  cp "$execroot/$file" gpu-bundle.tmp/bin/
+done
+[ -x gpu-bundle.tmp/bin/shardctl ] && [ -x gpu-bundle.tmp/bin/shard-rank ] ||
+  { echo "gpu_bundle: bazel cquery did not name both binaries" >&2; exit 1; }
 chmod u+w gpu-bundle.tmp/bin/*
 # The libraries the binaries load, as resolved here, less those the GPU host provides itself.
 host_provided='^(libc|libm|libdl|librt|libutil|libpthread|libstdc\+\+|libgcc_s|libgomp|ld-linux-x86-64|linux-vdso)\.so'
