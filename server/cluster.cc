@@ -185,11 +185,7 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
   v1::HeartbeatResponse response;
   if (request.leaving()) {
     // Out of the pool now: a job scheduled onto it in the heartbeats' grace period would fail.
-    it->second->info.set_healthy(false);
-    if (!it->second->info.job_id().empty()) {
-      FailJobLocked(it->second->info.job_id(), absl::StrCat("worker ", it->first, " (rank ", it->second->info.rank(),
-                                                            ") at ", it->second->info.address(), " is shutting down"));
-    }
+    MarkUnhealthyLocked(it->first, *it->second, "is shutting down");
     changed_.SignalAll();
     return response;
   }
@@ -478,6 +474,13 @@ void Cluster::LoadJob(std::string job_id) {
   changed_.SignalAll();
 }
 
+void Cluster::MarkUnhealthyLocked(const std::string& id, Worker& worker, const std::string& why) {
+  worker.info.set_healthy(false);
+  if (worker.info.job_id().empty()) return;
+  FailJobLocked(worker.info.job_id(), absl::StrCat("worker ", id, " (rank ", worker.info.rank(), ") at ",
+                                                   worker.info.address(), " ", why));
+}
+
 void Cluster::StoreErrorLocked(const std::string& what, const absl::Status& status) {
   // Once per distinct failure: a refusal retried every quarter interval would flood the log.
   std::string line = absl::StrCat("bertshard-coordinator: job database: ", what, ": ", status.ToString());
@@ -508,12 +511,8 @@ void Cluster::MonitorLoop() {
       if (!w->info.healthy() || now - w->last_heartbeat <= options_.heartbeat_interval * options_.missed_heartbeats) {
         continue;
       }
-      w->info.set_healthy(false);
-      if (!w->info.job_id().empty()) {
-        FailJobLocked(w->info.job_id(), absl::StrCat("worker ", id, " (rank ", w->info.rank(), ") at ",
-                                                     w->info.address(), " stopped heartbeating (silent for ",
-                                                     absl::FormatDuration(now - w->last_heartbeat), ")"));
-      }
+      MarkUnhealthyLocked(id, *w, absl::StrCat("stopped heartbeating (silent for ",
+                                               absl::FormatDuration(now - w->last_heartbeat), ")"));
     }
     std::vector<std::string> overdue;
     for (const auto& [job_id, runtime] : runtimes_) {

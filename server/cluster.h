@@ -160,6 +160,9 @@ class Cluster {
   void RecordLocked(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void LoadJob(std::string job_id);
   // `job_id` by value: callers pass fields this clears (a worker's job_id).
+  // Takes worker `id` out of the pool and fails its job, if any: "worker ID (rank R) at ADDR `why`".
+  void MarkUnhealthyLocked(const std::string& id, Worker& worker, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state = v1::FAILED)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MonitorLoop();

@@ -124,34 +124,10 @@ class BehaviourCluster : public testing::Cluster {
     }
   }
 
-  // A job of `checkpoint` over tp x pp workers (the fixture's Submit is always 2 x 2).
-  v1::Job SubmitLayout(const std::string& checkpoint, int tp, int pp) {
-    v1::SubmitJobRequest submit;
-    submit.mutable_request()->set_checkpoint(std::filesystem::absolute(checkpoint).string());
-    submit.mutable_request()->mutable_parallel()->set_tp_size(tp);
-    submit.mutable_request()->mutable_parallel()->set_pp_size(pp);
-    v1::Job job;
-    const grpc::Status s = stub_->SubmitJob(Context().get(), submit, &job);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return job;
-  }
-
   grpc::Status Cancel(const std::string& id, v1::Job* job) {
     v1::GetJobRequest cancel;
     cancel.set_job_id(id);
     return stub_->CancelJob(Context().get(), cancel, job);
-  }
-
-  // Polls GetJob until the job is in `state` (up to `seconds`); the last job seen.
-  v1::Job WaitState(const std::string& id, v1::JobState state, double seconds = 20) {
-    v1::Job job;
-    PollFor(seconds, [&] {
-      v1::GetJobRequest get;
-      get.set_job_id(id);
-      job.Clear();
-      return stub_->GetJob(Context().get(), get, &job).ok() && job.state() == state;
-    });
-    return job;
   }
 
   v1::ListWorkersResponse Workers() {
@@ -197,23 +173,6 @@ class BehaviourCluster : public testing::Cluster {
     return static_cast<int>(workers_.size()) - 1;
   }
 
-  // The id worker process `i` registered with last ("" if none yet).
-  std::string LastRegisteredId(size_t i) {
-    const std::string log = ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i])));
-    const size_t at = log.rfind(" as worker-");
-    if (at == std::string::npos) return "";
-    return log.substr(at + 4, log.find(' ', at + 4) - (at + 4));
-  }
-
-  // The index in workers_ of the process that registered as `id` at some point; -1 if none.
-  int IndexOfId(const std::string& id) {
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      if (ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("as " + id + " (") != std::string::npos) {
-        return static_cast<int>(i);
-      }
-    }
-    return -1;
-  }
 
   static int Count(const std::string& text, const std::string& what) {
     int n = 0;
@@ -244,7 +203,7 @@ TEST_F(BehaviourCluster, PendingJobStartsWhenWorkersFreeUpOrJoin) {
   EXPECT_LE(InferDiff(waiting.id()), 1e-5f);
 
   // Every worker is busy again: a one-worker job waits, and starts on a worker that joins.
-  const v1::Job small = SubmitLayout(kModel, 1, 1);
+  const v1::Job small = Submit(kModel, 1, 1);
   ASSERT_EQ(small.state(), v1::PENDING);
   EXPECT_EQ(small.pending_reason(), "waiting for 1 healthy idle workers");
   const int extra = StartExtraWorker();
@@ -252,7 +211,7 @@ TEST_F(BehaviourCluster, PendingJobStartsWhenWorkersFreeUpOrJoin) {
   ASSERT_EQ(small_ready.job().state(), v1::READY) << small_ready.job().failure_cause();
   std::string id;
   EXPECT_EQ(WorkerServing(small.id(), 0, &id), extra) << "the job did not start on the worker that joined";
-  EXPECT_EQ(id, LastRegisteredId(static_cast<size_t>(extra)));
+  EXPECT_EQ(id, IdOf(extra));
   EXPECT_LE(InferDiff(small.id()), 1e-5f);
   EXPECT_LE(InferDiff(waiting.id()), 1e-5f);  // the 2 x 2 job is unaffected
   ExpectListedOnce(Workers());
@@ -261,8 +220,8 @@ TEST_F(BehaviourCluster, PendingJobStartsWhenWorkersFreeUpOrJoin) {
 // 2. Two jobs share the four workers: both READY at once on disjoint workers, both answer correctly
 // (concurrently too), and cancelling one leaves the other serving.
 TEST_F(BehaviourCluster, TwoJobsShareThePoolAndCancellingOneLeavesTheOther) {
-  const v1::Job tp = SubmitLayout(kModel, 2, 1);
-  const v1::Job pp = SubmitLayout(kModel, 1, 2);
+  const v1::Job tp = Submit(kModel, 2, 1);
+  const v1::Job pp = Submit(kModel, 1, 2);
   ASSERT_EQ(Watch(tp.id()).job().state(), v1::READY);
   ASSERT_EQ(Watch(pp.id()).job().state(), v1::READY);
   std::map<std::string, std::set<int>> ranks;
@@ -317,8 +276,8 @@ TEST_F(BehaviourCluster, TwoJobsShareThePoolAndCancellingOneLeavesTheOther) {
 TEST_F(BehaviourCluster, PendingJobsStayPendingAcrossACoordinatorRestart) {
   const v1::Job running = Submit(kModel);
   ASSERT_EQ(Watch(running.id()).job().state(), v1::READY);
-  const v1::Job pp = SubmitLayout(kModel, 1, 2);
-  const v1::Job tp = SubmitLayout(kModel, 2, 1);
+  const v1::Job pp = Submit(kModel, 1, 2);
+  const v1::Job tp = Submit(kModel, 2, 1);
   ASSERT_EQ(pp.state(), v1::PENDING);
   ASSERT_EQ(tp.state(), v1::PENDING);
 
@@ -407,7 +366,7 @@ TEST_F(BehaviourCluster, CancelPendingAndLoadingJobs) {
   ASSERT_GE(stalled, 0);
   ASSERT_EQ(kill(workers_[static_cast<size_t>(stalled)], SIGSTOP), 0);
   stopped_.push_back(workers_[static_cast<size_t>(stalled)]);
-  const v1::Job setting_up = SubmitLayout(kModel, 1, 1);
+  const v1::Job setting_up = Submit(kModel, 1, 1);
   ASSERT_EQ(setting_up.ranks_size(), 1);
   EXPECT_EQ(setting_up.ranks(0).worker_id(), first_idle);
   EXPECT_EQ(WaitState(setting_up.id(), v1::LOADING).state(), v1::LOADING);
@@ -466,7 +425,7 @@ TEST_F(BehaviourCluster, CancelAndReRegistrationWhileAJobIsPlanned) {
 
   // Next: a one-worker job held in the window while its worker registers again, without it.
   ClearReached("coordinator_planned");
-  const v1::Job second = SubmitLayout(kModel, 1, 1);
+  const v1::Job second = Submit(kModel, 1, 1);
   ASSERT_EQ(second.ranks_size(), 1);
   ASSERT_FALSE(WaitReached("coordinator_planned", 1).empty());
   ASSERT_EQ(GetJob(second.id()).state(), v1::PLANNED);
@@ -560,8 +519,8 @@ TEST_F(BehaviourCluster, InferCallersThatLeaveMidForwardLeaveTheJobServing) {
 // choice group; text input is refused.
 TEST_F(BehaviourCluster, TextPairsAndMultipleChoiceThroughTheService) {
   const std::string text_model = testing::CheckpointWithWordVocabulary(kBertModel, "pairs_model");
-  const v1::Job pairs_job = SubmitLayout(text_model, 1, 2);
-  const v1::Job choice_job = SubmitLayout(kMultipleChoice, 2, 1);
+  const v1::Job pairs_job = Submit(text_model, 1, 2);
+  const v1::Job choice_job = Submit(kMultipleChoice, 2, 1);
   ASSERT_EQ(Watch(pairs_job.id()).job().state(), v1::READY);
   ASSERT_EQ(Watch(choice_job.id()).job().state(), v1::READY);
 
@@ -733,7 +692,7 @@ TEST_F(BehaviourCluster, AWorkerThatRegistersAgainIsListedOnce) {
   // The real worker registers again by itself (its heartbeats get NOT_FOUND).
   const std::string log = WorkerLog(static_cast<size_t>(spawn_index_[static_cast<size_t>(index)]));
   EXPECT_TRUE(PollFor(10, [&] { return Count(ReadAll(log), "registered with") == 2; })) << ReadAll(log);
-  const std::string own_id = LastRegisteredId(static_cast<size_t>(index));
+  const std::string own_id = IdOf(index);
   EXPECT_NE(own_id, registered.worker_id());
   workers = Workers();
   ExpectListedOnce(workers);
@@ -771,7 +730,7 @@ TEST_F(BehaviourCluster, AWorkerThatRegistersAgainIsListedOnce) {
 
   // Stopped past the threshold (3 heartbeat intervals), then continued: unhealthy, then the same
   // entry healthy again, not a second one.
-  const std::string stopped_id = LastRegisteredId(0);
+  const std::string stopped_id = IdOf(0);
   ASSERT_EQ(kill(workers_[0], SIGSTOP), 0);
   stopped_.push_back(workers_[0]);
   const auto state_of = [&](const std::string& id) {

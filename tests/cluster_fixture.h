@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "checkpoint/safetensors.h"
@@ -208,11 +209,11 @@ class Cluster : public ::testing::Test {
     return at == std::string::npos ? "" : log.substr(at + 4, log.find(' ', at + 4) - (at + 4));
   }
 
-  v1::Job Submit(const std::string& checkpoint) {
+  v1::Job Submit(const std::string& checkpoint, int tp = 2, int pp = 2) {
     v1::SubmitJobRequest submit;
     submit.mutable_request()->set_checkpoint(std::filesystem::absolute(checkpoint).string());
-    submit.mutable_request()->mutable_parallel()->set_tp_size(2);
-    submit.mutable_request()->mutable_parallel()->set_pp_size(2);
+    submit.mutable_request()->mutable_parallel()->set_tp_size(tp);
+    submit.mutable_request()->mutable_parallel()->set_pp_size(pp);
     v1::Job job;
     grpc::Status s = stub_->SubmitJob(Context().get(), submit, &job);
     EXPECT_TRUE(s.ok()) << s.error_message();
@@ -243,13 +244,34 @@ class Cluster : public ::testing::Test {
     for (const auto& w : workers.workers()) {
       if (w.job_id() == job && w.rank() == rank) *id = w.worker_id();
     }
-    if (id->empty()) return -1;
+    return id->empty() ? -1 : IndexOfId(*id);
+  }
+
+  // The index in workers_ of the process that registered as `id` at some point; -1 if none.
+  int IndexOfId(const std::string& id) const {
     for (size_t i = 0; i < workers_.size(); ++i) {
-      if (ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("as " + *id + " (") != std::string::npos) {
+      if (ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("as " + id + " (") != std::string::npos) {
         return static_cast<int>(i);
       }
     }
     return -1;
+  }
+
+  // Polls GetJob until `job` is in `want` or has ended (FAILED, CANCELLED), for up to `limit`; the
+  // job as last seen.
+  v1::Job WaitState(const std::string& job, v1::JobState want, absl::Duration limit = absl::Seconds(20)) {
+    v1::Job seen;
+    const absl::Time end = absl::Now() + limit;
+    while (absl::Now() < end) {
+      v1::GetJobRequest get;
+      get.set_job_id(job);
+      if (stub_->GetJob(Context(5).get(), get, &seen).ok() &&
+          (seen.state() == want || seen.state() == v1::FAILED || seen.state() == v1::CANCELLED)) {
+        return seen;
+      }
+      usleep(20 * 1000);
+    }
+    return seen;
   }
 
   void KillWorker(int i) {

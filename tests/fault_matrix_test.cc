@@ -47,22 +47,6 @@ class FaultMatrix : public Cluster, public ::testing::WithParamInterface<Row> {
  protected:
   FaultMatrix() { UseFaultDir(GetParam().name); }
 
-  // Polls until `job` is in a terminal state or `want`, for up to `limit`; the job as last seen.
-  v1::Job WaitState(const std::string& job, v1::JobState want, absl::Duration limit) {
-    v1::Job seen;
-    const absl::Time end = absl::Now() + limit;
-    while (absl::Now() < end) {
-      v1::GetJobRequest get;
-      get.set_job_id(job);
-      if (stub_->GetJob(Context(5).get(), get, &seen).ok() &&
-          (seen.state() == want || seen.state() == v1::FAILED || seen.state() == v1::CANCELLED)) {
-        return seen;
-      }
-      usleep(20 * 1000);
-    }
-    return seen;
-  }
-
   void Report(const std::string& outcome, absl::Duration detect) {
     std::printf("fault: %s: %s, detected in %.2f s\n", GetParam().name, outcome.c_str(), absl::ToDoubleSeconds(detect));
   }

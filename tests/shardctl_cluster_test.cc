@@ -36,26 +36,11 @@ using testing::Shardctl;
 using testing::TempDir;
 using testing::WaitExit;
 
-// shardctl with `input` on its standard input (test_process.h's Run leaves the test's own).
+// shardctl with `input` on its standard input.
 Cli ShardctlWithStdin(std::vector<std::string> args, const std::string& input) {
-  static int counter = 0;
-  const std::string base = TempDir() + "/stdin_run_" + std::to_string(counter++);
-  std::ofstream(base + ".in", std::ios::binary) << input;
   args.insert(args.begin(), "client/shardctl");
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, (base + ".in").c_str(), O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 1, (base + ".out").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, 2, (base + ".err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  const int spawned = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (spawned != 0) return {-1, "cannot start client/shardctl"};
-  const int exit_code = WaitExit(pid);
-  return {exit_code, ReadAll(base + ".out") + ReadAll(base + ".err")};
+  const testing::Captured c = testing::Run(args, input);
+  return {c.exit_code, c.out + c.err};
 }
 
 std::vector<std::string> Lines(const std::string& text) { return absl::StrSplit(text, '\n', absl::SkipEmpty()); }

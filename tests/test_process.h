@@ -15,6 +15,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -36,10 +37,13 @@ inline std::string ReadAll(const std::string& path) {
 }
 
 // Starts `args` (args[0] is the binary) with stdout appended to `out` and stderr to `err` (the
-// same file when `err` is empty); returns the pid, or -1.
-inline pid_t Spawn(const std::vector<std::string>& args, const std::string& out, const std::string& err = "") {
+// same file when `err` is empty), and standard input read from `in` when given (else the test's
+// own); returns the pid, or -1.
+inline pid_t Spawn(const std::vector<std::string>& args, const std::string& out, const std::string& err = "",
+                   const std::string& in = "") {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
+  if (!in.empty()) posix_spawn_file_actions_addopen(&actions, 0, in.c_str(), O_RDONLY, 0);
   posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
   if (err.empty()) {
     posix_spawn_file_actions_adddup2(&actions, 1, 2);
@@ -66,13 +70,15 @@ struct Captured {
   std::string out, err;
 };
 
-// Runs `args` to completion and returns its exit status, stdout and stderr.
-inline Captured Run(const std::vector<std::string>& args) {
+// Runs `args` to completion and returns its exit status, stdout and stderr. `input`, when given,
+// is its standard input.
+inline Captured Run(const std::vector<std::string>& args, const std::optional<std::string>& input = std::nullopt) {
   static int counter = 0;
   const std::string base = TempDir() + "/run_" + std::to_string(getpid()) + "_" + std::to_string(counter++);
   std::ofstream(base + ".out", std::ios::trunc).close();
+  if (input.has_value()) std::ofstream(base + ".in", std::ios::binary) << *input;
   Captured c;
-  c.exit_code = WaitExit(Spawn(args, base + ".out", base + ".err"));
+  c.exit_code = WaitExit(Spawn(args, base + ".out", base + ".err", input.has_value() ? base + ".in" : ""));
   c.out = ReadAll(base + ".out");
   c.err = ReadAll(base + ".err");
   return c;

@@ -17,7 +17,7 @@ if ! command -v clang++ >/dev/null || ! ls /usr/lib/llvm-14/lib/clang/*/lib/linu
   echo "fuzz: clang and libFuzzer are missing: BERTSHARD_DEPS=fuzz bash tools/install_deps.sh" >&2
   exit 2
 fi
-bazel build --config=fuzz --strip=never $(printf '//fuzz:%s_fuzzer ' "${targets[@]}") > /dev/null 2>&1 || {
+bazel build --config=fuzz $(printf '//fuzz:%s_fuzzer ' "${targets[@]}") > /dev/null 2>&1 || {
   echo "fuzz: the --config=fuzz build failed: bazel build --config=fuzz //fuzz:all" >&2
   exit 1
 }
