@@ -24,6 +24,7 @@
 #include "common/status_macros.h"
 #include "model/gemm.h"
 #include "model/torch_compat.h"
+#include "model/torch_status.h"
 #include "planner/model_config.h"
 #include "planner/stage_layout.h"
 
@@ -370,13 +371,16 @@ class BertShard::Impl {
       const int64_t size = batch / micro_batches + (m < batch % micro_batches ? 1 : 0);
       const int64_t r0 = batch_start * in.choices, nrows = size * in.choices;
       batch_start += size;
-      mbs.push_back({in.input_ids.narrow(0, r0, nrows).to(device_), in.attention_mask.narrow(0, r0, nrows).to(device_),
-                     in.token_type_ids.narrow(0, r0, nrows).to(device_), in.choices});
+      mbs.push_back({ToDevice(in.input_ids.narrow(0, r0, nrows)), ToDevice(in.attention_mask.narrow(0, r0, nrows)),
+                     ToDevice(in.token_type_ids.narrow(0, r0, nrows)), in.choices});
     }
     std::map<std::string, std::vector<at::Tensor>> pieces;
     ASSIGN_OR_RETURN(pieces, RunMicroBatches(mbs));
     std::map<std::string, at::Tensor> outputs;
-    for (auto& [name, list] : pieces) outputs[name] = at::cat(list, 0).to(at::kCPU, at::kFloat);
+    for (auto& [name, list] : pieces) outputs[name] = ToHost(at::cat(list, 0).to(at::kFloat));
+    // On a GPU the copies above (and every collective) are only queued: wait for them, within the
+    // group's timeout, rather than let the caller read a half-copied buffer or block for ever.
+    RETURN_IF_ERROR(comm_->Synchronize());
     return outputs;
   }
 
@@ -424,6 +428,22 @@ class BertShard::Impl {
   }
 
   const at::Tensor& P(const std::string& name) const { return params_.at(name); }
+
+  // Inputs reach a GPU from pinned (page-locked) host memory, copied asynchronously: the host goes
+  // on queueing kernels instead of staging a pageable copy. On CPU: the tensor itself.
+  at::Tensor ToDevice(const at::Tensor& host) const {
+    if (!device_.is_cuda()) return host.to(device_);
+    return host.pin_memory().to(at::TensorOptions().device(device_), /*non_blocking=*/true);
+  }
+
+  // A float32 output on the host: on a GPU, an asynchronous copy into pinned memory (twice the
+  // bandwidth of a pageable one), complete once the forward has synchronised.
+  at::Tensor ToHost(const at::Tensor& t) const {
+    if (!t.is_cuda()) return t;
+    at::Tensor host = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).pinned_memory(true));
+    host.copy_(t, /*non_blocking=*/true);
+    return host;
+  }
 
   double Lowest() const {
     switch (dtype_) {
@@ -822,7 +842,8 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
     const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
     return std::unique_ptr<BertShard>(new BertShard(std::move(impl), rank / tp, bytes));
   } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("loading rank ", rank, ": ", e.what()));
+    // A CUDA device too small for the shard is RESOURCE_EXHAUSTED, naming it.
+    return StatusFromTorchError(e, absl::StrCat("loading rank ", rank, " on ", options.device.str()));
   }
 }
 
@@ -842,8 +863,9 @@ absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const Model
   try {
     outputs = impl_->Forward(inputs, micro_batches, collectives);
   } catch (const std::exception& e) {
-    // Shapes and ids are validated first, so an escaped torch error is our bug.
-    outputs = absl::InternalError(absl::StrCat("forward: ", e.what()));
+    // Shapes and ids are validated first, so an escaped torch error is our bug, or the device's
+    // memory running out (RESOURCE_EXHAUSTED).
+    outputs = StatusFromTorchError(e, "forward");
   }
   // Pipeline sends overlap the next micro-batch; the forward ends when they are all through.
   if (collectives != nullptr) {

@@ -91,8 +91,10 @@ class BertShard {
 
   // Runs the forward over `micro_batches` slices of the batch (1 <= micro_batches <= rows), taking
   // part in every pipeline slot of this rank's stage. Inputs are CPU tensors. Returns the outputs
-  // (CPU, float32) with HF names on ranks of the head stage, {} elsewhere. INVALID_ARGUMENT for inputs the plan cannot run (shapes,
-  // ids, lengths); a collective failure is UNAVAILABLE.
+  // (CPU, float32; pinned memory when the shard is on a GPU) with HF names on ranks of the head
+  // stage, {} elsewhere. Returns once the rank's device work is done (Collectives::Synchronize).
+  // INVALID_ARGUMENT for inputs the plan cannot run (shapes, ids, lengths); a collective failure
+  // is UNAVAILABLE; the device's memory running out is RESOURCE_EXHAUSTED.
   absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& inputs,
                                                             int micro_batches,
                                                             Collectives* collectives);

@@ -267,6 +267,39 @@ TEST(BertShardInputs, RefusesBadInputsBeforeRunning) {
   expect_invalid(mismatched, 1);
 }
 
+// A device whose queued work fails (on a GPU: a peer gone mid-collective) shows only when the
+// forward synchronises; its outputs must not be returned as if they were complete.
+class FailingSynchronize final : public Collectives {
+ public:
+  int tp_size() const override { return 1; }
+  int tp_rank() const override { return 0; }
+  absl::Status AllReduceSum(at::Tensor&) override { return absl::OkStatus(); }
+  absl::StatusOr<at::Tensor> AllGather(const at::Tensor& t, int64_t) override { return t; }
+  absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& t, int64_t) override { return t; }
+  absl::Status Send(const at::Tensor&, int, int) override { return absl::InternalError("no peer"); }
+  absl::Status Recv(at::Tensor&, int, int) override { return absl::InternalError("no peer"); }
+  absl::Status Synchronize() override {
+    ++synchronized;
+    return absl::UnavailableError("the forward's GPU work timed out (a peer is gone or stuck?)");
+  }
+  absl::Status Barrier() override { return absl::OkStatus(); }
+  int synchronized = 0;
+};
+
+TEST(BertShardForward, ReturnsTheDevicesFailureInsteadOfItsOutputs) {
+  const std::string dir = std::string(kData) + "bert_model";
+  v1::PlanRequest request;
+  request.set_checkpoint(dir);
+  auto plan = planner::Plan(request);
+  auto ckpt = checkpoint::Checkpoint::Open(dir);
+  auto shard = BertShard::Load(*plan, 0, **ckpt);
+  ASSERT_TRUE(shard.ok());
+  FailingSynchronize failing;
+  auto outputs = (*shard)->Forward(ReadInputs(dir + "/input.json"), 1, &failing);
+  EXPECT_EQ(outputs.status().code(), absl::StatusCode::kUnavailable) << outputs.status();
+  EXPECT_EQ(failing.synchronized, 1);
+}
+
 TEST(BertShardLoad, NamesMissingAndMisshapedTensors) {
   const std::string dir = std::string(kData) + "bert_model";
   v1::PlanRequest request;

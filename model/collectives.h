@@ -45,6 +45,12 @@ class Collectives {
   // Whether Send returns before its receive is posted. The pipeline's schedule depends on it: a
   // stage may send several micro-batches ahead only where sends do not wait for their receivers.
   virtual bool SendsReturnAtOnce() const { return false; }
+  // Returns once the device work queued so far on this rank (compute and communication) is done,
+  // within the group's timeout, or with the error it met. Where collectives complete on the host
+  // before they return (Gloo on CPU) there is nothing to wait for. On a GPU, calls only queue
+  // work, and a failure (a peer gone mid-collective) shows here: the model calls it before it
+  // copies outputs to the host, a copy that would otherwise wait on a stuck GPU for ever.
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
 
   // Returns once every rank of the world has called it (benchmarks time one forward from a common
   // start; forwards themselves never need it).

@@ -4,7 +4,8 @@
 #
 #   bash tools/gpu_bundle.sh        # then copy the repository (with gpu-bundle/) to the GPU host
 #
-# It builds shardctl and shard-rank with --config=cuda -c opt against the pinned PyTorch 2.11 /
+# It builds shardctl, shard-rank and the two GPU test binaries (every NCCL collective; out of
+# memory as a status) with --config=cuda -c opt against the pinned PyTorch 2.11 /
 # CUDA 13 wheel (tools/libtorch_from_wheel.sh), the build GPU hosts run, and copies them with the
 # shared libraries they need that such a host lacks (abseil, protobuf, ...; not glibc, libstdc++,
 # LibTorch or CUDA, which come from the host and its PyTorch). gpu_check.sh points LD_LIBRARY_PATH
@@ -16,7 +17,7 @@ libtorch=$(bash tools/libtorch_from_wheel.sh)
 cuda_home=$(bash tools/libtorch_from_wheel.sh --cuda-home)
 # A second output base: the wheel's LibTorch beside Debian's, neither evicting the other's cache.
 output_base="${BERTSHARD_GPU_BUNDLE_OUTPUT_BASE:-$HOME/.cache/bertshard/bazel-gpu-bundle}"
-targets=(//client:shardctl //worker:shard-rank)
+targets=(//client:shardctl //worker:shard-rank //worker:nccl_collectives_test //model:torch_status_test)
 build() {
   BERTSHARD_LIBTORCH="$libtorch" CUDA_HOME="$cuda_home" bazel --output_base="$output_base" "$@" --config=cuda -c opt
 }
@@ -27,11 +28,13 @@ mkdir -p gpu-bundle.tmp/bin gpu-bundle.tmp/lib
 execroot=$(build info execution_root 2>/dev/null)
 # (Debian's Bazel predates --output=files: the Starlark output says the same.)
 for file in $(build cquery --output=starlark --starlark:expr='" ".join([f.path for f in target.files.to_list()])' \
-    "${targets[0]} + ${targets[1]}" 2>/dev/null); do
+    "$(IFS=+; echo "${targets[*]}")" 2>/dev/null); do
   cp "$execroot/$file" gpu-bundle.tmp/bin/
 done
-[ -x gpu-bundle.tmp/bin/shardctl ] && [ -x gpu-bundle.tmp/bin/shard-rank ] ||
-  { echo "gpu_bundle: bazel cquery did not name both binaries" >&2; exit 1; }
+for target in "${targets[@]}"; do
+  [ -x "gpu-bundle.tmp/bin/${target##*:}" ] ||
+    { echo "gpu_bundle: bazel cquery did not name the binary of $target" >&2; exit 1; }
+done
 chmod u+w gpu-bundle.tmp/bin/*
 # The libraries the binaries load, as resolved here, less those the GPU host provides itself.
 host_provided='^(libc|libm|libdl|librt|libutil|libpthread|libstdc\+\+|libgcc_s|libgomp|ld-linux-x86-64|linux-vdso)\.so'

@@ -5,12 +5,16 @@
 # (shardctl and shard-rank built with --config=cuda against PyTorch 2.11 / CUDA 13, and the shared
 # libraries such a host lacks). It prints, and writes under $OUT when set (else gpu-check-out/):
 #   1. the GPU and PyTorch it found, or "no usable GPU" and exit 2;
-#   2. parity: our unsharded forward on the GPU (the NCCL backend, one rank per GPU: world size 1
+#   2. the NCCL backend's own tests with one rank per GPU (world size 1 on a one-GPU host, through
+#      one-rank communicators): every collective in fp32, bf16 and fp16, the ordering of NCCL's
+#      stream against the compute, a stuck transfer failing within its timeout; and out of memory
+#      on the GPU reported as RESOURCE_EXHAUSTED;
+#   3. parity: our unsharded forward on the GPU (the NCCL backend, one rank per GPU: world size 1
 #      on a one-GPU host) against HF's BertModel on the same GPU, in fp32, fp16 and bf16, random
 #      BERT-base-shaped weights; tolerances 1e-4 (fp32) and 1e-2 (fp16, bf16) relative to the
 #      largest output;
-#   3. with two or more GPUs: tensor parallel over all of them, fp32, against HF;
-#   4. throughput, BERT-base batch 32 x seq 128, each dtype: ours, HF eager and HF torch.compile,
+#   4. with two or more GPUs: tensor parallel over all of them, fp32, against HF;
+#   5. throughput, BERT-base batch 32 x seq 128, each dtype: ours, HF eager and HF torch.compile,
 #      rows/s, with the issue's targets (bf16: ours >= 1.0x eager and >= 0.8x compile).
 # Bounded: the whole has 8 minutes (BERTSHARD_GPU_CHECK_SECONDS); each step gets what is left,
 # and a step that would start with under 10 s left stops the check, saying where.
@@ -47,7 +51,7 @@ probe=$(timeout 60 "$python" tools/gpu_check.py probe 2>&1)
 status=$?
 say "gpu_check: $probe"
 [ "$status" = 0 ] || fail "$(echo "$probe" | tail -n 1)" 2
-[ -x gpu-bundle/bin/shardctl ] && [ -x gpu-bundle/bin/shard-rank ] ||
+[ -x gpu-bundle/bin/shardctl ] && [ -x gpu-bundle/bin/shard-rank ] && [ -x gpu-bundle/bin/nccl_collectives_test ] ||
   fail "gpu-bundle/ is missing: run 'bash tools/gpu_bundle.sh' on a build machine (it needs Bazel) and copy the repository with it" 2
 say "gpu_check: bundle: $(head -n 2 gpu-bundle/MANIFEST | tr '\n' ' ')"
 
@@ -80,7 +84,21 @@ else
 fi
 gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())')
 
-# 2-3. Parity on random BERT-base-shaped weights, a smaller sequence than the benchmark's.
+# 2. The NCCL backend's tests and the out-of-memory status, on this host's GPUs.
+test_failures=0
+for test in nccl_collectives_test torch_status_test; do
+  seconds=$(left "$test" 120) || exit 1
+  if LD_LIBRARY_PATH="$library_path" BERTSHARD_EXPECT_GPU=1 timeout "$seconds" "$PWD/gpu-bundle/bin/$test" \
+      > "$out/$test.log" 2>&1; then
+    say "$test ($gpus GPU(s)): PASS: $(grep -cE '^\[       OK \]' "$out/$test.log") tests"
+  else
+    say "$test ($gpus GPU(s)): FAIL: $(grep -E '^\[  FAILED  \]|Failure|timed out' "$out/$test.log" | head -n 8 | tr '\n' ' ')"
+    test_failures=$((test_failures + 1))
+  fi
+  grep -E '^unreceived send' "$out/$test.log" | sed 's/^/  /' | tee -a "$report"
+done
+
+# 3-4. Parity on random BERT-base-shaped weights, a smaller sequence than the benchmark's.
 ours "the checkpoint" init-checkpoint --variant BertModel --seed 1 --out "$work/bert-base" > /dev/null ||
   fail "shardctl init-checkpoint failed"
 python_step "the parity input" tools/gpu_check.py input "$work/bert-base" 128 4 "$work/parity.json" || fail "no parity input"
@@ -113,7 +131,7 @@ if [ "$gpus" -ge 2 ]; then
   fi
 fi
 
-# 4. Throughput, BERT-base batch 32 x seq 128.
+# 5. Throughput, BERT-base batch 32 x seq 128.
 python_step "the benchmark input" tools/gpu_check.py input "$work/bert-base" 128 32 "$work/bench.json" || fail "no benchmark input"
 say "throughput, BERT-base batch 32 x seq 128 (rows/s; ours: the mean of 19 forwards after a warm-up)"
 for dtype in fp32 fp16 bf16; do
@@ -149,5 +167,6 @@ PY
 )"
 done
 
+[ "$test_failures" = 0 ] || fail "$test_failures GPU test binar(ies) failed (logs in $out)"
 [ "$parity_failures" = 0 ] || fail "$parity_failures parity check(s) failed (logs in $out)"
-say "gpu_check: parity PASSED in every dtype; figures above"
+say "gpu_check: the NCCL tests and parity PASSED in every dtype; figures above"

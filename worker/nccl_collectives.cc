@@ -6,10 +6,13 @@
 
 #include <chrono>
 #include <cstring>
+#include <deque>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/status_macros.h"
 #include "worker/gpu_placement.h"
 #include "worker/rendezvous.h"
@@ -19,24 +22,41 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// LibTorch's default stream on the current device: where the model computes (bertshard never sets
+// another current stream). Named here without c10_cuda, which Debian's CPU LibTorch lacks and CI
+// links this file against.
+const cudaStream_t kComputeStream = cudaStreamLegacy;
+
 absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(what, ": ", cudaGetErrorString(error)));
 }
 
-// ncclInProgress is the normal answer of a non-blocking communicator.
-absl::Status NcclStatus(ncclResult_t result, absl::string_view what) {
-  if (result == ncclSuccess || result == ncclInProgress) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(result)));
+// NCCL sums bf16 and fp16 natively (bf16 since NCCL 2.10), on the device: no widening needed.
+absl::StatusOr<ncclDataType_t> NcclType(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return ncclFloat;
+    case at::kBFloat16:
+      return ncclBfloat16;
+    case at::kHalf:
+      return ncclHalf;
+    default:
+      return absl::InternalError(absl::StrCat("NCCL collectives take float32, bfloat16 or float16 tensors, not ",
+                                              c10::toString(t.scalar_type())));
+  }
 }
 
-absl::Status RequireCuda(const at::Tensor& t) {
+absl::Status RequireCuda(const at::Tensor& t, int device) {
   if (!t.is_cuda()) {
     return absl::FailedPreconditionError(
         "the nccl backend needs CUDA tensors: run with a CUDA-enabled LibTorch (see README)");
   }
-  if (t.scalar_type() != at::kFloat) return absl::InternalError("NCCL collectives expect float32 tensors");
-  return absl::OkStatus();
+  if (t.get_device() != device) {
+    return absl::InternalError(absl::StrCat("a tensor on cuda:", t.get_device(), " reached the NCCL group of cuda:",
+                                            device));
+  }
+  return NcclType(t).status();
 }
 
 }  // namespace
@@ -45,55 +65,149 @@ struct NcclCollectives::State {
   GlooOptions options;
   int device = 0;
   int tp_rank = 0;
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream = nullptr;        // communication: every NCCL call
+  cudaEvent_t compute_ready = nullptr;  // recorded on the compute stream before each call
+  cudaEvent_t comm_done = nullptr;      // recorded on the communication stream after a result
   ncclComm_t world = nullptr;
   ncclComm_t tp = nullptr;
   c10::intrusive_ptr<c10d::Store> store;
   int64_t barriers = 0;  // Barrier() calls so far: each uses its own store keys
+  // Sends queued and not yet seen done, oldest first: each holds its tensor, so that LibTorch's
+  // allocator cannot hand the memory to new compute while NCCL still reads it.
+  struct PendingSend {
+    cudaEvent_t done = nullptr;
+    at::Tensor tensor;
+    int dst_rank = 0;
+  };
+  std::deque<PendingSend> sends;
+  std::vector<cudaEvent_t> spare_events;  // for sends, reused
+  std::string broken;                     // why the group failed; empty while it works
 
-  // Waits for a communicator to finish initialising or for the stream's work, polling NCCL's
-  // asynchronous error; past the deadline both communicators are aborted.
-  absl::Status WaitComm(ncclComm_t comm, absl::string_view what) {
-    const auto deadline = Clock::now() + options.timeout;
-    while (true) {
-      ncclResult_t async = ncclSuccess;
-      RETURN_IF_ERROR(NcclStatus(ncclCommGetAsyncError(comm, &async), what));
-      if (async == ncclSuccess) return absl::OkStatus();
-      if (async != ncclInProgress) return Abort(absl::StrCat(what, ": ", ncclGetErrorString(async)));
-      if (Clock::now() > deadline) return Abort(absl::StrCat(what, " timed out"));
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+  absl::Status Usable() const {
+    if (broken.empty()) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("the NCCL group failed earlier: ", broken));
   }
 
-  absl::Status WaitStream(ncclComm_t comm, absl::string_view what) {
-    RETURN_IF_ERROR(WaitComm(comm, what));
-    const auto deadline = Clock::now() + options.timeout;
-    while (true) {
-      const cudaError_t e = cudaStreamQuery(stream);
-      if (e == cudaSuccess) return absl::OkStatus();
-      if (e != cudaErrorNotReady) return Abort(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-      ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(comm, &async);
-      if (async != ncclSuccess && async != ncclInProgress) {
-        return Abort(absl::StrCat(what, ": ", ncclGetErrorString(async)));
-      }
-      if (Clock::now() > deadline) return Abort(absl::StrCat(what, " timed out (a peer is gone?)"));
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-  }
-
-  absl::Status Abort(const std::string& why) {
+  // Ends the group: both communicators aborted (their kernels stop), every later call refused.
+  absl::Status Fail(const std::string& why) {
+    if (broken.empty()) broken = why;
     if (tp != nullptr) ncclCommAbort(tp);
     if (world != nullptr) ncclCommAbort(world);
     tp = world = nullptr;
     return absl::UnavailableError(why);
   }
 
+  // A CUDA error mid-forward leaves the queued work in doubt: the group ends.
+  absl::Status Cuda(cudaError_t error, absl::string_view what) {
+    if (error == cudaSuccess) return absl::OkStatus();
+    return Fail(absl::StrCat(what, ": CUDA: ", cudaGetErrorString(error)));
+  }
+
+  // ncclInProgress is the normal answer of a non-blocking communicator.
+  absl::Status Nccl(ncclResult_t result, ncclComm_t comm, absl::string_view what) {
+    if (result == ncclSuccess || result == ncclInProgress) return absl::OkStatus();
+    return Fail(absl::StrCat(what, ": ", ncclGetErrorString(result), Detail(comm)));
+  }
+
+  static std::string Detail(ncclComm_t comm) {
+    const char* last = ncclGetLastError(comm);
+    return last != nullptr && *last != '\0' ? absl::StrCat(" (", last, ")") : "";
+  }
+
+  // An error NCCL met in the background (a socket to a peer closed, ...), if any.
+  absl::Status AsyncErrors(absl::string_view what) {
+    for (ncclComm_t comm : {tp, world}) {
+      if (comm == nullptr) continue;
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t asked = ncclCommGetAsyncError(comm, &async);
+      if (asked != ncclSuccess) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(asked)));
+      if (async != ncclSuccess && async != ncclInProgress) {
+        return Fail(absl::StrCat(what, ": ", ncclGetErrorString(async), Detail(comm)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // A non-blocking communicator may answer a call (or its creation) before it has queued the work:
+  // the next call waits until it has (ncclCommGetAsyncError no longer ncclInProgress). This is
+  // the host's part only; the GPU work itself is not waited for.
+  absl::Status WaitQueued(ncclComm_t comm, absl::string_view what) {
+    const auto deadline = Clock::now() + options.timeout;
+    while (true) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t asked = ncclCommGetAsyncError(comm, &async);
+      if (asked != ncclSuccess) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(asked)));
+      if (async == ncclSuccess) return absl::OkStatus();
+      if (async != ncclInProgress) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(async), Detail(comm)));
+      if (Clock::now() > deadline) return Fail(absl::StrCat(what, " timed out"));
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  // Waits, within the timeout, for `event` to complete, watching NCCL's background errors; a
+  // peer gone mid-collective leaves the event pending for ever, so the deadline aborts the group.
+  absl::Status WaitEvent(cudaEvent_t event, absl::string_view what) {
+    const auto deadline = Clock::now() + options.timeout;
+    while (true) {
+      const cudaError_t e = cudaEventQuery(event);
+      if (e == cudaSuccess) return absl::OkStatus();
+      if (e != cudaErrorNotReady) return Cuda(e, what);
+      RETURN_IF_ERROR(AsyncErrors(what));
+      if (Clock::now() > deadline) {
+        return Fail(absl::StrCat(what, " timed out after ", absl::FormatDuration(absl::FromChrono(options.timeout)),
+                                 " (a peer is gone or stuck?)"));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  // Lets go of the sends the GPU has finished, oldest first, without waiting.
+  absl::Status ReapSends() {
+    while (!sends.empty()) {
+      const cudaError_t e = cudaEventQuery(sends.front().done);
+      if (e == cudaErrorNotReady) return absl::OkStatus();
+      RETURN_IF_ERROR(Cuda(e, absl::StrCat("send to rank ", sends.front().dst_rank)));
+      spare_events.push_back(sends.front().done);
+      sends.pop_front();
+    }
+    return absl::OkStatus();
+  }
+
+  // Queues `call` (an NCCL call on `comm`, given the communication stream) after the compute
+  // queued so far. With `compute_waits`, the compute queued next starts only once it is done.
+  template <typename Call>
+  absl::Status Enqueue(ncclComm_t comm, absl::string_view what, bool compute_waits, Call call) {
+    RETURN_IF_ERROR(Usable());
+    RETURN_IF_ERROR(Cuda(cudaSetDevice(device), "cudaSetDevice"));  // the calling thread's device
+    RETURN_IF_ERROR(ReapSends());
+    RETURN_IF_ERROR(AsyncErrors(what));
+    RETURN_IF_ERROR(Cuda(cudaEventRecord(compute_ready, kComputeStream), what));
+    RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(stream, compute_ready, 0), what));
+    RETURN_IF_ERROR(Nccl(call(stream), comm, what));
+    RETURN_IF_ERROR(WaitQueued(comm, what));
+    if (compute_waits) {
+      RETURN_IF_ERROR(Cuda(cudaEventRecord(comm_done, stream), what));
+      RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(kComputeStream, comm_done, 0), what));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<cudaEvent_t> SpareEvent() {
+    if (!spare_events.empty()) {
+      cudaEvent_t event = spare_events.back();
+      spare_events.pop_back();
+      return event;
+    }
+    cudaEvent_t event = nullptr;
+    RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate"));
+    return event;
+  }
+
   absl::StatusOr<ncclComm_t> InitComm(const std::string& key, int nranks, int rank) {
     ncclUniqueId id;
     try {
       if (rank == 0) {
-        RETURN_IF_ERROR(NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"));
+        RETURN_IF_ERROR(Nccl(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId"));
         store->set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
       } else {
         const std::vector<uint8_t> bytes = store->get(key);
@@ -106,29 +220,19 @@ struct NcclCollectives::State {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t comm = nullptr;
-    RETURN_IF_ERROR(NcclStatus(ncclCommInitRankConfig(&comm, nranks, id, rank, &config), "ncclCommInitRankConfig"));
-    RETURN_IF_ERROR(WaitComm(comm, absl::StrCat("NCCL init of ", key)));
+    const ncclResult_t created = ncclCommInitRankConfig(&comm, nranks, id, rank, &config);
+    if (created != ncclSuccess && created != ncclInProgress) {
+      const std::string detail = Detail(comm);
+      if (comm != nullptr) ncclCommAbort(comm);
+      return Fail(absl::StrCat("ncclCommInitRankConfig for ", key, ": ", ncclGetErrorString(created), detail));
+    }
+    if (absl::Status queued = WaitQueued(comm, absl::StrCat("NCCL init of ", key)); !queued.ok()) {
+      ncclCommAbort(comm);  // not yet one of ours, which Fail aborted
+      return queued;
+    }
     return comm;
   }
 };
-
-namespace {
-
-// NCCL sums bf16 and fp16 natively (bf16 since NCCL 2.10), on the device: no widening needed.
-absl::StatusOr<ncclDataType_t> NcclType(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return ncclFloat;
-    case at::kBFloat16:
-      return ncclBfloat16;
-    case at::kHalf:
-      return ncclHalf;
-    default:
-      return absl::InternalError(absl::StrCat("no NCCL type for ", c10::toString(t.scalar_type())));
-  }
-}
-
-}  // namespace
 
 absl::StatusOr<int> NcclCollectives::DeviceForRank(int rank, int ranks_on_host) {
   int count = 0;
@@ -139,9 +243,19 @@ absl::StatusOr<int> NcclCollectives::DeviceForRank(int rank, int ranks_on_host) 
 NcclCollectives::NcclCollectives(std::unique_ptr<State> state) : state_(std::move(state)) {}
 
 NcclCollectives::~NcclCollectives() {
-  if (state_->tp != nullptr) ncclCommDestroy(state_->tp);
-  if (state_->world != nullptr) ncclCommDestroy(state_->world);
-  if (state_->stream != nullptr) cudaStreamDestroy(state_->stream);
+  State& s = *state_;
+  cudaSetDevice(s.device);
+  // Sends still queued (a forward that failed before WaitForSends) may wait on a peer that will
+  // never receive: abort rather than destroy, which would wait for them.
+  if (!s.sends.empty()) (void)s.Fail("the NCCL group closed with sends in flight");
+  if (s.tp != nullptr) ncclCommDestroy(s.tp);
+  if (s.world != nullptr) ncclCommDestroy(s.world);
+  for (auto& send : s.sends) s.spare_events.push_back(send.done);
+  s.sends.clear();  // after the communicators: no NCCL kernel reads these tensors any more
+  for (cudaEvent_t event : s.spare_events) cudaEventDestroy(event);
+  if (s.compute_ready != nullptr) cudaEventDestroy(s.compute_ready);
+  if (s.comm_done != nullptr) cudaEventDestroy(s.comm_done);
+  if (s.stream != nullptr) cudaStreamDestroy(s.stream);
 }
 
 absl::StatusOr<std::unique_ptr<NcclCollectives>> NcclCollectives::Connect(const GlooOptions& o) {
@@ -154,75 +268,114 @@ absl::StatusOr<std::unique_ptr<NcclCollectives>> NcclCollectives::Connect(const 
   ASSIGN_OR_RETURN(state->device, DeviceForRank(o.rank));
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(state->device), "cudaSetDevice"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
+  RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&state->compute_ready, cudaEventDisableTiming), "cudaEventCreate"));
+  RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&state->comm_done, cudaEventDisableTiming), "cudaEventCreate"));
   ASSIGN_OR_RETURN(state->store, ConnectStore(o));
-  ASSIGN_OR_RETURN(state->world, state->InitComm("nccl/world", o.world_size, o.rank));
-  if (o.tp_size > 1) {
-    ASSIGN_OR_RETURN(state->tp, state->InitComm(absl::StrCat("nccl/tp", o.rank / o.tp_size), o.tp_size,
-                                                state->tp_rank));
-  }
-  return std::unique_ptr<NcclCollectives>(new NcclCollectives(std::move(state)));
+  // The object owns what exists so far, so that an error below releases it.
+  std::unique_ptr<NcclCollectives> comm(new NcclCollectives(std::move(state)));
+  State& s = *comm->state_;
+  ASSIGN_OR_RETURN(s.world, s.InitComm("nccl/world", o.world_size, o.rank));
+  ASSIGN_OR_RETURN(s.tp, s.InitComm(absl::StrCat("nccl/tp", o.rank / o.tp_size), o.tp_size, s.tp_rank));
+  return comm;
 }
 
 int NcclCollectives::tp_size() const { return state_->options.tp_size; }
 int NcclCollectives::tp_rank() const { return state_->tp_rank; }
 
 absl::Status NcclCollectives::AllReduceSum(at::Tensor& tensor) {
-  if (state_->tp == nullptr) return absl::OkStatus();
-  RETURN_IF_ERROR(RequireCuda(tensor));
+  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
   at::Tensor t = tensor.contiguous();
   ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-  RETURN_IF_ERROR(NcclStatus(ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
-                                           type, ncclSum, state_->tp, state_->stream), "ncclAllReduce"));
-  RETURN_IF_ERROR(state_->WaitStream(state_->tp, "tensor-parallel all-reduce"));
+  RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel all-reduce", /*compute_waits=*/true,
+                                  [&](cudaStream_t stream) {
+                                    return ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
+                                                         type, ncclSum, state_->tp, stream);
+                                  }));
   if (!t.is_same(tensor)) tensor.copy_(t);
   return absl::OkStatus();
 }
 
 absl::StatusOr<at::Tensor> NcclCollectives::AllGather(const at::Tensor& tensor, int64_t dim) {
-  if (state_->tp == nullptr) return tensor;
-  RETURN_IF_ERROR(RequireCuda(tensor));
+  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
   const at::Tensor in = tensor.contiguous();
   std::vector<int64_t> shape = {tp_size()};
   shape.insert(shape.end(), in.sizes().begin(), in.sizes().end());
   at::Tensor out = at::empty(shape, in.options());
   ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(in));
-  RETURN_IF_ERROR(NcclStatus(ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()),
-                                           type, state_->tp, state_->stream), "ncclAllGather"));
-  RETURN_IF_ERROR(state_->WaitStream(state_->tp, "tensor-parallel all-gather"));
+  RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel all-gather", /*compute_waits=*/true,
+                                  [&](cudaStream_t stream) {
+                                    return ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()),
+                                                         type, state_->tp, stream);
+                                  }));
   return at::cat(out.unbind(0), dim);
 }
 
 absl::StatusOr<at::Tensor> NcclCollectives::ReduceScatter(const at::Tensor& tensor, int64_t dim) {
-  if (state_->tp == nullptr) return tensor;
-  RETURN_IF_ERROR(RequireCuda(tensor));
+  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
   if (tensor.size(dim) % tp_size() != 0) return absl::InternalError("reduce-scatter dim not divisible by tp");
   // Chunk j (along dim) goes to TP rank j.
   const at::Tensor in = at::stack(tensor.chunk(tp_size(), dim), 0).contiguous();
   at::Tensor out = at::empty(in.sizes().slice(1), in.options());
   ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(in));
-  RETURN_IF_ERROR(NcclStatus(ncclReduceScatter(in.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
-                                               type, ncclSum, state_->tp, state_->stream), "ncclReduceScatter"));
-  RETURN_IF_ERROR(state_->WaitStream(state_->tp, "tensor-parallel reduce-scatter"));
+  RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel reduce-scatter", /*compute_waits=*/true,
+                                  [&](cudaStream_t stream) {
+                                    return ncclReduceScatter(in.data_ptr(), out.data_ptr(),
+                                                             static_cast<size_t>(out.numel()), type, ncclSum,
+                                                             state_->tp, stream);
+                                  }));
   return out;
 }
 
 absl::Status NcclCollectives::Send(const at::Tensor& tensor, int dst_rank, int /*tag*/) {
   // NCCL has no tags; ranks post transfers in the same route order, which pairs them.
-  RETURN_IF_ERROR(RequireCuda(tensor));
+  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
+  State& s = *state_;
   const at::Tensor t = tensor.contiguous();
   ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-  RETURN_IF_ERROR(NcclStatus(ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), type, dst_rank,
-                                      state_->world, state_->stream), "ncclSend"));
-  return state_->WaitStream(state_->world, absl::StrCat("send to rank ", dst_rank));
+  ASSIGN_OR_RETURN(cudaEvent_t done, s.SpareEvent());
+  const std::string what = absl::StrCat("send to rank ", dst_rank);
+  absl::Status queued = s.Enqueue(s.world, what, /*compute_waits=*/false, [&](cudaStream_t stream) {
+    return ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), type, dst_rank, s.world, stream);
+  });
+  if (queued.ok()) queued = s.Cuda(cudaEventRecord(done, s.stream), what);
+  if (!queued.ok()) {
+    s.spare_events.push_back(done);
+    return queued;
+  }
+  s.sends.push_back({done, t, dst_rank});
+  return absl::OkStatus();
 }
 
 absl::Status NcclCollectives::Recv(at::Tensor& tensor, int src_rank, int /*tag*/) {
-  RETURN_IF_ERROR(RequireCuda(tensor));
+  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
   if (!tensor.is_contiguous()) return absl::InternalError("receive buffer must be contiguous");
   ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(tensor));
-  RETURN_IF_ERROR(NcclStatus(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
-                                      src_rank, state_->world, state_->stream), "ncclRecv"));
-  return state_->WaitStream(state_->world, absl::StrCat("receive from rank ", src_rank));
+  return state_->Enqueue(state_->world, absl::StrCat("receive from rank ", src_rank), /*compute_waits=*/true,
+                         [&](cudaStream_t stream) {
+                           return ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, src_rank,
+                                           state_->world, stream);
+                         });
+}
+
+absl::Status NcclCollectives::WaitForSends() {
+  State& s = *state_;
+  RETURN_IF_ERROR(s.Usable());
+  RETURN_IF_ERROR(s.Cuda(cudaSetDevice(s.device), "cudaSetDevice"));
+  while (!s.sends.empty()) {
+    RETURN_IF_ERROR(s.WaitEvent(s.sends.front().done, absl::StrCat("send to rank ", s.sends.front().dst_rank)));
+    RETURN_IF_ERROR(s.ReapSends());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclCollectives::Synchronize() {
+  State& s = *state_;
+  RETURN_IF_ERROR(s.Usable());
+  RETURN_IF_ERROR(s.Cuda(cudaSetDevice(s.device), "cudaSetDevice"));
+  // The compute stream's work includes, through the events, every collective's and receive's.
+  RETURN_IF_ERROR(s.Cuda(cudaEventRecord(s.compute_ready, kComputeStream), "synchronize"));
+  RETURN_IF_ERROR(s.WaitEvent(s.compute_ready, "the forward's GPU work"));
+  return WaitForSends();
 }
 
 absl::Status NcclCollectives::Barrier() {

@@ -1,14 +1,28 @@
 // File: worker/nccl_collectives.h
 // -----------------------------------------------------------------------------
 // Collectives (model/collectives.h) over NCCL on CUDA tensors, for the `nccl` backend: direct
-// NCCL calls (all-reduce, all-gather, reduce-scatter, send/recv) on a stream of this rank's GPU
-// (rank mod the visible device count). The NCCL unique ids travel through the same TCPStore
-// rendezvous as Gloo's. Built only with --config=cuda; running it needs a CUDA-enabled LibTorch
-// (Debian's is CPU-only; see README).
+// NCCL calls (all-reduce, all-gather, reduce-scatter, send/recv) on a communication stream of this
+// rank's GPU (worker/gpu_placement.h), in float32, bfloat16 or float16. The NCCL unique ids travel
+// through the same TCPStore rendezvous as Gloo's. Built only with --config=cuda; running it needs a
+// CUDA-enabled LibTorch (Debian's is CPU-only; see README).
 //
-// Communicators are non-blocking and every wait polls with a deadline: a dead peer or a stuck
-// collective aborts the communicator and returns UNAVAILABLE instead of hanging, and no error
-// ever exits the process (unlike FasterTransformer's NCCLCHECK).
+// Streams: the model computes on LibTorch's default stream (it never sets another); every NCCL
+// call runs on this rank's own communication stream, ordered by CUDA events, not by the host:
+//   - a call's NCCL work starts once the compute queued before it is done (the communication
+//     stream waits on an event recorded on the compute stream);
+//   - a collective's or a receive's result is ready for the compute queued after it (the compute
+//     stream waits on the call's event), so the host never blocks and keeps queueing kernels;
+//   - a send holds only the communication stream: the compute of the next micro-batch overlaps
+//     it. Its tensor is kept until the send is done (WaitForSends, or the next call that finds it
+//     finished), so that LibTorch's allocator never reuses its memory under NCCL.
+// Every collective path exists at any size: the TP communicator is built even for one rank (a
+// one-GPU host runs every call through NCCL in tests; the model itself skips TP calls at tp 1).
+//
+// Errors: communicators are non-blocking and every host wait polls with a deadline (the
+// options' timeout): a dead peer or a stuck collective aborts the communicators and returns
+// UNAVAILABLE instead of hanging; Synchronize (called by the model before it copies outputs to the
+// host) is where a failure queued on the GPU surfaces. No error ever exits the process (unlike
+// FasterTransformer's NCCLCHECK). After an error the object is unusable: every call fails.
 //
 // Thread safety: thread-compatible.
 #ifndef BERTSHARD_WORKER_NCCL_COLLECTIVES_H_
@@ -40,6 +54,8 @@ class NcclCollectives final : public model::Collectives {
   absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& tensor, int64_t dim) override;
   absl::Status Send(const at::Tensor& tensor, int dst_rank, int tag) override;
   absl::Status Recv(at::Tensor& tensor, int src_rank, int tag) override;
+  absl::Status WaitForSends() override;
+  absl::Status Synchronize() override;
   absl::Status Barrier() override;
 
  private:
