@@ -377,10 +377,12 @@ class BertShard::Impl {
     std::map<std::string, std::vector<at::Tensor>> pieces;
     ASSIGN_OR_RETURN(pieces, RunMicroBatches(mbs));
     std::map<std::string, at::Tensor> outputs;
-    for (auto& [name, list] : pieces) outputs[name] = ToHost(at::cat(list, 0).to(at::kFloat));
-    // On a GPU the copies above (and every collective) are only queued: wait for them, within the
-    // group's timeout, rather than let the caller read a half-copied buffer or block for ever.
+    for (auto& [name, list] : pieces) outputs[name] = at::cat(list, 0).to(at::kFloat);
+    // On a GPU the forward (every collective included) is only queued so far: wait for it within
+    // the group's timeout, so that the copies below find it done instead of blocking for ever
+    // behind a collective whose peer is gone.
     RETURN_IF_ERROR(comm_->Synchronize());
+    for (auto& [name, t] : outputs) t = ToHost(t);
     return outputs;
   }
 
@@ -436,12 +438,13 @@ class BertShard::Impl {
     return host.pin_memory().to(at::TensorOptions().device(device_), /*non_blocking=*/true);
   }
 
-  // A float32 output on the host: on a GPU, an asynchronous copy into pinned memory (twice the
-  // bandwidth of a pageable one), complete once the forward has synchronised.
+  // An output on the host: from a GPU, copied into pinned memory (about twice the bandwidth of a
+  // pageable copy). Blocking, and so complete on return whatever the collectives are; called once
+  // the device work is done, so it cannot wait on a stuck GPU.
   at::Tensor ToHost(const at::Tensor& t) const {
     if (!t.is_cuda()) return t;
     at::Tensor host = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).pinned_memory(true));
-    host.copy_(t, /*non_blocking=*/true);
+    host.copy_(t);
     return host;
   }
 
@@ -735,8 +738,9 @@ class BertShard::Impl {
   // others). Every rank walks (slot, micro-batch) in the same order and every item needs only the
   // item before it on the route, so every receive's send has been issued or will be without waiting
   // on it: no deadlock, since sends do not wait for their receive. Where a send does wait (NCCL
-  // here), slot-major could deadlock (a stage sending its second micro-batch while its peer sends
-  // back the first), so those ranks go micro-batch-major: each micro-batch's whole route, in turn.
+  // here: its kernel holds the rank's in-order communication stream until the peer receives),
+  // slot-major could deadlock (a stage sending its second micro-batch while its peer sends back
+  // the first), so those ranks go micro-batch-major: each micro-batch's whole route, in turn.
   // Returns the heads' outputs, one entry per micro-batch, in order.
   absl::StatusOr<std::map<std::string, std::vector<at::Tensor>>> RunMicroBatches(const std::vector<ModelInputs>& mbs) {
     const int slots = static_cast<int>(route_.size());

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
@@ -56,6 +57,15 @@ std::map<std::string, at::Tensor> ReadExpected(const std::string& path) {
     out[name] = t;
   }
   return out;
+}
+
+// Rank 0 of the unsharded plan of the test model in `dir`, on the CPU.
+absl::StatusOr<std::unique_ptr<BertShard>> LoadUnsharded(const std::string& dir) {
+  v1::PlanRequest request;
+  request.set_checkpoint(dir);
+  ASSIGN_OR_RETURN(const v1::ShardPlan plan, planner::Plan(request));
+  ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(dir));
+  return BertShard::Load(plan, 0, *ckpt);
 }
 
 class UnshardedReference : public ::testing::TestWithParam<const char*> {};
@@ -237,12 +247,8 @@ TEST(BertShardDtype, Fp16OnCpuIsRefusedBeforeReadingWhereLibTorchLacksKernels) {
 
 TEST(BertShardInputs, RefusesBadInputsBeforeRunning) {
   const std::string dir = std::string(kData) + "masked_lm_untied";
-  v1::PlanRequest request;
-  request.set_checkpoint(dir);
-  auto plan = planner::Plan(request);
-  auto ckpt = checkpoint::Checkpoint::Open(dir);
-  auto shard = BertShard::Load(*plan, 0, **ckpt);
-  ASSERT_TRUE(shard.ok());
+  auto shard = LoadUnsharded(dir);
+  ASSERT_TRUE(shard.ok()) << shard.status();
   SingleRankCollectives single;
   ModelInputs good = ReadInputs(dir + "/input.json");
   auto expect_invalid = [&](ModelInputs in, int mb) {
@@ -288,12 +294,8 @@ class FailingSynchronize final : public Collectives {
 
 TEST(BertShardForward, ReturnsTheDevicesFailureInsteadOfItsOutputs) {
   const std::string dir = std::string(kData) + "bert_model";
-  v1::PlanRequest request;
-  request.set_checkpoint(dir);
-  auto plan = planner::Plan(request);
-  auto ckpt = checkpoint::Checkpoint::Open(dir);
-  auto shard = BertShard::Load(*plan, 0, **ckpt);
-  ASSERT_TRUE(shard.ok());
+  auto shard = LoadUnsharded(dir);
+  ASSERT_TRUE(shard.ok()) << shard.status();
   FailingSynchronize failing;
   auto outputs = (*shard)->Forward(ReadInputs(dir + "/input.json"), 1, &failing);
   EXPECT_EQ(outputs.status().code(), absl::StatusCode::kUnavailable) << outputs.status();

@@ -95,7 +95,7 @@ for test in nccl_collectives_test torch_status_test; do
     say "$test ($gpus GPU(s)): FAIL: $(grep -E '^\[  FAILED  \]|Failure|timed out' "$out/$test.log" | head -n 8 | tr '\n' ' ')"
     test_failures=$((test_failures + 1))
   fi
-  grep -E '^unreceived send' "$out/$test.log" | sed 's/^/  /' | tee -a "$report"
+  grep -E '^(stuck|send to itself)' "$out/$test.log" | sed 's/^/  /' | tee -a "$report"
 done
 
 # 3-4. Parity on random BERT-base-shaped weights, a smaller sequence than the benchmark's.

@@ -1,6 +1,7 @@
 #include "worker/nccl_collectives.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -91,10 +92,32 @@ struct NcclCollectives::State {
   // Ends the group: both communicators aborted (their kernels stop), every later call refused.
   absl::Status Fail(const std::string& why) {
     if (broken.empty()) broken = why;
-    if (tp != nullptr) ncclCommAbort(tp);
-    if (world != nullptr) ncclCommAbort(world);
-    tp = world = nullptr;
+    AbortCommunicators();
     return absl::UnavailableError(why);
+  }
+
+  // An error the caller made (a tensor of the wrong kind): nothing was queued, but the peers are
+  // in the collective this rank now skips, so the group ends all the same, with the error's code.
+  absl::Status Refuse(absl::Status error) {
+    if (broken.empty()) broken = std::string(error.message());
+    AbortCommunicators();
+    return error;
+  }
+
+  // Both at once: the two communicators queue on one stream, and an abort waits for its
+  // communicator's work on it, which may sit behind the other's stuck kernel (a send to a dead
+  // stage ahead of the next all-reduce): aborted one after the other, the first would never return.
+  void AbortCommunicators() {
+    std::thread tp_abort;
+    if (tp != nullptr) {
+      tp_abort = std::thread([comm = tp, device = device] {
+        cudaSetDevice(device);
+        ncclCommAbort(comm);
+      });
+    }
+    if (world != nullptr) ncclCommAbort(world);
+    if (tp_abort.joinable()) tp_abort.join();
+    tp = world = nullptr;
   }
 
   // A CUDA error mid-forward leaves the queued work in doubt: the group ends.
@@ -133,13 +156,23 @@ struct NcclCollectives::State {
   // the host's part only; the GPU work itself is not waited for.
   absl::Status WaitQueued(ncclComm_t comm, absl::string_view what) {
     const auto deadline = Clock::now() + options.timeout;
-    while (true) {
+    for (int polls = 0;; ++polls) {
       ncclResult_t async = ncclSuccess;
       const ncclResult_t asked = ncclCommGetAsyncError(comm, &async);
       if (asked != ncclSuccess) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(asked)));
       if (async == ncclSuccess) return absl::OkStatus();
       if (async != ncclInProgress) return Fail(absl::StrCat(what, ": ", ncclGetErrorString(async), Detail(comm)));
       if (Clock::now() > deadline) return Fail(absl::StrCat(what, " timed out"));
+      Pause(polls);
+    }
+  }
+
+  // NCCL's background thread usually queues a call within microseconds: yield for those first,
+  // then sleep, so that a long wait does not hold a core.
+  static void Pause(int polls) {
+    if (polls < 64) {
+      std::this_thread::yield();
+    } else {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
@@ -148,7 +181,7 @@ struct NcclCollectives::State {
   // peer gone mid-collective leaves the event pending for ever, so the deadline aborts the group.
   absl::Status WaitEvent(cudaEvent_t event, absl::string_view what) {
     const auto deadline = Clock::now() + options.timeout;
-    while (true) {
+    for (int polls = 0;; ++polls) {
       const cudaError_t e = cudaEventQuery(event);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return Cuda(e, what);
@@ -157,7 +190,7 @@ struct NcclCollectives::State {
         return Fail(absl::StrCat(what, " timed out after ", absl::FormatDuration(absl::FromChrono(options.timeout)),
                                  " (a peer is gone or stuck?)"));
       }
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      Pause(polls);
     }
   }
 
@@ -179,6 +212,7 @@ struct NcclCollectives::State {
   absl::Status Enqueue(ncclComm_t comm, absl::string_view what, bool compute_waits, Call call) {
     RETURN_IF_ERROR(Usable());
     RETURN_IF_ERROR(Cuda(cudaSetDevice(device), "cudaSetDevice"));  // the calling thread's device
+    RETURN_IF_ERROR(ComputeStreamIsDefault());
     RETURN_IF_ERROR(ReapSends());
     RETURN_IF_ERROR(AsyncErrors(what));
     RETURN_IF_ERROR(Cuda(cudaEventRecord(compute_ready, kComputeStream), what));
@@ -190,6 +224,16 @@ struct NcclCollectives::State {
       RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(kComputeStream, comm_done, 0), what));
     }
     return absl::OkStatus();
+  }
+
+  // The events order NCCL against kComputeStream: were the caller to compute on another stream
+  // (a CUDAStreamGuard), nothing would order them, silently. Cheap: a thread-local read.
+  absl::Status ComputeStreamIsDefault() {
+    const c10::Stream current =
+        c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    if (current.id() == 0) return absl::OkStatus();
+    return Refuse(absl::InternalError(
+        "the NCCL backend orders its calls against LibTorch's default CUDA stream, but another stream is current"));
   }
 
   absl::StatusOr<cudaEvent_t> SpareEvent() {
@@ -245,11 +289,11 @@ NcclCollectives::NcclCollectives(std::unique_ptr<State> state) : state_(std::mov
 NcclCollectives::~NcclCollectives() {
   State& s = *state_;
   cudaSetDevice(s.device);
-  // Sends still queued (a forward that failed before WaitForSends) may wait on a peer that will
-  // never receive: abort rather than destroy, which would wait for them.
-  if (!s.sends.empty()) (void)s.Fail("the NCCL group closed with sends in flight");
-  if (s.tp != nullptr) ncclCommDestroy(s.tp);
-  if (s.world != nullptr) ncclCommDestroy(s.world);
+  // Aborted, not destroyed: ncclCommDestroy waits for the communicator's queued work and, in
+  // recent NCCL, for the other ranks, so after a failed forward (a receive still queued, a peer
+  // gone) it would never return. A healthy group has nothing queued here (every forward ends
+  // synchronised), so the abort costs nothing. PyTorch's NCCLComm does the same.
+  s.AbortCommunicators();
   for (auto& send : s.sends) s.spare_events.push_back(send.done);
   s.sends.clear();  // after the communicators: no NCCL kernel reads these tensors any more
   for (cudaEvent_t event : s.spare_events) cudaEventDestroy(event);
@@ -283,7 +327,7 @@ int NcclCollectives::tp_size() const { return state_->options.tp_size; }
 int NcclCollectives::tp_rank() const { return state_->tp_rank; }
 
 absl::Status NcclCollectives::AllReduceSum(at::Tensor& tensor) {
-  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
+  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
   at::Tensor t = tensor.contiguous();
   ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
   RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel all-reduce", /*compute_waits=*/true,
@@ -296,7 +340,7 @@ absl::Status NcclCollectives::AllReduceSum(at::Tensor& tensor) {
 }
 
 absl::StatusOr<at::Tensor> NcclCollectives::AllGather(const at::Tensor& tensor, int64_t dim) {
-  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
+  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
   const at::Tensor in = tensor.contiguous();
   std::vector<int64_t> shape = {tp_size()};
   shape.insert(shape.end(), in.sizes().begin(), in.sizes().end());
@@ -311,8 +355,10 @@ absl::StatusOr<at::Tensor> NcclCollectives::AllGather(const at::Tensor& tensor, 
 }
 
 absl::StatusOr<at::Tensor> NcclCollectives::ReduceScatter(const at::Tensor& tensor, int64_t dim) {
-  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
-  if (tensor.size(dim) % tp_size() != 0) return absl::InternalError("reduce-scatter dim not divisible by tp");
+  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
+  if (tensor.size(dim) % tp_size() != 0) {
+    return state_->Refuse(absl::InternalError("reduce-scatter dim not divisible by tp"));
+  }
   // Chunk j (along dim) goes to TP rank j.
   const at::Tensor in = at::stack(tensor.chunk(tp_size(), dim), 0).contiguous();
   at::Tensor out = at::empty(in.sizes().slice(1), in.options());
@@ -328,10 +374,13 @@ absl::StatusOr<at::Tensor> NcclCollectives::ReduceScatter(const at::Tensor& tens
 
 absl::Status NcclCollectives::Send(const at::Tensor& tensor, int dst_rank, int /*tag*/) {
   // NCCL has no tags; ranks post transfers in the same route order, which pairs them.
-  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
+  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
   State& s = *state_;
   const at::Tensor t = tensor.contiguous();
   ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
+  RETURN_IF_ERROR(s.Usable());
+  // The event is made on the calling thread's current device, which must be the stream's.
+  RETURN_IF_ERROR(s.Cuda(cudaSetDevice(s.device), "cudaSetDevice"));
   ASSIGN_OR_RETURN(cudaEvent_t done, s.SpareEvent());
   const std::string what = absl::StrCat("send to rank ", dst_rank);
   absl::Status queued = s.Enqueue(s.world, what, /*compute_waits=*/false, [&](cudaStream_t stream) {
@@ -347,8 +396,8 @@ absl::Status NcclCollectives::Send(const at::Tensor& tensor, int dst_rank, int /
 }
 
 absl::Status NcclCollectives::Recv(at::Tensor& tensor, int src_rank, int /*tag*/) {
-  RETURN_IF_ERROR(RequireCuda(tensor, state_->device));
-  if (!tensor.is_contiguous()) return absl::InternalError("receive buffer must be contiguous");
+  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
+  if (!tensor.is_contiguous()) return state_->Refuse(absl::InternalError("receive buffer must be contiguous"));
   ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(tensor));
   return state_->Enqueue(state_->world, absl::StrCat("receive from rank ", src_rank), /*compute_waits=*/true,
                          [&](cudaStream_t stream) {

@@ -16,12 +16,14 @@
 //     it. Its tensor is kept until the send is done (WaitForSends, or the next call that finds it
 //     finished), so that LibTorch's allocator never reuses its memory under NCCL.
 // Every collective path exists at any size: the TP communicator is built even for one rank (a
-// one-GPU host runs every call through NCCL in tests; the model itself skips TP calls at tp 1).
+// one-GPU host runs every collective through NCCL in tests; the model itself skips TP calls at
+// tp 1). Calls are made from any thread: each sets the thread's current device to the rank's.
 //
 // Errors: communicators are non-blocking and every host wait polls with a deadline (the
 // options' timeout): a dead peer or a stuck collective aborts the communicators and returns
 // UNAVAILABLE instead of hanging; Synchronize (called by the model before it copies outputs to the
-// host) is where a failure queued on the GPU surfaces. No error ever exits the process (unlike
+// host) is where a failure queued on the GPU surfaces. Its deadline covers all the work queued
+// before it, so one forward must finish within the timeout. No error ever exits the process (unlike
 // FasterTransformer's NCCLCHECK). After an error the object is unusable: every call fails.
 //
 // Thread safety: thread-compatible.
