@@ -169,6 +169,8 @@ absl::Status Submit(const CommandLine& cl, std::FILE* out) {
     return absl::InvalidArgumentError("submit needs --checkpoint DIR (as the workers see it)");
   }
   submit.set_fail_if_no_workers(cl.switches.count("no-wait") > 0);
+  // Checked by the coordinator (INVALID_ARGUMENT, exit 2), which knows the backends it places.
+  if (cl.values.count("backend")) submit.set_backend(cl.values.at("backend"));
   auto stub = Connect(cl);
   v1::Job job;
   RETURN_IF_ERROR(common::FromGrpcStatus(stub->SubmitJob(Context(cl, 60).get(), submit, &job)));
@@ -460,6 +462,7 @@ const std::set<std::string>& ClusterValueFlags(const std::string& command) {
   static const auto* submit = [] {
     auto* f = new std::set<std::string>(PlanValueFlags());
     for (const char* drop : {"request", "output", "batch"}) f->erase(drop);
+    f->insert("backend");
     return f;
   }();
   static const auto* infer = new std::set<std::string>{"server", "timeout", "token-file", "tls-ca", "tls-cert",

@@ -36,7 +36,8 @@ init-checkpoint: a randomly initialised HF model directory (config.json + model.
 On a coordinator (--server HOST:PORT, default $BERTSHARD_SERVER or 127.0.0.1:50051; --token-file F,
 default $BERTSHARD_TOKEN: the bearer token a coordinator with tokens needs; --tls-ca F [--tls-cert F
 --tls-key F], default $BERTSHARD_TLS_CA/_CERT/_KEY: TLS, with a client certificate for mutual TLS):
-  shardctl submit --checkpoint DIR [--tp N --pp N ...] [--watch] [--no-wait]   prints the job id
+  shardctl submit --checkpoint DIR [--tp N --pp N ...] [--backend gloo|nccl] [--watch] [--no-wait]
+      prints the job id; --backend nccl: GPU workers (shard-worker --device=cuda:N), one rank per GPU
       --watch: then print its states until it settles: READY exits 0, FAILED 1 with the cause
       --no-wait: refuse the job (FAILED_PRECONDITION, exit 1) instead of queueing it PENDING when
         too few workers are idle; submit never waits for loading without --watch

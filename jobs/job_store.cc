@@ -219,6 +219,18 @@ absl::StatusOr<v1::Job> JobStore::SetRanks(const std::string& id, const std::vec
   return job;
 }
 
+absl::Status JobStore::SetPendingReason(const std::string& id, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
+  if (job.state() != v1::PENDING) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state()),
+                                                      ", not PENDING"));
+  }
+  job.set_pending_reason(reason);
+  job.set_updated_unix_millis(options_.now_millis());
+  return PutLocked(job, /*insert=*/false);
+}
+
 absl::Status JobStore::SetPlan(const std::string& id, const v1::ShardPlan& plan) {
   absl::MutexLock lock(&mu_);
   Statement stmt(db_, "UPDATE jobs SET plan = ?2 WHERE id = ?1");

@@ -71,6 +71,10 @@ class JobStore {
   // Replaces the rank assignments of job `id`. NOT_FOUND for an unknown id.
   absl::StatusOr<v1::Job> SetRanks(const std::string& id, const std::vector<v1::RankAssignment>& ranks);
 
+  // Rewrites why PENDING job `id` waits (the pool changed under it). FAILED_PRECONDITION for a
+  // job in another state, NOT_FOUND for an unknown id.
+  absl::Status SetPendingReason(const std::string& id, const std::string& reason);
+
   absl::StatusOr<v1::Job> Get(const std::string& id);
   // Every job, oldest first.
   absl::StatusOr<std::vector<v1::Job>> List();

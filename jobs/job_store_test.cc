@@ -82,6 +82,22 @@ TEST(JobStore, EnforcesTheLifeCycle) {
   EXPECT_FALSE(TransitionAllowed(v1::LOADING, v1::LOADING));
 }
 
+// The scheduler rewrites why a PENDING job waits as the pool changes; only while it is PENDING.
+TEST(JobStore, RewritesThePendingReasonOfPendingJobsOnly) {
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  v1::Job job = NewJob("j");
+  job.set_backend("nccl");
+  ASSERT_TRUE((*store)->Create(job).ok());
+  ASSERT_TRUE((*store)->SetPendingReason("j", "cuda:0 of a is reported by 2 workers").ok());
+  EXPECT_EQ((*store)->Get("j")->pending_reason(), "cuda:0 of a is reported by 2 workers");
+  EXPECT_EQ((*store)->Get("j")->backend(), "nccl");
+  EXPECT_EQ((*store)->SetPendingReason("nope", "x").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE((*store)->Transition("j", v1::PLANNED, "").ok());
+  EXPECT_EQ((*store)->SetPendingReason("j", "x").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*store)->Get("j")->pending_reason(), "");
+}
+
 TEST(JobStore, KeepsPlansApartFromJobs) {
   const std::string path = DbPath("plans.db");
   v1::ShardPlan plan;

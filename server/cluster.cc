@@ -223,6 +223,7 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request, 
   if (request.request().checkpoint().empty()) {
     return absl::InvalidArgumentError("SubmitJob needs request.checkpoint: the model directory the workers load");
   }
+  ASSIGN_OR_RETURN(const std::string backend, NormaliseBackend(request.backend()));
   ASSIGN_OR_RETURN(const v1::PlanRequest local, LocalRequest(request.request()));
   ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(local));
   absl::MutexLock lock(&mu_);
@@ -236,11 +237,11 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request, 
           options_.max_jobs_per_client, "): cancel one first"));
     }
   }
-  int idle = 0;
-  for (const auto& [id, w] : workers_) idle += (w->info.healthy() && w->info.job_id().empty()) ? 1 : 0;
-  if (idle < plan.world_size() && request.fail_if_no_workers()) {
-    return absl::FailedPreconditionError(absl::StrCat("the job needs ", plan.world_size(), " healthy idle workers; ",
-                                                      idle, " are free"));
+  // What the job would wait for now: for NCCL, GPUs that several workers report count once, and
+  // the reason says so up front, not NCCL after every rank has loaded.
+  const Placement now = PlaceRanks(backend, plan.world_size(), IdleWorkersLocked());
+  if (now.ranks.empty() && request.fail_if_no_workers()) {
+    return absl::FailedPreconditionError(absl::StrCat("the job cannot start now: ", now.waiting_for));
   }
   v1::Job job;
   job.set_id(absl::StrCat("job-", absl::ToUnixMillis(absl::Now()), "-", ++next_job_));
@@ -249,17 +250,27 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request, 
   // The class the plan resolved (from the checkpoint's config.json when the request named none),
   // so that listings say what runs.
   job.mutable_request()->set_variant(plan.variant());
-  job.set_pending_reason(absl::StrCat("waiting for ", plan.world_size(), " healthy idle workers"));
+  job.set_backend(backend);
+  job.set_pending_reason(now.ranks.empty() ? now.waiting_for : "placing its ranks");
   // Job and plan in one write: a full or read-only database refuses the job whole, with the
   // store's code (RESOURCE_EXHAUSTED, FAILED_PRECONDITION), and nothing has started yet.
   RETURN_IF_ERROR(store_->Create(job, &plan));
   auto runtime = std::make_shared<JobRuntime>();
   runtime->plan = std::move(plan);
   runtime->checkpoint = request.request().checkpoint();
+  runtime->backend = backend;
   runtimes_[job.id()] = runtime;
   ScheduleLocked();
   changed_.SignalAll();
   return store_->Get(job.id());
+}
+
+std::vector<IdleWorker> Cluster::IdleWorkersLocked() const {
+  std::vector<IdleWorker> idle;
+  for (const auto& [id, w] : workers_) {
+    if (w->info.healthy() && w->info.job_id().empty()) idle.push_back({id, w->info.address(), w->info.device()});
+  }
+  return idle;
 }
 
 void Cluster::ScheduleLocked() {
@@ -271,11 +282,22 @@ void Cluster::ScheduleLocked() {
     auto runtime = runtimes_.find(job.id());
     if (runtime == runtimes_.end()) continue;
     const int need = runtime->second->plan.world_size();
-    std::vector<Worker*> idle;
+    std::vector<Worker*> free_workers;
     for (auto& [id, w] : workers_) {
-      if (w->info.healthy() && w->info.job_id().empty()) idle.push_back(w.get());
+      if (w->info.healthy() && w->info.job_id().empty()) free_workers.push_back(w.get());
     }
-    if (static_cast<int>(idle.size()) < need) continue;
+    const Placement placement = PlaceRanks(runtime->second->backend, need, IdleWorkersLocked());
+    if (placement.ranks.empty()) {
+      // Still waiting: the reason follows the pool (a worker reporting a GPU another holds).
+      const std::string& note = runtime->second->pending_note;
+      const std::string reason = note.empty() ? placement.waiting_for : absl::StrCat(note, "; ", placement.waiting_for);
+      if (job.pending_reason() != reason) {
+        RecordLocked(store_->SetPendingReason(job.id(), reason), "recording the pending reason of " + job.id());
+      }
+      continue;
+    }
+    std::vector<Worker*> idle;
+    for (size_t i : placement.ranks) idle.push_back(free_workers[i]);
     std::vector<v1::RankAssignment> ranks;
     runtime->second->rank_workers.clear();
     runtime->second->progress.clear();
@@ -435,6 +457,7 @@ void Cluster::LoadJob(std::string job_id) {
       *load.mutable_plan() = runtime->plan;
       load.set_rank(static_cast<int32_t>(r));
       load.set_checkpoint(runtime->checkpoint);
+      load.set_backend(runtime->backend);
       load.set_master_addr(master_host);
       load.set_master_port(port.port());
       load.set_timeout_seconds(options_.collective_timeout_seconds);

@@ -50,6 +50,7 @@
 #include "grpcpp/security/credentials.h"
 #include "jobs/job_store.h"
 #include "server/batch_queue.h"
+#include "server/placement.h"
 
 namespace bertshard::server {
 
@@ -153,6 +154,8 @@ class Cluster {
   // The stored job with `recovering` filled in.
   absl::StatusOr<v1::Job> GetJobLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The healthy workers without a job, in the pool's order, with their devices (for PlaceRanks).
+  std::vector<IdleWorker> IdleWorkersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A write the job database refused (full, read-only, I/O): said on stderr. The
   // callers decide what the job does without it.
   void StoreErrorLocked(const std::string& what, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

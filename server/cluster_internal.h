@@ -49,6 +49,9 @@ struct Cluster::Recovery {
 struct Cluster::JobRuntime {
   v1::ShardPlan plan;
   std::string checkpoint;
+  std::string backend = "gloo";  // "gloo" (CPU workers) or "nccl" (one rank per GPU)
+  // Said before what a PENDING job waits for in its pending reason (why it is PENDING again).
+  std::string pending_note;
   std::vector<std::string> rank_workers;
   std::vector<v1::RankProgress> progress;
   std::vector<std::shared_ptr<grpc::ClientContext>> load_contexts;

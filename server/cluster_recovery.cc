@@ -39,11 +39,13 @@ absl::Status Cluster::RecoverJobsLocked() {
     auto runtime = std::make_shared<JobRuntime>();
     runtime->plan = *std::move(plan);
     runtime->checkpoint = job.request().checkpoint();
+    if (!job.backend().empty()) runtime->backend = job.backend();  // stored before it: gloo
     if (job.state() == v1::PLANNED) {
       // Nothing was loading yet: place it again.
       // Refused, the job stays PLANNED in the database and is not placed; the next restart
       // tries again (said on stderr).
       RecordLocked(store_->SetRanks(job.id(), {}).status(), absl::StrCat("clearing job ", job.id(), "'s ranks"));
+      runtime->pending_note = "the coordinator restarted before loading";
       RecordLocked(store_->Transition(job.id(), v1::PENDING,
                                       absl::StrCat("the coordinator restarted before loading; waiting for ",
                                                    runtime->plan.world_size(), " healthy idle workers"))

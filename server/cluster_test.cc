@@ -299,5 +299,66 @@ TEST(ClusterLimits, JobsPerClientAreLimitedUntilOneEnds) {
   EXPECT_TRUE((*cluster)->SubmitJob(submit, "host:10.0.0.1").ok());
 }
 
+// NCCL jobs go to GPU workers, one rank per GPU of a host, decided from the devices the workers
+// report, before anything loads: two workers reporting one GPU count once, and the job waits
+// saying so (or is refused at once with fail_if_no_workers). No worker processes: the addresses
+// refuse connections, so a placed job fails at its load, keeping its rank assignments.
+TEST(ClusterPlacement, NcclJobsTakeOneWorkerPerGpuAndSayWhyTheyWait) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(testing::TempDir()) / "cluster_placement_model";
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"architectures": ["BertModel"]})";
+  auto cluster = Cluster::Create(ClusterOptions{});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto register_worker = [&](int port, const std::string& device) {
+    v1::RegisterWorkerRequest request;
+    request.set_address("127.0.0.1:" + std::to_string(port));
+    request.set_device(device);
+    return (*cluster)->RegisterWorker(request).worker_id();
+  };
+  const std::string gpu0 = register_worker(9, "cuda:0");
+  register_worker(10, "cuda:0");  // the same GPU of the same host
+  register_worker(11, "cpu");
+  v1::SubmitJobRequest submit;
+  submit.mutable_request()->set_checkpoint(dir.string());
+  submit.mutable_request()->mutable_parallel()->set_tp_size(2);
+  submit.set_backend("mpi");
+  EXPECT_EQ((*cluster)->SubmitJob(submit, "test").status().code(), absl::StatusCode::kInvalidArgument);
+
+  submit.set_backend("nccl");
+  submit.set_fail_if_no_workers(true);
+  const absl::Status refused = (*cluster)->SubmitJob(submit, "test").status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("cuda:0 of 127.0.0.1 is reported by 2 workers"), std::string::npos) << refused;
+
+  submit.set_fail_if_no_workers(false);
+  auto job = (*cluster)->SubmitJob(submit, "test");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->backend(), "nccl");
+  EXPECT_EQ(job->state(), v1::PENDING);
+  EXPECT_NE(job->pending_reason().find("1 distinct GPUs are free"), std::string::npos) << job->pending_reason();
+  // A gloo job does not take the GPU workers either: it waits for CPU ones.
+  submit.set_backend("");
+  auto gloo_job = (*cluster)->SubmitJob(submit, "test");
+  ASSERT_TRUE(gloo_job.ok()) << gloo_job.status();
+  EXPECT_EQ(gloo_job->backend(), "gloo");
+  EXPECT_NE(gloo_job->pending_reason().find("CPU workers (gloo); 1 are free"), std::string::npos)
+      << gloo_job->pending_reason();
+
+  // A second GPU of the host: the NCCL job starts, on GPUs 0 and 1 and not on the worker that
+  // reported GPU 0 a second time.
+  const std::string gpu1 = register_worker(12, "cuda:1");
+  v1::Job placed;
+  for (int i = 0; i < 200; ++i) {
+    placed = (*cluster)->GetJob(job->id()).value();
+    if (placed.ranks_size() == 2) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(placed.ranks_size(), 2) << placed.DebugString();
+  EXPECT_EQ(placed.ranks(0).worker_id(), gpu0);
+  EXPECT_EQ(placed.ranks(1).worker_id(), gpu1);
+  EXPECT_EQ((*cluster)->GetJob(gloo_job->id())->state(), v1::PENDING);
+}
+
 }  // namespace
 }  // namespace bertshard::server

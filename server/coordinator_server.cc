@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "planner/planner.h"
+#include "server/placement.h"
 
 namespace bertshard::server {
 namespace {
@@ -146,6 +147,7 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
                               v1::RegisterWorkerResponse* response) override {
     RETURN_IF_DENIED(context, common::Access::kAdmin);
     if (request->address().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "a worker needs an address"};
+    if (absl::Status device = CheckDevice(request->device()); !device.ok()) return common::ToGrpcStatus(device);
     *response = cluster_->RegisterWorker(*request);
     return grpc::Status::OK;
   }

@@ -63,6 +63,26 @@ TEST_F(CoordinatorServerTest, InvalidRequestIsInvalidArgumentWithValidSizes) {
             "tp_size 5 does not divide num_attention_heads 12; valid tp_size values: 1, 2, 3, 4, 6, 12");
 }
 
+// Placement trusts the devices workers report: one it cannot read is refused at registration.
+TEST_F(CoordinatorServerTest, AWorkerReportingAnUnknownDeviceIsRefused) {
+  auto stub = v1::Coordinator::NewStub(channel_);
+  v1::RegisterWorkerRequest request;
+  request.set_address("127.0.0.1:9");
+  v1::RegisterWorkerResponse response;
+  for (const char* device : {"gpu", "cuda:x"}) {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    request.set_device(device);
+    const grpc::Status status = stub->RegisterWorker(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << device;
+    EXPECT_NE(status.error_message().find("valid: cpu, cuda:N"), std::string::npos) << status.error_message();
+  }
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  request.set_device("cuda:1");
+  EXPECT_TRUE(stub->RegisterWorker(&context, request, &response).ok());
+}
+
 TEST_F(CoordinatorServerTest, HealthServesThenStopsServingOnShutdown) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::health::v1::HealthCheckRequest request;

@@ -96,7 +96,8 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
   Cli no_wait = Shardctl({"submit", server, "--checkpoint", checkpoint, "--tp", "2", "--pp", "2", "--no-wait"});
   EXPECT_EQ(no_wait.exit_code, 1) << no_wait.output;
   EXPECT_TRUE(absl::StrContains(no_wait.output,
-                                "shardctl: FAILED_PRECONDITION: the job needs 4 healthy idle workers; 0 are free"))
+                                "shardctl: FAILED_PRECONDITION: the job cannot start now: waiting for 4 healthy idle "
+                                "CPU workers (gloo); 0 are free"))
       << no_wait.output;
   Cli jobs = Shardctl({"jobs", server});
   ASSERT_EQ(jobs.exit_code, 0) << jobs.output;
@@ -107,7 +108,7 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
   const std::string queued_id = Lines(queued.output).front();
   Cli pending = Shardctl({"job", queued_id, server});
   EXPECT_TRUE(absl::StrContains(pending.output, "\"PENDING\"")) << pending.output;
-  EXPECT_TRUE(absl::StrContains(pending.output, "waiting for 4 healthy idle workers")) << pending.output;
+  EXPECT_TRUE(absl::StrContains(pending.output, "waiting for 4 healthy idle CPU workers (gloo)")) << pending.output;
   EXPECT_TRUE(absl::StrContains(Shardctl({"cancel", queued_id, server}).output, "CANCELLED"));
 
   // infer --text: the checkpoint's vocabulary ("W8" lower-cased, "!" unknown).
@@ -205,6 +206,8 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
       {{"submit", server, "--checkpoint", TempDir() + "/no_such_model"}, 2, "config.json"},
       {{"submit", server, "--checkpoint", checkpoint, "--bogus"}, 2, "unknown flag --bogus"},
       {{"submit", server, "--checkpoint", checkpoint, "--no-wait=maybe"}, 2, "--no-wait is a switch"},
+      {{"submit", server, "--checkpoint", checkpoint, "--backend", "mpi"}, 2,
+       "shardctl: INVALID_ARGUMENT: unknown backend 'mpi'; valid: gloo (CPU workers, the default), nccl"},
       {{"plan", server, "--batch", "-"}, 2, "--batch writes JSON lines: use it with --output json"},
       {{"plan", server, "--output", "json", "--batch", "-", "--tp", "2"}, 2,
        "--batch takes each request from its file; --tp cannot be combined with it"},
@@ -218,6 +221,19 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
   }
   // None of the refused commands left a job behind: the failed one, the ready one, the cancelled one.
   EXPECT_EQ(Lines(Shardctl({"jobs", server}).output).size(), 4u);
+}
+
+// shard-worker --device: a device it cannot serve is refused at start (exit 2, saying why), not
+// at a job's load. CI's build has no NCCL, so any GPU is refused there.
+TEST(ShardWorkerDevice, ADeviceTheWorkerCannotServeIsRefusedAtStart) {
+  const testing::Captured bad = testing::Run({"worker/shard-worker", "--device=gpu0", "--listen=127.0.0.1:0"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_TRUE(absl::StrContains(bad.err, "--device 'gpu0': valid: cpu (serves gloo), cuda:N")) << bad.err;
+  const testing::Captured gpu = testing::Run({"worker/shard-worker", "--device=cuda:0", "--listen=127.0.0.1:0"});
+  EXPECT_EQ(gpu.exit_code, 2) << gpu.err;
+  EXPECT_TRUE(absl::StrContains(gpu.err, "--device=cuda:0 needs a build with NCCL") ||
+              absl::StrContains(gpu.err, "--device: "))
+      << gpu.err;
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "worker/gpu_placement.h"
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace bertshard::worker {
@@ -14,6 +16,24 @@ absl::StatusOr<int> GpuForRank(int rank, int ranks_on_host, int devices) {
   }
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is negative"));
   return rank % devices;
+}
+
+absl::StatusOr<int> ParseWorkerDevice(absl::string_view device) {
+  if (device == "cpu") return -1;
+  int gpu = -1;
+  if (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &gpu) && gpu >= 0 &&
+      absl::StrCat("cuda:", gpu) == device) {
+    return gpu;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--device '", device, "': valid: cpu (serves gloo), cuda:N (serves nccl on GPU N)"));
+}
+
+absl::Status CheckGpuVisible(int gpu, int devices) {
+  if (gpu >= 0 && gpu < devices) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat("cuda:", gpu, " is not a visible GPU: ", devices, " GPU",
+                                                    devices == 1 ? " is" : "s are",
+                                                    " visible (check --device and CUDA_VISIBLE_DEVICES)"));
 }
 
 }  // namespace bertshard::worker

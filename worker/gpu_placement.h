@@ -10,6 +10,7 @@
 #define BERTSHARD_WORKER_GPU_PLACEMENT_H_
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace bertshard::worker {
 
@@ -18,6 +19,13 @@ namespace bertshard::worker {
 // FAILED_PRECONDITION without a GPU, or when the host's ranks outnumber its GPUs (naming both
 // counts and what to change).
 absl::StatusOr<int> GpuForRank(int rank, int ranks_on_host, int devices);
+
+// A worker's --device: -1 for "cpu" (it serves Gloo), N for "cuda:N" (it serves NCCL on GPU N).
+// INVALID_ARGUMENT otherwise, naming the valid forms.
+absl::StatusOr<int> ParseWorkerDevice(absl::string_view device);
+
+// GPU `gpu` among `devices` visible ones: FAILED_PRECONDITION naming both when it is not there.
+absl::Status CheckGpuVisible(int gpu, int devices);
 
 }  // namespace bertshard::worker
 

@@ -284,6 +284,12 @@ absl::StatusOr<int> NcclCollectives::DeviceForRank(int rank, int ranks_on_host) 
   return GpuForRank(rank, ranks_on_host, count);
 }
 
+absl::Status NcclCollectives::RequireGpu(int gpu) {
+  int count = 0;
+  RETURN_IF_ERROR(CudaStatus(cudaGetDeviceCount(&count), "no usable CUDA device (cudaGetDeviceCount)"));
+  return CheckGpuVisible(gpu, count);
+}
+
 NcclCollectives::NcclCollectives(std::unique_ptr<State> state) : state_(std::move(state)) {}
 
 NcclCollectives::~NcclCollectives() {
@@ -302,14 +308,19 @@ NcclCollectives::~NcclCollectives() {
   if (s.stream != nullptr) cudaStreamDestroy(s.stream);
 }
 
-absl::StatusOr<std::unique_ptr<NcclCollectives>> NcclCollectives::Connect(const GlooOptions& o) {
+absl::StatusOr<std::unique_ptr<NcclCollectives>> NcclCollectives::Connect(const GlooOptions& o, int gpu) {
   if (o.world_size < 1 || o.tp_size < 1 || o.world_size % o.tp_size != 0 || o.rank < 0 || o.rank >= o.world_size) {
     return absl::InvalidArgumentError("inconsistent NCCL process group sizes");
   }
   auto state = std::make_unique<State>();
   state->options = o;
   state->tp_rank = o.rank % o.tp_size;
-  ASSIGN_OR_RETURN(state->device, DeviceForRank(o.rank));
+  if (gpu >= 0) {
+    RETURN_IF_ERROR(RequireGpu(gpu));
+    state->device = gpu;
+  } else {
+    ASSIGN_OR_RETURN(state->device, DeviceForRank(o.rank));
+  }
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(state->device), "cudaSetDevice"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
   RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&state->compute_ready, cudaEventDisableTiming), "cudaEventCreate"));

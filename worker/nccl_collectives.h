@@ -44,9 +44,13 @@ class NcclCollectives final : public model::Collectives {
   // `rank`'s GPU (worker/gpu_placement.h); `ranks_on_host` 0 when not known here.
   static absl::StatusOr<int> DeviceForRank(int rank, int ranks_on_host = 0);
 
-  // Rendezvous as in GlooOptions; builds the world and TP communicators. FAILED_PRECONDITION
-  // without a GPU, UNAVAILABLE when peers do not arrive or NCCL fails.
-  static absl::StatusOr<std::unique_ptr<NcclCollectives>> Connect(const GlooOptions& options);
+  // OK when GPU `gpu` is visible to this process; FAILED_PRECONDITION naming the count otherwise.
+  static absl::Status RequireGpu(int gpu);
+
+  // Rendezvous as in GlooOptions; builds the world and TP communicators on GPU `gpu` (a worker's
+  // --device), or -1: the rank's (DeviceForRank). FAILED_PRECONDITION without a GPU, UNAVAILABLE
+  // when peers do not arrive or NCCL fails.
+  static absl::StatusOr<std::unique_ptr<NcclCollectives>> Connect(const GlooOptions& options, int gpu = -1);
   ~NcclCollectives() override;
 
   int tp_size() const override;

@@ -76,7 +76,7 @@ void Registration::Run() {
     if (worker_id.empty()) {
       v1::RegisterWorkerRequest request;
       request.set_address(options_.advertise);
-      request.set_device("cpu");
+      request.set_device(options_.device);
       request.set_free_memory_bytes(FreeMemoryBytes());
       for (v1::HeldShard& h : Held()) *request.add_held() = std::move(h);
       v1::RegisterWorkerResponse response;

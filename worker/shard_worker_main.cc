@@ -20,10 +20,17 @@
 #include "common/grpc_tls.h"
 #include "common/model_root.h"
 #include "model/gemm.h"
+#include "worker/gpu_placement.h"
+#ifdef BERTSHARD_WITH_NCCL
+#include "worker/nccl_collectives.h"
+#endif
 #include "worker/registration.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50061", "host:port to serve on (port 0: any free port)");
+ABSL_FLAG(std::string, device, "cpu",
+          "what this worker's jobs run on: cpu (Gloo) or cuda:N (NCCL on GPU N; a --config=cuda build). Reported "
+          "to the coordinator, which places one rank per GPU of a host");
 ABSL_FLAG(int, threads, 1, "LibTorch threads per loaded job, unless the load request says");
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10), "how long in-flight calls may run after SIGTERM/SIGINT");
 ABSL_FLAG(std::string, coordinator, "", "coordinator host:port to register with (none: serve unregistered)");
@@ -80,6 +87,24 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "shard-worker: %s\n", std::string(gemm_usable.message()).c_str());
     return 2;
   }
+  const auto gpu = bertshard::worker::ParseWorkerDevice(absl::GetFlag(FLAGS_device));
+  if (!gpu.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(gpu.status().message()).c_str());
+    return 2;
+  }
+  if (*gpu >= 0) {
+    // Refused at start, not at a job's load: a GPU worker this build or host cannot serve.
+#ifdef BERTSHARD_WITH_NCCL
+    if (absl::Status visible = bertshard::worker::NcclCollectives::RequireGpu(*gpu); !visible.ok()) {
+      std::fprintf(stderr, "shard-worker: --device: %s\n", std::string(visible.message()).c_str());
+      return 2;
+    }
+#else
+    std::fprintf(stderr, "shard-worker: --device=%s needs a build with NCCL: bazel build --config=cuda\n",
+                 absl::GetFlag(FLAGS_device).c_str());
+    return 2;
+#endif
+  }
   bertshard::common::InstallShutdownHandlers();
   // Declared before the service, so they outlive it; the endpoint is stopped before the service goes.
   bertshard::common::MetricsRegistry metrics;
@@ -107,7 +132,8 @@ int main(int argc, char** argv) {
                                             .metrics = worker_metrics ? &*worker_metrics : nullptr,
                                             .gemm = *gemm,
                                             .model_root = *model_root,
-                                            .token = *token});
+                                            .token = *token,
+                                            .gpu = *gpu});
   bertshard::common::MetricsRegistry::CollectorHandle shards_loaded;
   if (metrics_endpoint != nullptr) {
     auto handle = service.ExportLoadedShards(&metrics);
@@ -135,6 +161,7 @@ int main(int argc, char** argv) {
     registration = std::make_unique<bertshard::worker::Registration>(bertshard::worker::RegistrationOptions{
         .coordinator = absl::GetFlag(FLAGS_coordinator),
         .advertise = advertise,
+        .device = absl::GetFlag(FLAGS_device),
         .held_shards = [&service] { return service.HeldShards(); },
         .unload = [&service](const std::string& job_id) { service.UnloadJob(job_id); },
         .token = *token,

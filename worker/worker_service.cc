@@ -16,6 +16,9 @@
 #include "model/bert_shard.h"
 #include "model/gemm.h"
 #include "worker/gloo_collectives.h"
+#ifdef BERTSHARD_WITH_NCCL
+#include "worker/nccl_collectives.h"
+#endif
 #include "worker/math_threads.h"
 #include "worker/rendezvous.h"
 
@@ -166,10 +169,22 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
     return {grpc::StatusCode::INVALID_ARGUMENT,
             absl::StrCat("rank ", request->rank(), " is outside the plan's world of ", plan.world_size())};
   }
-  if (!request->backend().empty() && request->backend() != "gloo") {
+  // The coordinator places gloo jobs on CPU workers and nccl jobs on GPU workers; a load that
+  // asks a worker for the other kind is refused before anything is read.
+  const std::string served = options_.gpu >= 0 ? "nccl" : "gloo";
+  const std::string backend = request->backend().empty() ? "gloo" : request->backend();
+  if (backend != served) {
     return {grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("backend '", request->backend(), "' is not served by this worker (gloo)")};
+            absl::StrCat("backend '", request->backend(), "' is not served by this worker: it serves ", served,
+                         options_.gpu >= 0 ? absl::StrCat(" on cuda:", options_.gpu) : std::string(" on the CPU"),
+                         " (shard-worker --device=", options_.gpu >= 0 ? "cpu" : "cuda:N", " serves ",
+                         served == "gloo" ? "nccl" : "gloo", ")")};
   }
+#ifndef BERTSHARD_WITH_NCCL
+  if (options_.gpu >= 0) {
+    return {grpc::StatusCode::FAILED_PRECONDITION, "this shard-worker was built without NCCL: bazel build --config=cuda"};
+  }
+#endif
   {
     absl::MutexLock lock(&mu_);
     if (jobs_.count(request->job_id())) {
@@ -217,7 +232,11 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
     return writer->Write(progress);
   };
   model::BertShard::LoadOptions load;
-  load.gemm = GemmPathFor(plan, request->rank(), request->job_id(), job->threads);  // after SetMathThreads
+  if (options_.gpu >= 0) {
+    load.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(options_.gpu));
+  } else {
+    load.gemm = GemmPathFor(plan, request->rank(), request->job_id(), job->threads);  // after SetMathThreads
+  }
   load.progress = report;
   auto shard = model::BertShard::Load(plan, request->rank(), **ckpt, load);
   if (!shard.ok()) return common::ToGrpcStatus(shard.status());
@@ -235,9 +254,17 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   gloo.timeout = std::chrono::seconds(request->timeout_seconds() > 0 ? request->timeout_seconds() : 120);
   gloo.store = std::move(reserved_store);
   common::PausePoint("worker_rendezvous");  // loaded, before joining the job's process groups
-  auto comm = GlooCollectives::Connect(gloo);
-  if (!comm.ok()) return common::ToGrpcStatus(comm.status());
-  job->comm = *std::move(comm);
+  if (options_.gpu >= 0) {
+#ifdef BERTSHARD_WITH_NCCL
+    auto comm = NcclCollectives::Connect(gloo, options_.gpu);
+    if (!comm.ok()) return common::ToGrpcStatus(comm.status());
+    job->comm = *std::move(comm);
+#endif
+  } else {
+    auto comm = GlooCollectives::Connect(gloo);
+    if (!comm.ok()) return common::ToGrpcStatus(comm.status());
+    job->comm = *std::move(comm);
+  }
   if (context->IsCancelled()) {
     // The coordinator gave up on this job while we joined its groups: do not keep it.
     return {grpc::StatusCode::CANCELLED, absl::StrCat("loading job ", request->job_id(), " was cancelled")};

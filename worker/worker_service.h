@@ -61,6 +61,10 @@ struct WorkerServiceOptions {
   // the coordinator sends right after it) before it is closed: a coordinator that dies in between
   // must not leave the port bound for good.
   absl::Duration port_reservation_ttl = absl::Minutes(2);
+  // The GPU this worker serves (--device=cuda:N): its jobs load there and talk over NCCL, and
+  // need a --config=cuda build. -1 (--device=cpu): CPU, Gloo. A load whose backend is not the
+  // worker's is INVALID_ARGUMENT.
+  int gpu = -1;
 };
 
 class ReservedStores;  // worker/rendezvous.h

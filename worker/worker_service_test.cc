@@ -295,7 +295,11 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "job_id is required");
   load.set_job_id("j");
   load.set_backend("mpi");
-  expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "backend 'mpi' is not served by this worker (gloo)");
+  expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "backend 'mpi' is not served by this worker: it serves gloo");
+  load.set_backend("nccl");  // NCCL jobs go to GPU workers (--device=cuda:N)
+  expect_refused(grpc::StatusCode::INVALID_ARGUMENT,
+                 "backend 'nccl' is not served by this worker: it serves gloo on the CPU (shard-worker "
+                 "--device=cuda:N serves nccl)");
   load.clear_backend();
   // The first request's rank 0 took the reserved store and closed it with its failed load.
   load.set_master_port(ReservePort(worker));
@@ -303,6 +307,25 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   expect_refused(grpc::StatusCode::ALREADY_EXISTS, "job j is already loaded here");
   EXPECT_TRUE(worker.service->UnloadJob("j"));
   EXPECT_FALSE(worker.service->UnloadJob("j"));
+  EXPECT_TRUE(worker.service->HeldShards().empty());
+}
+
+// A GPU worker (--device=cuda:N) serves NCCL only; built without NCCL (CI's build), it refuses
+// its loads before reading anything.
+TEST(WorkerService, AGpuWorkerServesNcclOnly) {
+  RunningWorker worker = StartWorker({.gpu = 0});
+  v1::LoadShardRequest load = OneRankLoad(kModel, ReservePort(worker));
+  grpc::Status s = LoadToTheEnd(worker, load);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("it serves nccl on cuda:0 (shard-worker --device=cpu serves gloo)"),
+            std::string::npos)
+      << s.error_message();
+#ifndef BERTSHARD_WITH_NCCL
+  load.set_backend("nccl");
+  s = LoadToTheEnd(worker, load);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  EXPECT_NE(s.error_message().find("built without NCCL"), std::string::npos) << s.error_message();
+#endif
   EXPECT_TRUE(worker.service->HeldShards().empty());
 }
 
