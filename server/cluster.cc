@@ -20,11 +20,6 @@
 namespace bertshard::server {
 namespace {
 
-std::string Host(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
-}
-
 void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {
   context->set_deadline(absl::ToChronoTime(deadline));
 }
@@ -140,6 +135,7 @@ v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerReque
   worker->info.set_worker_id(id);
   worker->info.set_address(request.address());
   worker->info.set_device(request.device().empty() ? "cpu" : request.device());
+  worker->info.set_gpu_bus_id(request.gpu_bus_id());
   worker->info.set_free_memory_bytes(request.free_memory_bytes());
   worker->info.set_healthy(true);
   worker->last_heartbeat = absl::Now();
@@ -186,15 +182,18 @@ absl::StatusOr<v1::HeartbeatResponse> Cluster::Heartbeat(const v1::HeartbeatRequ
   if (request.leaving()) {
     // Out of the pool now: a job scheduled onto it in the heartbeats' grace period would fail.
     MarkUnhealthyLocked(it->first, *it->second, "is shutting down");
-    changed_.SignalAll();
+    ScheduleLocked();  // the pool is smaller: what waiting jobs say they wait for changes
     return response;
   }
   it->second->last_heartbeat = absl::Now();
   it->second->info.set_free_memory_bytes(request.free_memory_bytes());
+  const bool was_idle = it->second->info.job_id().empty();
   TakeHeldShardsLocked(it->second.get(), request.held(), response.mutable_unload_job_ids());
   if (!it->second->info.healthy()) {
     it->second->info.set_healthy(true);  // back after a pause: its old job has already failed
     ScheduleLocked();
+  } else if (was_idle && !it->second->info.job_id().empty()) {
+    ScheduleLocked();  // taken back by a recovering job: out of the idle pool
   }
   return response;
 }
@@ -268,7 +267,9 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request, 
 std::vector<IdleWorker> Cluster::IdleWorkersLocked() const {
   std::vector<IdleWorker> idle;
   for (const auto& [id, w] : workers_) {
-    if (w->info.healthy() && w->info.job_id().empty()) idle.push_back({id, w->info.address(), w->info.device()});
+    if (w->info.healthy() && w->info.job_id().empty()) {
+      idle.push_back({id, w->info.address(), w->info.device(), w->info.gpu_bus_id()});
+    }
   }
   return idle;
 }
@@ -277,27 +278,20 @@ void Cluster::ScheduleLocked() {
   if (stopping_ || draining_) return;
   auto jobs = store_->List();
   if (!jobs.ok()) return;
+  std::vector<const v1::Job*> waiting;  // still PENDING once every job that can start has
   for (const v1::Job& job : *jobs) {
     if (job.state() != v1::PENDING) continue;
     auto runtime = runtimes_.find(job.id());
     if (runtime == runtimes_.end()) continue;
     const int need = runtime->second->plan.world_size();
-    std::vector<Worker*> free_workers;
-    for (auto& [id, w] : workers_) {
-      if (w->info.healthy() && w->info.job_id().empty()) free_workers.push_back(w.get());
-    }
-    const Placement placement = PlaceRanks(runtime->second->backend, need, IdleWorkersLocked());
+    const std::vector<IdleWorker> free_workers = IdleWorkersLocked();
+    const Placement placement = PlaceRanks(runtime->second->backend, need, free_workers);
     if (placement.ranks.empty()) {
-      // Still waiting: the reason follows the pool (a worker reporting a GPU another holds).
-      const std::string& note = runtime->second->pending_note;
-      const std::string reason = note.empty() ? placement.waiting_for : absl::StrCat(note, "; ", placement.waiting_for);
-      if (job.pending_reason() != reason) {
-        RecordLocked(store_->SetPendingReason(job.id(), reason), "recording the pending reason of " + job.id());
-      }
+      waiting.push_back(&job);
       continue;
     }
     std::vector<Worker*> idle;
-    for (size_t i : placement.ranks) idle.push_back(free_workers[i]);
+    for (size_t i : placement.ranks) idle.push_back(workers_.at(free_workers[i].worker_id).get());
     std::vector<v1::RankAssignment> ranks;
     runtime->second->rank_workers.clear();
     runtime->second->progress.clear();
@@ -332,6 +326,17 @@ void Cluster::ScheduleLocked() {
       continue;
     }
     threads_.emplace_back([this, id = job.id()] { LoadJob(id); });
+  }
+  // Why the others wait, against the pool as the jobs placed above left it; written only when it
+  // changed (a worker came or went, reported a GPU another holds).
+  const std::vector<IdleWorker> free_workers = IdleWorkersLocked();
+  for (const v1::Job* job : waiting) {
+    const JobRuntime& runtime = *runtimes_.at(job->id());
+    const std::string why = PlaceRanks(runtime.backend, runtime.plan.world_size(), free_workers).waiting_for;
+    const std::string reason = runtime.pending_note.empty() ? why : absl::StrCat(runtime.pending_note, "; ", why);
+    if (job->pending_reason() != reason) {
+      RecordLocked(store_->SetPendingReason(job->id(), reason), "recording the pending reason of " + job->id());
+    }
   }
   changed_.SignalAll();
 }
@@ -402,7 +407,7 @@ void Cluster::LoadJob(std::string job_id) {
       ranks_stubs.push_back(
           {w, worker->second->info.address(), worker->second->stub, options_.worker_token, worker->second->health});
     }
-    master_host = Host(ranks_stubs[0].address);
+    master_host = HostOf(ranks_stubs[0].address);
     if (absl::Status s = store_->Transition(job_id, v1::LOADING, "").status(); !s.ok()) {
       // Nothing is loaded yet; a job the database cannot follow is not started.
       StoreErrorLocked(absl::StrCat("loading job ", job_id), s);
@@ -530,13 +535,17 @@ void Cluster::MonitorLoop() {
       ScheduleLocked();
     }
     const absl::Time now = absl::Now();
+    bool pool_shrank = false;
     for (auto& [id, w] : workers_) {
       if (!w->info.healthy() || now - w->last_heartbeat <= options_.heartbeat_interval * options_.missed_heartbeats) {
         continue;
       }
       MarkUnhealthyLocked(id, *w, absl::StrCat("stopped heartbeating (silent for ",
                                                absl::FormatDuration(now - w->last_heartbeat), ")"));
+      pool_shrank = true;
     }
+    // After the loop, not in it: a job placed now takes none of the workers it found silent.
+    if (pool_shrank) ScheduleLocked();
     std::vector<std::string> overdue;
     for (const auto& [job_id, runtime] : runtimes_) {
       if (runtime->recovery != nullptr && now >= runtime->recovery->deadline) overdue.push_back(job_id);

@@ -9,6 +9,7 @@
 #include "planner/planner.h"
 #include "server/cluster.h"
 #include "server/cluster_internal.h"
+#include "server/placement.h"
 #include "server/readoption.h"
 
 namespace bertshard::server {
@@ -36,10 +37,20 @@ absl::Status Cluster::RecoverJobsLocked() {
                    absl::StrCat("failing job ", job.id()));
       continue;
     }
+    // Empty in jobs stored before backends: gloo, as they ran.
+    const absl::StatusOr<std::string> backend = NormaliseBackend(job.backend());
+    if (!backend.ok()) {
+      RecordLocked(store_->Transition(job.id(), v1::FAILED,
+                                      absl::StrCat("the coordinator restarted and cannot place the job: ",
+                                                   backend.status().message()))
+                       .status(),
+                   absl::StrCat("failing job ", job.id()));
+      continue;
+    }
     auto runtime = std::make_shared<JobRuntime>();
     runtime->plan = *std::move(plan);
     runtime->checkpoint = job.request().checkpoint();
-    if (!job.backend().empty()) runtime->backend = job.backend();  // stored before it: gloo
+    runtime->backend = *backend;
     if (job.state() == v1::PLANNED) {
       // Nothing was loading yet: place it again.
       // Refused, the job stays PLANNED in the database and is not placed; the next restart
@@ -47,8 +58,9 @@ absl::Status Cluster::RecoverJobsLocked() {
       RecordLocked(store_->SetRanks(job.id(), {}).status(), absl::StrCat("clearing job ", job.id(), "'s ranks"));
       runtime->pending_note = "the coordinator restarted before loading";
       RecordLocked(store_->Transition(job.id(), v1::PENDING,
-                                      absl::StrCat("the coordinator restarted before loading; waiting for ",
-                                                   runtime->plan.world_size(), " healthy idle workers"))
+                                      absl::StrCat(runtime->pending_note, "; ",
+                                                   PlaceRanks(runtime->backend, runtime->plan.world_size(), {})
+                                                       .waiting_for))
                        .status(),
                    absl::StrCat("putting job ", job.id(), " back to PENDING"));
     } else if (job.state() == v1::LOADING || job.state() == v1::READY) {

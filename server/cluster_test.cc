@@ -308,7 +308,9 @@ TEST(ClusterPlacement, NcclJobsTakeOneWorkerPerGpuAndSayWhyTheyWait) {
   const fs::path dir = fs::path(testing::TempDir()) / "cluster_placement_model";
   fs::create_directories(dir);
   std::ofstream(dir / "config.json") << R"({"architectures": ["BertModel"]})";
-  auto cluster = Cluster::Create(ClusterOptions{});
+  ClusterOptions options;
+  options.heartbeat_interval = absl::Hours(1);  // these workers never heartbeat
+  auto cluster = Cluster::Create(options);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   auto register_worker = [&](int port, const std::string& device) {
     v1::RegisterWorkerRequest request;
@@ -317,7 +319,7 @@ TEST(ClusterPlacement, NcclJobsTakeOneWorkerPerGpuAndSayWhyTheyWait) {
     return (*cluster)->RegisterWorker(request).worker_id();
   };
   const std::string gpu0 = register_worker(9, "cuda:0");
-  register_worker(10, "cuda:0");  // the same GPU of the same host
+  const std::string second_gpu0 = register_worker(10, "cuda:0");  // the same GPU of the same host
   register_worker(11, "cpu");
   v1::SubmitJobRequest submit;
   submit.mutable_request()->set_checkpoint(dir.string());
@@ -336,24 +338,28 @@ TEST(ClusterPlacement, NcclJobsTakeOneWorkerPerGpuAndSayWhyTheyWait) {
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->backend(), "nccl");
   EXPECT_EQ(job->state(), v1::PENDING);
-  EXPECT_NE(job->pending_reason().find("1 distinct GPUs are free"), std::string::npos) << job->pending_reason();
+  EXPECT_NE(job->pending_reason().find("1 distinct GPU is free"), std::string::npos) << job->pending_reason();
   // A gloo job does not take the GPU workers either: it waits for CPU ones.
   submit.set_backend("");
   auto gloo_job = (*cluster)->SubmitJob(submit, "test");
   ASSERT_TRUE(gloo_job.ok()) << gloo_job.status();
   EXPECT_EQ(gloo_job->backend(), "gloo");
-  EXPECT_NE(gloo_job->pending_reason().find("CPU workers (gloo); 1 are free"), std::string::npos)
+  EXPECT_NE(gloo_job->pending_reason().find("CPU workers (gloo); 1 is free"), std::string::npos)
       << gloo_job->pending_reason();
+  // The reason follows the pool: once the second worker on GPU 0 leaves, it is not named any more.
+  EXPECT_NE(job->pending_reason().find("is reported by 2 workers"), std::string::npos) << job->pending_reason();
+  v1::HeartbeatRequest leaving;
+  leaving.set_worker_id(second_gpu0);
+  leaving.set_leaving(true);
+  ASSERT_TRUE((*cluster)->Heartbeat(leaving).ok());
+  const std::string after_leaving = (*cluster)->GetJob(job->id())->pending_reason();
+  EXPECT_EQ(after_leaving.find("reported by"), std::string::npos) << after_leaving;
+  EXPECT_NE(after_leaving.find("1 distinct GPU is free"), std::string::npos) << after_leaving;
 
   // A second GPU of the host: the NCCL job starts, on GPUs 0 and 1 and not on the worker that
   // reported GPU 0 a second time.
   const std::string gpu1 = register_worker(12, "cuda:1");
-  v1::Job placed;
-  for (int i = 0; i < 200; ++i) {
-    placed = (*cluster)->GetJob(job->id()).value();
-    if (placed.ranks_size() == 2) break;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
+  const v1::Job placed = (*cluster)->GetJob(job->id()).value();  // placed within RegisterWorker
   ASSERT_EQ(placed.ranks_size(), 2) << placed.DebugString();
   EXPECT_EQ(placed.ranks(0).worker_id(), gpu0);
   EXPECT_EQ(placed.ranks(1).worker_id(), gpu1);

@@ -15,6 +15,11 @@ namespace {
 
 bool IsGpu(absl::string_view device) { return absl::StartsWith(device, "cuda:"); }
 
+// "1 worker", "2 workers".
+std::string Count(size_t n, absl::string_view one, absl::string_view many) {
+  return absl::StrCat(n, " ", n == 1 ? one : many);
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> NormaliseBackend(absl::string_view backend) {
@@ -41,7 +46,8 @@ std::string HostOf(absl::string_view address) {
     return std::string(close == absl::string_view::npos ? address : address.substr(0, close + 1));
   }
   const size_t colon = address.rfind(':');
-  return std::string(colon == absl::string_view::npos ? address : address.substr(0, colon));
+  if (colon == absl::string_view::npos || address.find(':') != colon) return std::string(address);
+  return std::string(address.substr(0, colon));
 }
 
 Placement PlaceRanks(absl::string_view backend, int need, const std::vector<IdleWorker>& idle) {
@@ -52,8 +58,8 @@ Placement PlaceRanks(absl::string_view backend, int need, const std::vector<Idle
     const IdleWorker& w = idle[i];
     if (IsGpu(w.device) != gpu) continue;
     if (gpu) {
-      auto& claimants = by_gpu[{HostOf(w.address), w.device}];
-      claimants.push_back(w.worker_id);
+      auto& claimants = by_gpu[{HostOf(w.address), w.gpu_bus_id.empty() ? w.device : w.gpu_bus_id}];
+      claimants.push_back(absl::StrCat(w.worker_id, " at ", w.address, " as ", w.device));
       if (claimants.size() > 1) continue;  // that GPU has a rank already
     }
     if (static_cast<int>(placement.ranks.size()) < need) placement.ranks.push_back(i);
@@ -62,21 +68,24 @@ Placement PlaceRanks(absl::string_view backend, int need, const std::vector<Idle
   if (found >= need) return placement;
   placement.ranks.clear();
   if (!gpu) {
-    placement.waiting_for = absl::StrCat("waiting for ", need, " healthy idle CPU workers (gloo); ", found, " are free");
+    placement.waiting_for = absl::StrCat("waiting for ", Count(static_cast<size_t>(need), "healthy idle CPU worker",
+                                                               "healthy idle CPU workers"),
+                                         " (gloo); ", found, found == 1 ? " is" : " are", " free");
     return placement;
   }
-  placement.waiting_for = absl::StrCat("waiting for ", need, " healthy idle GPU workers on distinct GPUs (nccl: one rank per GPU); ",
-                                       found, " distinct GPUs are free");
+  placement.waiting_for = absl::StrCat(
+      "waiting for ", Count(static_cast<size_t>(need), "healthy idle GPU worker", "healthy idle GPU workers on distinct GPUs"),
+      " (nccl: one rank per GPU); ", Count(static_cast<size_t>(found), "distinct GPU is", "distinct GPUs are"), " free");
   std::vector<std::string> shared;
   for (const auto& [gpu_of_host, workers] : by_gpu) {
     if (workers.size() > 1) {
-      shared.push_back(absl::StrCat(gpu_of_host.second, " of ", gpu_of_host.first, " is reported by ", workers.size(),
-                                    " workers (", absl::StrJoin(workers, ", "), ")"));
+      shared.push_back(absl::StrCat("GPU ", gpu_of_host.second, " of ", gpu_of_host.first, " is reported by ",
+                                    workers.size(), " workers (", absl::StrJoin(workers, ", "), ")"));
     }
   }
   if (!shared.empty()) {
     absl::StrAppend(&placement.waiting_for, "; ", absl::StrJoin(shared, "; "),
-                    ", and counts once: start each worker with --device naming a GPU of its own");
+                    ", and counts once: give each worker a GPU of its own (--device, CUDA_VISIBLE_DEVICES)");
   }
   return placement;
 }

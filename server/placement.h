@@ -28,14 +28,16 @@ absl::StatusOr<std::string> NormaliseBackend(absl::string_view backend);
 // GPU N (N >= 0) of its host. INVALID_ARGUMENT otherwise.
 absl::Status CheckDevice(absl::string_view device);
 
-// The host part of a worker's "host:port" address ("[v6]:port" too): workers on one host share
-// its GPUs.
+// The host part of a worker's "host:port" address ("[v6]:port" too; an address with several
+// colons and no brackets is all host, as gRPC reads it): workers on one host share its GPUs. Two
+// names of one host are two hosts here.
 std::string HostOf(absl::string_view address);
 
 struct IdleWorker {
   std::string worker_id;
   std::string address;
   std::string device;
+  std::string gpu_bus_id;  // where reported, what tells GPUs of one host apart (else `device`)
 };
 
 struct Placement {
@@ -46,7 +48,7 @@ struct Placement {
 };
 
 // `need` workers of `idle` (taken in its order) whose devices suit `backend` (normalised): for
-// nccl, no two on one GPU of one host.
+// nccl, no two on one GPU of one host (the same bus id where reported, else the same device).
 Placement PlaceRanks(absl::string_view backend, int need, const std::vector<IdleWorker>& idle);
 
 }  // namespace bertshard::server

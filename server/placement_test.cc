@@ -31,6 +31,8 @@ TEST(HostOf, DropsThePort) {
   EXPECT_EQ(HostOf("worker-0.bertshard:7000"), "worker-0.bertshard");
   EXPECT_EQ(HostOf("[fd00::1]:7000"), "[fd00::1]");
   EXPECT_EQ(HostOf("nohost"), "nohost");
+  EXPECT_EQ(HostOf("fd00::1"), "fd00::1");  // no brackets: all host (gRPC reads it so)
+  EXPECT_EQ(HostOf("fd00::2"), "fd00::2");
 }
 
 std::vector<IdleWorker> Workers(std::vector<std::pair<std::string, std::string>> address_device) {
@@ -62,10 +64,29 @@ TEST(PlaceRanks, NcclWaitsNamingTheGpuSeveralWorkersReport) {
   EXPECT_THAT(placement.ranks, IsEmpty());
   EXPECT_THAT(placement.waiting_for, HasSubstr("4 healthy idle GPU workers on distinct GPUs"));
   EXPECT_THAT(placement.waiting_for, HasSubstr("2 distinct GPUs are free"));
-  EXPECT_THAT(placement.waiting_for, HasSubstr("cuda:0 of a is reported by 3 workers (w0, w1, w2)"));
+  EXPECT_THAT(placement.waiting_for,
+              HasSubstr("GPU cuda:0 of a is reported by 3 workers (w0 at a:1 as cuda:0, w1 at a:2 as cuda:0, w2"));
+  EXPECT_THAT(placement.waiting_for, HasSubstr("CUDA_VISIBLE_DEVICES"));
   EXPECT_THAT(placement.waiting_for, HasSubstr("--device"));
   // CPU workers never serve NCCL.
   EXPECT_THAT(PlaceRanks("nccl", 1, Workers({{"a:1", "cpu"}})).ranks, IsEmpty());
+}
+
+// Where workers report their GPU's bus id, that is the GPU: two workers each shown one GPU as
+// cuda:0 (CUDA_VISIBLE_DEVICES=0 and =1) hold two, and two indexes naming one GPU hold one.
+TEST(PlaceRanks, TheBusIdTellsGpusApartWhereReported) {
+  std::vector<IdleWorker> idle = {{"w0", "a:1", "cuda:0", "0000:3B:00.0"}, {"w1", "a:2", "cuda:0", "0000:5E:00.0"}};
+  EXPECT_THAT(PlaceRanks("nccl", 2, idle).ranks, ElementsAre(0, 1));
+  idle = {{"w0", "a:1", "cuda:0", "0000:3B:00.0"}, {"w1", "a:2", "cuda:1", "0000:3B:00.0"}};
+  const Placement one_gpu = PlaceRanks("nccl", 2, idle);
+  EXPECT_THAT(one_gpu.ranks, IsEmpty());
+  EXPECT_THAT(one_gpu.waiting_for, HasSubstr("1 distinct GPU is free"));
+  EXPECT_THAT(one_gpu.waiting_for, HasSubstr("GPU 0000:3B:00.0 of a is reported by 2 workers"));
+}
+
+TEST(PlaceRanks, SaysOneOrManyRightly) {
+  EXPECT_THAT(PlaceRanks("gloo", 1, {}).waiting_for, HasSubstr("1 healthy idle CPU worker (gloo); 0 are free"));
+  EXPECT_THAT(PlaceRanks("gloo", 2, Workers({{"a:1", "cpu"}})).waiting_for, HasSubstr("; 1 is free"));
 }
 
 }  // namespace

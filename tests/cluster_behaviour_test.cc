@@ -205,7 +205,7 @@ TEST_F(BehaviourCluster, PendingJobStartsWhenWorkersFreeUpOrJoin) {
   // Every worker is busy again: a one-worker job waits, and starts on a worker that joins.
   const v1::Job small = Submit(kModel, 1, 1);
   ASSERT_EQ(small.state(), v1::PENDING);
-  EXPECT_EQ(small.pending_reason(), "waiting for 1 healthy idle CPU workers (gloo); 0 are free");
+  EXPECT_EQ(small.pending_reason(), "waiting for 1 healthy idle CPU worker (gloo); 0 are free");
   const int extra = StartExtraWorker();
   const v1::JobEvent small_ready = Watch(small.id());
   ASSERT_EQ(small_ready.job().state(), v1::READY) << small_ready.job().failure_cause();

@@ -229,10 +229,13 @@ TEST(ShardWorkerDevice, ADeviceTheWorkerCannotServeIsRefusedAtStart) {
   const testing::Captured bad = testing::Run({"worker/shard-worker", "--device=gpu0", "--listen=127.0.0.1:0"});
   EXPECT_EQ(bad.exit_code, 2) << bad.err;
   EXPECT_TRUE(absl::StrContains(bad.err, "--device 'gpu0': valid: cpu (serves gloo), cuda:N")) << bad.err;
-  const testing::Captured gpu = testing::Run({"worker/shard-worker", "--device=cuda:0", "--listen=127.0.0.1:0"});
+  // A GPU no host has: refused by every build, without NCCL for that, with it as not visible (so
+  // that on a GPU host too the worker exits instead of serving).
+  const testing::Captured gpu = testing::Run({"worker/shard-worker", "--device=cuda:4096", "--listen=127.0.0.1:0"});
   EXPECT_EQ(gpu.exit_code, 2) << gpu.err;
-  EXPECT_TRUE(absl::StrContains(gpu.err, "--device=cuda:0 needs a build with NCCL") ||
-              absl::StrContains(gpu.err, "--device: "))
+  EXPECT_TRUE(absl::StrContains(gpu.err, "--device=cuda:4096 needs a build with NCCL") ||
+              absl::StrContains(gpu.err, "cuda:4096 is not a visible GPU") ||
+              absl::StrContains(gpu.err, "no usable CUDA device"))
       << gpu.err;
 }
 

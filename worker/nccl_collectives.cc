@@ -290,6 +290,12 @@ absl::Status NcclCollectives::RequireGpu(int gpu) {
   return CheckGpuVisible(gpu, count);
 }
 
+absl::StatusOr<std::string> NcclCollectives::GpuBusId(int gpu) {
+  char id[32] = {};
+  RETURN_IF_ERROR(CudaStatus(cudaDeviceGetPCIBusId(id, sizeof(id), gpu), "cudaDeviceGetPCIBusId"));
+  return std::string(id);
+}
+
 NcclCollectives::NcclCollectives(std::unique_ptr<State> state) : state_(std::move(state)) {}
 
 NcclCollectives::~NcclCollectives() {

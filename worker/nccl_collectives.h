@@ -46,6 +46,9 @@ class NcclCollectives final : public model::Collectives {
 
   // OK when GPU `gpu` is visible to this process; FAILED_PRECONDITION naming the count otherwise.
   static absl::Status RequireGpu(int gpu);
+  // GPU `gpu`'s PCI bus id ("0000:3B:00.0"): what tells a host's GPUs apart whatever
+  // CUDA_VISIBLE_DEVICES numbers them (a worker reports it to the coordinator).
+  static absl::StatusOr<std::string> GpuBusId(int gpu);
 
   // Rendezvous as in GlooOptions; builds the world and TP communicators on GPU `gpu` (a worker's
   // --device), or -1: the rank's (DeviceForRank). FAILED_PRECONDITION without a GPU, UNAVAILABLE

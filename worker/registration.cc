@@ -60,6 +60,7 @@ void Registration::Run() {
   std::string worker_id;
   absl::Duration interval = absl::Seconds(1);
   int failed_heartbeats = 0;
+  int failed_registrations = 0;
   auto stopped_after = [&](absl::Duration wait) {
     absl::MutexLock lock(&mu_);
     return mu_.AwaitWithTimeout(absl::Condition(&stop_), wait);
@@ -77,11 +78,19 @@ void Registration::Run() {
       v1::RegisterWorkerRequest request;
       request.set_address(options_.advertise);
       request.set_device(options_.device);
+      request.set_gpu_bus_id(options_.gpu_bus_id);
       request.set_free_memory_bytes(FreeMemoryBytes());
       for (v1::HeldShard& h : Held()) *request.add_held() = std::move(h);
       v1::RegisterWorkerResponse response;
       grpc::Status status = stub->RegisterWorker(&context, request, &response);
       ok = status.ok();
+      // Said once a streak: a coordinator that refuses us (a device it cannot read, a wrong token)
+      // or is not up yet, retried meanwhile.
+      failed_registrations = ok ? 0 : failed_registrations + 1;
+      if (failed_registrations == 1) {
+        std::fprintf(stderr, "shard-worker: registering with %s failed (%d): %s\n", options_.coordinator.c_str(),
+                     static_cast<int>(status.error_code()), status.error_message().c_str());
+      }
       if (ok) {
         worker_id = response.worker_id();
         interval = absl::Milliseconds(std::max(50, response.heartbeat_interval_ms()));

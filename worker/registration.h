@@ -31,6 +31,7 @@ struct RegistrationOptions {
   std::string coordinator;  // host:port
   std::string advertise;    // host:port where the coordinator reaches this worker
   std::string device = "cpu";  // "cpu" or "cuda:N": what its jobs run on (--device)
+  std::string gpu_bus_id;      // a GPU worker's PCI bus id (NcclCollectives::GpuBusId)
   // The shards held now; reported with every registration and heartbeat. None when unset.
   std::function<std::vector<v1::HeldShard>()> held_shards;
   // Unloads a job the coordinator said not to keep. Unset: such jobs stay loaded.

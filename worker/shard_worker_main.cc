@@ -92,13 +92,18 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "shard-worker: %s\n", std::string(gpu.status().message()).c_str());
     return 2;
   }
+  std::string gpu_bus_id;  // reported to the coordinator, which places one rank per GPU by it
   if (*gpu >= 0) {
     // Refused at start, not at a job's load: a GPU worker this build or host cannot serve.
 #ifdef BERTSHARD_WITH_NCCL
-    if (absl::Status visible = bertshard::worker::NcclCollectives::RequireGpu(*gpu); !visible.ok()) {
-      std::fprintf(stderr, "shard-worker: --device: %s\n", std::string(visible.message()).c_str());
+    const absl::Status visible = bertshard::worker::NcclCollectives::RequireGpu(*gpu);
+    const absl::StatusOr<std::string> bus_id =
+        visible.ok() ? bertshard::worker::NcclCollectives::GpuBusId(*gpu) : absl::StatusOr<std::string>(visible);
+    if (!bus_id.ok()) {
+      std::fprintf(stderr, "shard-worker: --device: %s\n", std::string(bus_id.status().message()).c_str());
       return 2;
     }
+    gpu_bus_id = *bus_id;
 #else
     std::fprintf(stderr, "shard-worker: --device=%s needs a build with NCCL: bazel build --config=cuda\n",
                  absl::GetFlag(FLAGS_device).c_str());
@@ -162,6 +167,7 @@ int main(int argc, char** argv) {
         .coordinator = absl::GetFlag(FLAGS_coordinator),
         .advertise = advertise,
         .device = absl::GetFlag(FLAGS_device),
+        .gpu_bus_id = gpu_bus_id,
         .held_shards = [&service] { return service.HeldShards(); },
         .unload = [&service](const std::string& job_id) { service.UnloadJob(job_id); },
         .token = *token,

@@ -175,7 +175,7 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   const std::string backend = request->backend().empty() ? "gloo" : request->backend();
   if (backend != served) {
     return {grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("backend '", request->backend(), "' is not served by this worker: it serves ", served,
+            absl::StrCat("backend '", backend, "' is not served by this worker: it serves ", served,
                          options_.gpu >= 0 ? absl::StrCat(" on cuda:", options_.gpu) : std::string(" on the CPU"),
                          " (shard-worker --device=", options_.gpu >= 0 ? "cpu" : "cuda:N", " serves ",
                          served == "gloo" ? "nccl" : "gloo", ")")};
