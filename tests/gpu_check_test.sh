@@ -4,7 +4,9 @@
 #   - without a GPU it exits 2 saying why, with the reason in $OUT/report.txt;
 #   - its comparison (tools/gpu_check.py parity) is run for real on the CPU: our unsharded fp32
 #     forward (Gloo) against HF's BertModel passes, and another model's outputs fail it;
-#   - its input maker gives rows of the asked shape within the vocabulary.
+#   - its input maker gives rows of the asked shape within the vocabulary;
+#   - its service step (tools/service_parity.sh: a coordinator, one worker per device, a TP job over
+#     them, Infer) runs with CPU workers and Gloo, and its outputs pass the same comparison.
 # The comparison needs the HF venv (BERTSHARD_HF_VENV): SKIPPED without it (a failure under CI=true).
 set -euo pipefail
 source tests/skip_or_fail.sh
@@ -55,4 +57,13 @@ set -e
 cat "$work/fail.log"
 [ "$status" = 1 ] && grep -q "parity fp32: FAIL" "$work/fail.log" ||
   { echo "FAIL: other weights passed the comparison (exit $status)"; exit 1; }
+
+# 4. The service step (tools/service_parity.sh), as gpu_check runs it with GPU workers and NCCL,
+# here with two CPU workers and Gloo: a coordinator, TP 2 over the workers, Infer, against HF.
+SHARDCTL=client/shardctl COORDINATOR=server/bertshard-coordinator WORKER=worker/shard-worker \
+  bash tools/service_parity.sh gloo "$work/a" "$work/input.json" "$work/service.safetensors" "$work/service-logs" \
+  cpu cpu || { echo "FAIL: the service step"; tail -n 5 "$work"/service-logs/*.log; exit 1; }
+"$hf_venv/bin/python" tools/gpu_check.py parity "$work/a" "$work/input.json" "$work/service.safetensors" fp32 |
+  tee "$work/service.log"
+grep -q "parity fp32: PASS" "$work/service.log" || { echo "FAIL: the service's outputs differ from HF"; exit 1; }
 echo "PASS"

@@ -4,8 +4,9 @@
 #
 #   bash tools/gpu_bundle.sh        # then copy the repository (with gpu-bundle/) to the GPU host
 #
-# It builds shardctl, shard-rank and the two GPU test binaries (every NCCL collective; out of
-# memory as a status) with --config=cuda -c opt against the pinned PyTorch 2.11 /
+# It builds shardctl, shard-rank, the coordinator and shard-worker (the service step) and the two
+# GPU test binaries (every NCCL collective; out of memory as a status) with --config=cuda -c opt
+# against the pinned PyTorch 2.11 /
 # CUDA 13 wheel (tools/libtorch_from_wheel.sh), the build GPU hosts run, and copies them with the
 # shared libraries they need that such a host lacks (abseil, protobuf, ...; not glibc, libstdc++,
 # LibTorch or CUDA, which come from the host and its PyTorch). gpu_check.sh points LD_LIBRARY_PATH
@@ -17,7 +18,8 @@ libtorch=$(bash tools/libtorch_from_wheel.sh)
 cuda_home=$(bash tools/libtorch_from_wheel.sh --cuda-home)
 # A second output base: the wheel's LibTorch beside Debian's, neither evicting the other's cache.
 output_base="${BERTSHARD_GPU_BUNDLE_OUTPUT_BASE:-$HOME/.cache/bertshard/bazel-gpu-bundle}"
-targets=(//client:shardctl //worker:shard-rank //worker:nccl_collectives_test //model:torch_status_test)
+targets=(//client:shardctl //worker:shard-rank //server:bertshard-coordinator //worker:shard-worker
+         //worker:nccl_collectives_test //model:torch_status_test)
 build() {
   BERTSHARD_LIBTORCH="$libtorch" CUDA_HOME="$cuda_home" bazel --output_base="$output_base" "$@" --config=cuda -c opt
 }
@@ -52,6 +54,13 @@ fi
 echo "$libs" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' | sort -u | while read -r name path; do
   if [[ "$name" =~ $host_provided || "$name" =~ $torch_provided ]]; then continue; fi
   cp -L "$path" "gpu-bundle.tmp/lib/$name"
+done
+# ICU's data (the coordinator's tokenizer) is 30 MiB, most of the bundle's budget: carried
+# xz-compressed (7 MiB), and unpacked by gpu_check.sh with python3's lzma.
+for data in gpu-bundle.tmp/lib/libicudata.so.*; do
+  [ -f "$data" ] || continue
+  /usr/bin/python3 -c 'import lzma, sys; open(sys.argv[1] + ".xz", "wb").write(lzma.compress(open(sys.argv[1], "rb").read(), preset=9))' "$data"
+  rm "$data"
 done
 {
   echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) from $(git rev-parse --short HEAD)$(git diff --quiet || echo '+changes')"

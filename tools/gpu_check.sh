@@ -13,7 +13,9 @@
 #      on a one-GPU host) against HF's BertModel on the same GPU, in fp32, fp16 and bf16, random
 #      BERT-base-shaped weights; tolerances 1e-4 (fp32) and 1e-2 (fp16, bf16) relative to the
 #      largest output;
-#   4. with two or more GPUs: tensor parallel over all of them, fp32, against HF;
+#   4. with two or more GPUs: tensor parallel over all of them, fp32, against HF; and the service:
+#      a coordinator with one GPU worker per GPU (shard-worker --device=cuda:N), an nccl job over
+#      them (tools/service_parity.sh), Infer against HF in fp32;
 #   5. throughput, BERT-base batch 32 x seq 128, each dtype: ours, HF eager and HF torch.compile,
 #      rows/s, with the issue's targets (bf16: ours >= 1.0x eager and >= 0.8x compile).
 # Bounded: the whole has 8 minutes (BERTSHARD_GPU_CHECK_SECONDS); each step gets what is left,
@@ -51,7 +53,8 @@ probe=$(timeout 60 "$python" tools/gpu_check.py probe 2>&1)
 status=$?
 say "gpu_check: $probe"
 [ "$status" = 0 ] || fail "$(echo "$probe" | tail -n 1)" 2
-[ -x gpu-bundle/bin/shardctl ] && [ -x gpu-bundle/bin/shard-rank ] && [ -x gpu-bundle/bin/nccl_collectives_test ] ||
+[ -x gpu-bundle/bin/shardctl ] && [ -x gpu-bundle/bin/shard-rank ] && [ -x gpu-bundle/bin/nccl_collectives_test ] &&
+  [ -x gpu-bundle/bin/shard-worker ] && [ -x gpu-bundle/bin/bertshard-coordinator ] ||
   fail "gpu-bundle/ is missing: run 'bash tools/gpu_bundle.sh' on a build machine (it needs Bazel) and copy the repository with it" 2
 say "gpu_check: bundle: $(head -n 2 gpu-bundle/MANIFEST | tr '\n' ' ')"
 
@@ -66,7 +69,14 @@ for root in site.getsitepackages() + [site.getusersitepackages()]:
 print(":".join(sorted(dirs)))
 PY
 )
-library_path="$PWD/gpu-bundle/lib:$torch_dir/lib${nvidia_libs:+:$nvidia_libs}"
+# Libraries the bundle carries compressed (ICU's data), unpacked for this run.
+mkdir -p "$work/lib"
+for packed in gpu-bundle/lib/*.xz; do
+  [ -f "$packed" ] || continue
+  "$python" -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.decompress(open(sys.argv[1], "rb").read()))' \
+    "$packed" "$work/lib/$(basename "${packed%.xz}")" || fail "cannot unpack $packed"
+done
+library_path="$work/lib:$PWD/gpu-bundle/lib:$torch_dir/lib${nvidia_libs:+:$nvidia_libs}"
 ours() {  # STEP shardctl-arguments...
   local seconds
   seconds=$(left "$1") || exit 1
@@ -129,6 +139,26 @@ if [ "$gpus" -ge 2 ]; then
     say "tensor parallel over $tp GPUs: FAIL: $(tail -n 5 "$out/run-tp$tp.log" | tr '\n' ' ')"
     parity_failures=$((parity_failures + 1))
   fi
+fi
+
+# The service: a coordinator and one GPU worker per GPU (at most a TP size BERT-base's 12 heads
+# allow), an nccl job over them, Infer, against HF.
+service_gpus=$gpus
+while [ $((12 % service_gpus)) != 0 ]; do service_gpus=$((service_gpus - 1)); done
+service_devices=()
+for g in $(seq 0 $((service_gpus - 1))); do service_devices+=("cuda:$g"); done
+seconds=$(left "the service" 300) || exit 1
+if SHARDCTL="$PWD/gpu-bundle/bin/shardctl" COORDINATOR="$PWD/gpu-bundle/bin/bertshard-coordinator" \
+    WORKER="$PWD/gpu-bundle/bin/shard-worker" LIBRARY_PATH="$library_path" \
+    timeout "$seconds" bash tools/service_parity.sh nccl "$work/bert-base" "$work/parity.json" \
+    "$work/service.safetensors" "$out/service" "${service_devices[@]}" 2> "$out/service.log"; then
+  say "the service (coordinator + ${service_gpus} GPU worker(s), nccl, tp ${service_gpus}):"
+  python_step "the service comparison" tools/gpu_check.py parity "$work/bert-base" "$work/parity.json" \
+    "$work/service.safetensors" fp32 2>&1 | tee -a "$report"
+  [ "${PIPESTATUS[0]}" = 0 ] || parity_failures=$((parity_failures + 1))
+else
+  say "the service (coordinator + ${service_gpus} GPU worker(s), nccl): FAIL: $(tail -n 3 "$out/service.log" | tr '\n' ' ')"
+  parity_failures=$((parity_failures + 1))
 fi
 
 # 5. Throughput, BERT-base batch 32 x seq 128.
