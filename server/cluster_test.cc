@@ -274,19 +274,25 @@ TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
   }
 }
 
+// A model directory holding only a config.json naming `architecture` (BERT-base's shape): enough
+// to plan, never loaded here.
+std::string ConfigOnlyModel(const std::string& name, const std::string& architecture) {
+  const std::filesystem::path dir = std::filesystem::path(testing::TempDir()) / name;
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"architectures": [")" << architecture << R"("]})";
+  return dir.string();
+}
+
 // Jobs that have not ended are limited per client: the next is RESOURCE_EXHAUSTED, other clients
 // are not affected, and cancelling one makes room. The submitter is recorded on the job.
 TEST(ClusterLimits, JobsPerClientAreLimitedUntilOneEnds) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::path(testing::TempDir()) / "cluster_limits_model";
-  fs::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
+  const std::string dir = ConfigOnlyModel("cluster_limits_model", "BertForMaskedLM");
   ClusterOptions options;
   options.max_jobs_per_client = 2;
   auto cluster = Cluster::Create(options);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   v1::SubmitJobRequest submit;
-  submit.mutable_request()->set_checkpoint(dir.string());
+  submit.mutable_request()->set_checkpoint(dir);
   auto first = (*cluster)->SubmitJob(submit, "host:10.0.0.1");
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(first->submitted_by(), "host:10.0.0.1");
@@ -304,10 +310,7 @@ TEST(ClusterLimits, JobsPerClientAreLimitedUntilOneEnds) {
 // saying so (or is refused at once with fail_if_no_workers). No worker processes: the addresses
 // refuse connections, so a placed job fails at its load, keeping its rank assignments.
 TEST(ClusterPlacement, NcclJobsTakeOneWorkerPerGpuAndSayWhyTheyWait) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::path(testing::TempDir()) / "cluster_placement_model";
-  fs::create_directories(dir);
-  std::ofstream(dir / "config.json") << R"({"architectures": ["BertModel"]})";
+  const std::string dir = ConfigOnlyModel("cluster_placement_model", "BertModel");
   ClusterOptions options;
   options.heartbeat_interval = absl::Hours(1);  // these workers never heartbeat
   auto cluster = Cluster::Create(options);
@@ -322,7 +325,7 @@ TEST(ClusterPlacement, NcclJobsTakeOneWorkerPerGpuAndSayWhyTheyWait) {
   const std::string second_gpu0 = register_worker(10, "cuda:0");  // the same GPU of the same host
   register_worker(11, "cpu");
   v1::SubmitJobRequest submit;
-  submit.mutable_request()->set_checkpoint(dir.string());
+  submit.mutable_request()->set_checkpoint(dir);
   submit.mutable_request()->mutable_parallel()->set_tp_size(2);
   submit.set_backend("mpi");
   EXPECT_EQ((*cluster)->SubmitJob(submit, "test").status().code(), absl::StatusCode::kInvalidArgument);
