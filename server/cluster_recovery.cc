@@ -17,6 +17,13 @@ namespace bertshard::server {
 absl::Status Cluster::RecoverJobsLocked() {
   ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, store_->List());
   const absl::Time deadline = absl::Now() + options_.readopt_grace;
+  // A job this coordinator cannot take back: FAILED, saying why.
+  const auto fail = [this](const v1::Job& job, absl::string_view why, const absl::Status& status) {
+    RecordLocked(store_->Transition(job.id(), v1::FAILED,
+                                    absl::StrCat("the coordinator restarted and ", why, ": ", status.message()))
+                     .status(),
+                 absl::StrCat("failing job ", job.id()));
+  };
   for (const v1::Job& job : jobs) {
     if (TerminalState(job.state())) continue;
     // The plan the workers loaded; jobs stored before plans were (schema 1) are planned again.
@@ -30,21 +37,13 @@ absl::Status Cluster::RecoverJobsLocked() {
       if (plan.ok()) RecordLocked(store_->SetPlan(job.id(), *plan), absl::StrCat("storing job ", job.id(), "'s new plan"));
     }
     if (!plan.ok()) {
-      RecordLocked(store_->Transition(job.id(), v1::FAILED,
-                                      absl::StrCat("the coordinator restarted and cannot plan the job: ",
-                                                   plan.status().message()))
-                       .status(),
-                   absl::StrCat("failing job ", job.id()));
+      fail(job, "cannot plan the job", plan.status());
       continue;
     }
     // Empty in jobs stored before backends: gloo, as they ran.
     const absl::StatusOr<std::string> backend = NormaliseBackend(job.backend());
     if (!backend.ok()) {
-      RecordLocked(store_->Transition(job.id(), v1::FAILED,
-                                      absl::StrCat("the coordinator restarted and cannot place the job: ",
-                                                   backend.status().message()))
-                       .status(),
-                   absl::StrCat("failing job ", job.id()));
+      fail(job, "cannot place the job", backend.status());
       continue;
     }
     auto runtime = std::make_shared<JobRuntime>();

@@ -1,19 +1,18 @@
 #include "server/placement.h"
 
 #include <map>
-#include <set>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/device.h"
 
 namespace bertshard::server {
 namespace {
 
-bool IsGpu(absl::string_view device) { return absl::StartsWith(device, "cuda:"); }
+bool IsGpu(absl::string_view device) { return common::CudaIndex(device).has_value(); }
 
 // "1 worker", "2 workers".
 std::string Count(size_t n, absl::string_view one, absl::string_view many) {
@@ -31,12 +30,7 @@ absl::StatusOr<std::string> NormaliseBackend(absl::string_view backend) {
 }
 
 absl::Status CheckDevice(absl::string_view device) {
-  if (device.empty() || device == "cpu") return absl::OkStatus();
-  int index = -1;
-  if (IsGpu(device) && absl::SimpleAtoi(device.substr(5), &index) && index >= 0 &&
-      absl::StrCat("cuda:", index) == device) {
-    return absl::OkStatus();
-  }
+  if (device.empty() || device == "cpu" || IsGpu(device)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("unknown device '", device, "'; valid: cpu, cuda:N (N >= 0)"));
 }
 

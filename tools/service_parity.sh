@@ -25,18 +25,10 @@ trap cleanup EXIT
 ours() { env ${LIBRARY_PATH:+LD_LIBRARY_PATH="$LIBRARY_PATH"} "$@"; }
 fail() { echo "service_parity: $*" >&2; exit 1; }
 mkdir -p "$logs"
-# The port a server printed ("... listening on port N") in LOG, waiting up to ~30 s.
-port_of() {
-  for _ in $(seq 300); do
-    port=$(sed -n '/^metrics /!s/.*listening on port \([0-9]*\).*/\1/p' "$1" | head -n 1)
-    [ -n "$port" ] && { echo "$port"; return 0; }
-    sleep 0.1
-  done
-  return 1
-}
+source "$(dirname "$0")/local_cluster.sh"  # wait_for_port
 ours "$COORDINATOR" --listen=127.0.0.1:0 --data_dir="$work/coordinator" > "$logs/coordinator.log" 2>&1 &
 pids+=($!)
-port=$(port_of "$logs/coordinator.log") || fail "the coordinator did not start: $(tail -n 3 "$logs/coordinator.log")"
+port=$(wait_for_port "$logs/coordinator.log") || fail "the coordinator did not start: $(tail -n 3 "$logs/coordinator.log")"
 server="--server=127.0.0.1:$port"
 for i in "${!devices[@]}"; do
   ours "$WORKER" --listen=127.0.0.1:0 --coordinator="127.0.0.1:$port" --device="${devices[$i]}" \

@@ -1,8 +1,9 @@
 #include "worker/gpu_placement.h"
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
+#include <optional>
+
 #include "absl/strings/str_cat.h"
+#include "common/device.h"
 
 namespace bertshard::worker {
 
@@ -20,11 +21,7 @@ absl::StatusOr<int> GpuForRank(int rank, int ranks_on_host, int devices) {
 
 absl::StatusOr<int> ParseWorkerDevice(absl::string_view device) {
   if (device == "cpu") return -1;
-  int gpu = -1;
-  if (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &gpu) && gpu >= 0 &&
-      absl::StrCat("cuda:", gpu) == device) {
-    return gpu;
-  }
+  if (const std::optional<int> gpu = common::CudaIndex(device)) return *gpu;
   return absl::InvalidArgumentError(
       absl::StrCat("--device '", device, "': valid: cpu (serves gloo), cuda:N (serves nccl on GPU N)"));
 }

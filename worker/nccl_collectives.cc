@@ -48,18 +48,6 @@ absl::StatusOr<ncclDataType_t> NcclType(const at::Tensor& t) {
   }
 }
 
-absl::Status RequireCuda(const at::Tensor& t, int device) {
-  if (!t.is_cuda()) {
-    return absl::FailedPreconditionError(
-        "the nccl backend needs CUDA tensors: run with a CUDA-enabled LibTorch (see README)");
-  }
-  if (t.get_device() != device) {
-    return absl::InternalError(absl::StrCat("a tensor on cuda:", t.get_device(), " reached the NCCL group of cuda:",
-                                            device));
-  }
-  return NcclType(t).status();
-}
-
 }  // namespace
 
 struct NcclCollectives::State {
@@ -236,6 +224,22 @@ struct NcclCollectives::State {
         "the NCCL backend orders its calls against LibTorch's default CUDA stream, but another stream is current"));
   }
 
+  // NCCL's type for `t`, a CUDA tensor on this rank's device in a dtype NCCL sums; any other
+  // tensor is the caller's error, and ends the group (Refuse).
+  absl::StatusOr<ncclDataType_t> TypeOf(const at::Tensor& t) {
+    if (!t.is_cuda()) {
+      return Refuse(absl::FailedPreconditionError(
+          "the nccl backend needs CUDA tensors: run with a CUDA-enabled LibTorch (see README)"));
+    }
+    if (t.get_device() != device) {
+      return Refuse(absl::InternalError(
+          absl::StrCat("a tensor on cuda:", t.get_device(), " reached the NCCL group of cuda:", device)));
+    }
+    absl::StatusOr<ncclDataType_t> type = NcclType(t);
+    if (!type.ok()) return Refuse(type.status());
+    return type;
+  }
+
   absl::StatusOr<cudaEvent_t> SpareEvent() {
     if (!spare_events.empty()) {
       cudaEvent_t event = spare_events.back();
@@ -344,9 +348,8 @@ int NcclCollectives::tp_size() const { return state_->options.tp_size; }
 int NcclCollectives::tp_rank() const { return state_->tp_rank; }
 
 absl::Status NcclCollectives::AllReduceSum(at::Tensor& tensor) {
-  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
+  ASSIGN_OR_RETURN(const ncclDataType_t type, state_->TypeOf(tensor));
   at::Tensor t = tensor.contiguous();
-  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
   RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel all-reduce", /*compute_waits=*/true,
                                   [&](cudaStream_t stream) {
                                     return ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
@@ -357,12 +360,11 @@ absl::Status NcclCollectives::AllReduceSum(at::Tensor& tensor) {
 }
 
 absl::StatusOr<at::Tensor> NcclCollectives::AllGather(const at::Tensor& tensor, int64_t dim) {
-  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
+  ASSIGN_OR_RETURN(const ncclDataType_t type, state_->TypeOf(tensor));
   const at::Tensor in = tensor.contiguous();
   std::vector<int64_t> shape = {tp_size()};
   shape.insert(shape.end(), in.sizes().begin(), in.sizes().end());
   at::Tensor out = at::empty(shape, in.options());
-  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(in));
   RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel all-gather", /*compute_waits=*/true,
                                   [&](cudaStream_t stream) {
                                     return ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()),
@@ -372,14 +374,13 @@ absl::StatusOr<at::Tensor> NcclCollectives::AllGather(const at::Tensor& tensor, 
 }
 
 absl::StatusOr<at::Tensor> NcclCollectives::ReduceScatter(const at::Tensor& tensor, int64_t dim) {
-  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
+  ASSIGN_OR_RETURN(const ncclDataType_t type, state_->TypeOf(tensor));
   if (tensor.size(dim) % tp_size() != 0) {
     return state_->Refuse(absl::InternalError("reduce-scatter dim not divisible by tp"));
   }
   // Chunk j (along dim) goes to TP rank j.
   const at::Tensor in = at::stack(tensor.chunk(tp_size(), dim), 0).contiguous();
   at::Tensor out = at::empty(in.sizes().slice(1), in.options());
-  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(in));
   RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel reduce-scatter", /*compute_waits=*/true,
                                   [&](cudaStream_t stream) {
                                     return ncclReduceScatter(in.data_ptr(), out.data_ptr(),
@@ -391,31 +392,27 @@ absl::StatusOr<at::Tensor> NcclCollectives::ReduceScatter(const at::Tensor& tens
 
 absl::Status NcclCollectives::Send(const at::Tensor& tensor, int dst_rank, int /*tag*/) {
   // NCCL has no tags; ranks post transfers in the same route order, which pairs them.
-  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
   State& s = *state_;
+  ASSIGN_OR_RETURN(const ncclDataType_t type, s.TypeOf(tensor));
   const at::Tensor t = tensor.contiguous();
-  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-  RETURN_IF_ERROR(s.Usable());
-  // The event is made on the calling thread's current device, which must be the stream's.
-  RETURN_IF_ERROR(s.Cuda(cudaSetDevice(s.device), "cudaSetDevice"));
-  ASSIGN_OR_RETURN(cudaEvent_t done, s.SpareEvent());
   const std::string what = absl::StrCat("send to rank ", dst_rank);
-  absl::Status queued = s.Enqueue(s.world, what, /*compute_waits=*/false, [&](cudaStream_t stream) {
+  RETURN_IF_ERROR(s.Enqueue(s.world, what, /*compute_waits=*/false, [&](cudaStream_t stream) {
     return ncclSend(t.data_ptr(), static_cast<size_t>(t.numel()), type, dst_rank, s.world, stream);
-  });
-  if (queued.ok()) queued = s.Cuda(cudaEventRecord(done, s.stream), what);
-  if (!queued.ok()) {
+  }));
+  // After Enqueue, which set the thread's device to the stream's: the event is made on it. A
+  // failure here ends the group (Cuda), so an untracked send never outlives it.
+  ASSIGN_OR_RETURN(cudaEvent_t done, s.SpareEvent());
+  if (absl::Status recorded = s.Cuda(cudaEventRecord(done, s.stream), what); !recorded.ok()) {
     s.spare_events.push_back(done);
-    return queued;
+    return recorded;
   }
   s.sends.push_back({done, t, dst_rank});
   return absl::OkStatus();
 }
 
 absl::Status NcclCollectives::Recv(at::Tensor& tensor, int src_rank, int /*tag*/) {
-  if (absl::Status usable = RequireCuda(tensor, state_->device); !usable.ok()) return state_->Refuse(usable);
+  ASSIGN_OR_RETURN(const ncclDataType_t type, state_->TypeOf(tensor));
   if (!tensor.is_contiguous()) return state_->Refuse(absl::InternalError("receive buffer must be contiguous"));
-  ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(tensor));
   return state_->Enqueue(state_->world, absl::StrCat("receive from rank ", src_rank), /*compute_waits=*/true,
                          [&](cudaStream_t stream) {
                            return ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, src_rank,

@@ -171,14 +171,13 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   }
   // The coordinator places gloo jobs on CPU workers and nccl jobs on GPU workers; a load that
   // asks a worker for the other kind is refused before anything is read.
-  const std::string served = options_.gpu >= 0 ? "nccl" : "gloo";
+  const bool on_gpu = options_.gpu >= 0;
   const std::string backend = request->backend().empty() ? "gloo" : request->backend();
-  if (backend != served) {
+  if (backend != (on_gpu ? "nccl" : "gloo")) {
     return {grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("backend '", backend, "' is not served by this worker: it serves ", served,
-                         options_.gpu >= 0 ? absl::StrCat(" on cuda:", options_.gpu) : std::string(" on the CPU"),
-                         " (shard-worker --device=", options_.gpu >= 0 ? "cpu" : "cuda:N", " serves ",
-                         served == "gloo" ? "nccl" : "gloo", ")")};
+            absl::StrCat("backend '", backend, "' is not served by this worker: it serves ",
+                         on_gpu ? absl::StrCat("nccl on cuda:", options_.gpu) : "gloo on the CPU",
+                         on_gpu ? " (shard-worker --device=cpu serves gloo)" : " (shard-worker --device=cuda:N serves nccl)")};
   }
 #ifndef BERTSHARD_WITH_NCCL
   if (options_.gpu >= 0) {
