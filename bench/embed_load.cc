@@ -63,11 +63,11 @@ double ProcessCpuSeconds() {
 }
 
 struct Sample {
-  double latency = 0;        // client-side, seconds
-  int batch_requests = 0;    // BatchInfo.requests
-  int64_t batch_rows = 0;    // BatchInfo.rows
-  int64_t batch_tokens = 0;  // BatchInfo.padded_tokens
-  double queue_seconds = 0;  // BatchInfo.queue_seconds
+  double latency = 0;           // client-side, seconds
+  int batch_requests = 0;       // BatchInfo.requests
+  int64_t batch_rows = 0;       // BatchInfo.rows
+  int64_t batch_tokens = 0;     // BatchInfo.padded_tokens
+  double queue_seconds = 0;     // BatchInfo.queue_seconds
   double forward_seconds = -1;  // InferResponse.forward_seconds (Infer only)
 };
 
@@ -137,7 +137,8 @@ double Percentile(const std::vector<double>& sorted, double p) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "closed-loop load on a job: embed_load --job=JOB --sentences=FILE [--clients=N] [--duration_s=S] [--rpc=embed|infer]");
+      "closed-loop load on a job: embed_load --job=JOB --sentences=FILE [--clients=N] [--duration_s=S] "
+      "[--rpc=embed|infer]");
   absl::ParseCommandLine(argc, argv);
   Options o;
   o.server = absl::GetFlag(FLAGS_server);
@@ -219,8 +220,7 @@ int main(int argc, char** argv) {
       ready->Block();
       go->Block();
       if (setup_failures.load() > 0) return;
-      const Clock::time_point end =
-          start + std::chrono::microseconds(static_cast<int64_t>(o.duration_s * 1e6));
+      const Clock::time_point end = start + std::chrono::microseconds(static_cast<int64_t>(o.duration_s * 1e6));
       for (int i = 0;; ++i) {
         if (o.requests_per_client > 0 ? i >= o.requests_per_client : Clock::now() >= end) break;
         Sample sample;
@@ -308,14 +308,16 @@ int main(int argc, char** argv) {
   std::printf("  throughput      %8.2f requests/s\n", rps);
   std::printf("  latency ms      p50 %.2f  p90 %.2f  p99 %.2f  mean %.2f  min %.2f  max %.2f\n", 1e3 * p50, 1e3 * p90,
               1e3 * p99, 1e3 * mean, 1e3 * lmin, 1e3 * lmax);
-  std::printf("  batching        mean BatchInfo.requests %.2f (per request), %.2f requests per forward, %.1f forwards/s\n",
-              mean_batch, requests_per_forward, wall > 0 ? forwards / wall : 0.0);
+  std::printf(
+      "  batching        mean BatchInfo.requests %.2f (per request), %.2f requests per forward, %.1f forwards/s\n",
+      mean_batch, requests_per_forward, wall > 0 ? forwards / wall : 0.0);
   std::printf("                  per forward: %.2f rows, %.1f padded tokens\n", rows_per_forward, tokens_per_forward);
   std::printf("  in coordinator  mean queue %.2f ms", 1e3 * mean_queue);
   if (has_forward) {
-    std::printf(", mean forward %.2f ms (ranks), rest %.2f ms (client latency - queue - forward)",
-                1e3 * mean_forward, 1e3 * (mean - mean_queue - mean_forward));
-    std::printf("\n                  median forward %.2f ms, median rest %.2f ms", 1e3 * p50_forward, 1e3 * p50_overhead);
+    std::printf(", mean forward %.2f ms (ranks), rest %.2f ms (client latency - queue - forward)", 1e3 * mean_forward,
+                1e3 * (mean - mean_queue - mean_forward));
+    std::printf("\n                  median forward %.2f ms, median rest %.2f ms", 1e3 * p50_forward,
+                1e3 * p50_overhead);
     std::printf("\n                  per forward %.2f ms; the ranks were in a forward %.0f%% of the time",
                 forwards > 0 ? 1e3 * forward_time_sum / forwards : 0.0, wall > 0 ? 100 * forward_time_sum / wall : 0.0);
   }
@@ -337,9 +339,9 @@ int main(int argc, char** argv) {
         "\"rows_per_forward\": %.4f, \"tokens_per_forward\": %.4f, \"mean_queue_ms\": %.4f, "
         "\"mean_forward_ms\": %.4f, \"p50_forward_ms\": %.4f, \"p50_rest_ms\": %.4f, "
         "\"forward_ms_per_forward\": %.4f, \"forward_busy\": %.4f, \"client_cpu_s\": %.4f}\n",
-        o.rpc.c_str(), clients, all.size(), errors, wall, rps, 1e3 * p50, 1e3 * p90, 1e3 * p99, 1e3 * mean,
-        1e3 * lmin, 1e3 * lmax, mean_batch, requests_per_forward, rows_per_forward, tokens_per_forward,
-        1e3 * mean_queue, forward_ms, p50_forward_ms, p50_rest_ms, per_forward_ms, busy, client_cpu);
+        o.rpc.c_str(), clients, all.size(), errors, wall, rps, 1e3 * p50, 1e3 * p90, 1e3 * p99, 1e3 * mean, 1e3 * lmin,
+        1e3 * lmax, mean_batch, requests_per_forward, rows_per_forward, tokens_per_forward, 1e3 * mean_queue,
+        forward_ms, p50_forward_ms, p50_rest_ms, per_forward_ms, busy, client_cpu);
   }
   std::fflush(stdout);
   delete ready;

@@ -92,7 +92,7 @@ long ParseInt(const std::string& flag, const std::string& text) {
 
 Options ParseOptions(int argc, char** argv) {
   Options o;
-  const std::set<std::string> known_paths = {"fp32_mm",   "fp32_onednn", "bf16_linear",
+  const std::set<std::string> known_paths = {"fp32_mm",     "fp32_onednn", "bf16_linear",
                                              "bf16_onednn", "fp16_linear", "fp16_onednn"};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i], value;
@@ -121,7 +121,8 @@ Options ParseOptions(int argc, char** argv) {
       for (const std::string& s : Split(value, ',')) {
         const std::vector<std::string> dims = Split(s, 'x');
         if (dims.size() != 3) Usage("--shapes wants MxKxN[,MxKxN...], not '" + s + "'");
-        o.shapes.push_back({ParseInt("--shapes", dims[0]), ParseInt("--shapes", dims[1]), ParseInt("--shapes", dims[2])});
+        o.shapes.push_back(
+            {ParseInt("--shapes", dims[0]), ParseInt("--shapes", dims[1]), ParseInt("--shapes", dims[2])});
       }
       if (o.shapes.empty()) Usage("--shapes is empty");
     } else if (arg == "--paths") {
@@ -256,12 +257,8 @@ int main(int argc, char** argv) {
     std::printf("%s\n", out.dump().c_str());
     return 0;
   }
-  json out = {{"threads", at::get_num_threads()},
-              {"mkldnn", at::hasMKLDNN()},
-              {"runs", o.runs},
-              {"budget_seconds", o.budget_seconds},
-              {"cpu", CpuFacts()},
-              {"paths", json::object()}};
+  json out = {{"threads", at::get_num_threads()},   {"mkldnn", at::hasMKLDNN()}, {"runs", o.runs},
+              {"budget_seconds", o.budget_seconds}, {"cpu", CpuFacts()},         {"paths", json::object()}};
   for (const std::string& path : o.paths) {
     std::fprintf(stderr, "gemm_peak: %s, %d threads\n", path.c_str(), o.threads);
     out["paths"][path] = MeasurePath(path, o);

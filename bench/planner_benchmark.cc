@@ -28,8 +28,7 @@ v1::PlanRequest Request(bool large, v1::PipelineStyle style) {
 }
 
 void BM_Plan(benchmark::State& state) {
-  const v1::PlanRequest request =
-      Request(state.range(0) == 1, static_cast<v1::PipelineStyle>(state.range(1)));
+  const v1::PlanRequest request = Request(state.range(0) == 1, static_cast<v1::PipelineStyle>(state.range(1)));
   int64_t tensors = 0;
   for (auto _ : state) {
     auto plan = planner::Plan(request);
@@ -49,8 +48,7 @@ void BM_Plan(benchmark::State& state) {
 // On an arena, as shardctl --batch uses it; with `json`, also renders the batch line (the output
 // buffer is reused, as --batch reuses it).
 void PlanOnArena(benchmark::State& state, bool json) {
-  const v1::PlanRequest request =
-      Request(state.range(0) == 1, static_cast<v1::PipelineStyle>(state.range(1)));
+  const v1::PlanRequest request = Request(state.range(0) == 1, static_cast<v1::PipelineStyle>(state.range(1)));
   std::string text;
   for (auto _ : state) {
     google::protobuf::Arena arena;

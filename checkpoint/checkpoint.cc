@@ -41,7 +41,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     const auto index = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
     if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
         !index["weight_map"].is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(index_path, " is not a safetensors index (needs a weight_map object)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index_path, " is not a safetensors index (needs a weight_map object)"));
     }
     if (index["weight_map"].empty()) {
       return absl::InvalidArgumentError(absl::StrCat(index_path, " has an empty weight_map: it names no shard file"));
@@ -49,10 +50,11 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     std::vector<std::string> missing;  // shard files the index names that are not there
     for (const auto& [tensor, file] : index["weight_map"].items()) {
       // A bare file name in this directory: no path (a separator, "." or "..") may lead elsewhere.
-      if (!file.is_string() || file.get<std::string>().empty() || file.get<std::string>().find('/') != std::string::npos ||
-          file.get<std::string>() == "." || file.get<std::string>() == "..") {
-        return absl::InvalidArgumentError(absl::StrCat(index_path, ": tensor ", tensor,
-                                                       " maps to a bad shard file name"));
+      if (!file.is_string() || file.get<std::string>().empty() ||
+          file.get<std::string>().find('/') != std::string::npos || file.get<std::string>() == "." ||
+          file.get<std::string>() == "..") {
+        return absl::InvalidArgumentError(
+            absl::StrCat(index_path, ": tensor ", tensor, " maps to a bad shard file name"));
       }
       const std::string name = file.get<std::string>();
       if (std::find(shard_names.begin(), shard_names.end(), name) != shard_names.end()) continue;
@@ -62,21 +64,21 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     // All of them at once: a partly copied checkpoint lacks several, and one error per retry would
     // hide how much is missing.
     if (!missing.empty()) {
-      return absl::NotFoundError(absl::StrCat("checkpoint ", directory, ": model.safetensors.index.json names shard file",
-                                              missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "),
-                                              missing.size() == 1 ? ", which is" : ", which are", " missing"));
+      return absl::NotFoundError(absl::StrCat(
+          "checkpoint ", directory, ": model.safetensors.index.json names shard file", missing.size() == 1 ? " " : "s ",
+          absl::StrJoin(missing, ", "), missing.size() == 1 ? ", which is" : ", which are", " missing"));
     }
   } else {
-    return absl::NotFoundError(absl::StrCat("checkpoint ", directory,
-                                            " has neither model.safetensors nor model.safetensors.index.json"));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint ", directory, " has neither model.safetensors nor model.safetensors.index.json"));
   }
   for (const std::string& name : shard_names) {
     auto file = SafetensorsFile::Open(directory + "/" + name);
     if (!file.ok()) return file.status();
     for (const auto& [tensor, info] : (*file)->tensors()) {
       if (!ckpt->index_.emplace(tensor, file->get()).second) {
-        return absl::InvalidArgumentError(absl::StrCat("checkpoint ", directory, ": tensor ", tensor,
-                                                       " is stored in more than one shard"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoint ", directory, ": tensor ", tensor, " is stored in more than one shard"));
       }
     }
     ckpt->files_.push_back(*std::move(file));
@@ -92,8 +94,7 @@ absl::StatusOr<TensorLocation> Checkpoint::Find(const std::string& name,
     auto it = index_.find(candidate);
     if (it != index_.end()) return TensorLocation{it->second, it->second->Find(candidate)};
   }
-  return absl::NotFoundError(absl::StrCat("checkpoint ", directory_, " has no tensor ",
-                                          absl::StrJoin(tried, " or ")));
+  return absl::NotFoundError(absl::StrCat("checkpoint ", directory_, " has no tensor ", absl::StrJoin(tried, " or ")));
 }
 
 uint64_t Checkpoint::bytes_read() const {

@@ -39,8 +39,7 @@ class Checkpoint {
 
   // The tensor stored under `name`, or else under the first of `aliases` that is stored (HF
   // stores tied tensors once). NOT_FOUND names the tensor and the aliases tried.
-  absl::StatusOr<TensorLocation> Find(const std::string& name,
-                                      const std::vector<std::string>& aliases) const;
+  absl::StatusOr<TensorLocation> Find(const std::string& name, const std::vector<std::string>& aliases) const;
 
   // Bytes copied out of all shard files so far.
   uint64_t bytes_read() const;

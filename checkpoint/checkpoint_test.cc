@@ -54,7 +54,8 @@ TEST(Checkpoint, RefusesMissingWeightsBadIndexAndDuplicates) {
   const std::string dup = MakeDir("dup");
   ASSERT_TRUE(WriteSafetensors(dup + "/p1.safetensors", {{"a", {1}, {1}}}).ok());
   ASSERT_TRUE(WriteSafetensors(dup + "/p2.safetensors", {{"a", {1}, {2}}}).ok());
-  std::ofstream(dup + "/model.safetensors.index.json") << R"({"weight_map": {"a": "p1.safetensors", "b": "p2.safetensors"}})";
+  std::ofstream(dup + "/model.safetensors.index.json")
+      << R"({"weight_map": {"a": "p1.safetensors", "b": "p2.safetensors"}})";
   ExpectStatus(Checkpoint::Open(dup).status(), absl::StatusCode::kInvalidArgument,
                "tensor a is stored in more than one shard");
 }
@@ -68,8 +69,9 @@ TEST(Checkpoint, RefusesAnIndexNamingMissingShardFiles) {
       << R"({"weight_map": {"a.weight": "part-1.safetensors", "b.weight": "part-2.safetensors",
                             "c.weight": "part-3.safetensors", "d.weight": "part-2.safetensors"}})";
   ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kNotFound,
-               "checkpoint " + dir + ": model.safetensors.index.json names shard files part-2.safetensors, "
-               "part-3.safetensors, which are missing");
+               "checkpoint " + dir +
+                   ": model.safetensors.index.json names shard files part-2.safetensors, "
+                   "part-3.safetensors, which are missing");
   ASSERT_TRUE(WriteSafetensors(dir + "/part-3.safetensors", {{"c.weight", {1}, {3}}}).ok());
   ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kNotFound,
                "names shard file part-2.safetensors, which is missing");

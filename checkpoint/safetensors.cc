@@ -98,10 +98,10 @@ struct DTypeName {
 };
 
 constexpr DTypeName kDTypes[] = {
-    {"F64", DType::kF64, 8},   {"F32", DType::kF32, 4},   {"F16", DType::kF16, 2},
-    {"BF16", DType::kBF16, 2}, {"I64", DType::kI64, 8},   {"I32", DType::kI32, 4},
-    {"I16", DType::kI16, 2},   {"I8", DType::kI8, 1},     {"U64", DType::kU64, 8},
-    {"U32", DType::kU32, 4},   {"U16", DType::kU16, 2},   {"U8", DType::kU8, 1},
+    {"F64", DType::kF64, 8},   {"F32", DType::kF32, 4},        {"F16", DType::kF16, 2},
+    {"BF16", DType::kBF16, 2}, {"I64", DType::kI64, 8},        {"I32", DType::kI32, 4},
+    {"I16", DType::kI16, 2},   {"I8", DType::kI8, 1},          {"U64", DType::kU64, 8},
+    {"U32", DType::kU32, 4},   {"U16", DType::kU16, 2},        {"U8", DType::kU8, 1},
     {"BOOL", DType::kBool, 1}, {"F8_E4M3", DType::kF8E4M3, 1}, {"F8_E5M2", DType::kF8E5M2, 1},
 };
 
@@ -118,9 +118,10 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   for (const auto& d : kDTypes) {
     if (d.name == name) return d.dtype;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "dtype ", name, " is not a safetensors dtype (F64, F32, F16, BF16, I64, I32, I16, I8, U64, U32, "
-      "U16, U8, BOOL, F8_E4M3, F8_E5M2)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype ", name,
+                   " is not a safetensors dtype (F64, F32, F16, BF16, I64, I32, I16, I8, U64, U32, "
+                   "U16, U8, BOOL, F8_E4M3, F8_E5M2)"));
 }
 
 int DTypeSize(DType dtype) {
@@ -175,9 +176,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   std::vector<const TensorInfo*> by_offset;
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") continue;
-    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
-        !entry.contains("data_offsets") || !entry["dtype"].is_string() || !entry["shape"].is_array() ||
-        !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
+    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") || !entry.contains("data_offsets") ||
+        !entry["dtype"].is_string() || !entry["shape"].is_array() || !entry["data_offsets"].is_array() ||
+        entry["data_offsets"].size() != 2) {
       return Bad(path, absl::StrCat("tensor ", name, " needs dtype, shape and data_offsets [begin, end]"));
     }
     TensorInfo info;
@@ -192,8 +193,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     const json& shape = entry["shape"];
     for (size_t i = 0; i < shape.size(); ++i) {
       if (!shape[i].is_number_unsigned()) {
-        return Bad(path, absl::StrCat("tensor ", name, " has a bad shape: dimension ", i,
-                                      " is not a non-negative integer"));
+        return Bad(path,
+                   absl::StrCat("tensor ", name, " has a bad shape: dimension ", i, " is not a non-negative integer"));
       }
       const uint64_t dim = shape[i].get<uint64_t>();
       if (dim > kMaxTensorElements) {
@@ -208,15 +209,16 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     } else {
       for (int64_t dim : info.shape) {
         if (numel > kMaxTensorElements / static_cast<uint64_t>(dim)) {
-          return Bad(path, absl::StrCat("tensor ", name, " has a shape of more than ", kMaxTensorElements,
-                                        " elements"));
+          return Bad(path,
+                     absl::StrCat("tensor ", name, " has a shape of more than ", kMaxTensorElements, " elements"));
         }
         numel *= static_cast<uint64_t>(dim);
       }
     }
     for (const auto& o : entry["data_offsets"]) {
       if (!o.is_number_unsigned()) {
-        return Bad(path, absl::StrCat("tensor ", name, " has bad data_offsets: they must be two non-negative integers "
+        return Bad(path, absl::StrCat("tensor ", name,
+                                      " has bad data_offsets: they must be two non-negative integers "
                                       "[begin, end]"));
       }
     }
@@ -231,9 +233,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                     ") lie outside the ", data_size, "-byte data section"));
     }
     if (numel * static_cast<uint64_t>(DTypeSize(info.dtype)) != info.end - info.begin) {
-      return Bad(path, absl::StrCat("tensor ", name, " has ", numel, " elements of ",
-                                    DTypeSize(info.dtype), " bytes but ", info.end - info.begin,
-                                    " bytes of data"));
+      return Bad(path, absl::StrCat("tensor ", name, " has ", numel, " elements of ", DTypeSize(info.dtype),
+                                    " bytes but ", info.end - info.begin, " bytes of data"));
     }
     auto [it, inserted] = file->tensors_.emplace(name, std::move(info));
     by_offset.push_back(&it->second);
@@ -244,7 +245,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   uint64_t expected = 0;
   for (const TensorInfo* t : by_offset) {
     if (t->begin < expected) return Bad(path, absl::StrCat("tensor ", t->name, " overlaps the tensor before it"));
-    if (t->begin > expected) return Bad(path, absl::StrCat("tensor ", t->name, " leaves a gap before it (not contiguous)"));
+    if (t->begin > expected)
+      return Bad(path, absl::StrCat("tensor ", t->name, " leaves a gap before it (not contiguous)"));
     expected = t->end;
   }
   if (expected != data_size) {
@@ -253,9 +255,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   return file;
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  munmap(const_cast<uint8_t*>(map_), size_);
-}
+SafetensorsFile::~SafetensorsFile() { munmap(const_cast<uint8_t*>(map_), size_); }
 
 const TensorInfo* SafetensorsFile::Find(absl::string_view name) const {
   auto it = tensors_.find(std::string(name));
@@ -303,9 +303,8 @@ absl::Status SafetensorsFile::ReadSlice(const TensorInfo& t, const Slice& slice,
   }
   if (slice.dim >= static_cast<int>(t.shape.size()) || slice.start < 0 || slice.end < slice.start ||
       slice.end > t.shape[static_cast<size_t>(slice.dim)]) {
-    return absl::InvalidArgumentError(absl::StrCat("slice [", slice.start, ", ", slice.end, ") of dim ",
-                                                   slice.dim, " is outside tensor ", t.name, " (", t.shape.size(),
-                                                   " dims)"));
+    return absl::InvalidArgumentError(absl::StrCat("slice [", slice.start, ", ", slice.end, ") of dim ", slice.dim,
+                                                   " is outside tensor ", t.name, " (", t.shape.size(), " dims)"));
   }
   // Row-major: the tensor is `outer` blocks of shape[dim] x `inner` elements, and the slice is the
   // same run of `width` elements in each block. Open bounded every product by kMaxTensorElements.
@@ -339,8 +338,8 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<TensorD
     int64_t numel = 1;
     for (int64_t d : t.shape) numel *= d;
     if (numel != static_cast<int64_t>(t.values.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", t.name, " has ", t.values.size(),
-                                                     " values for a shape of ", numel, " elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", t.name, " has ", t.values.size(), " values for a shape of ", numel, " elements"));
     }
     const uint64_t bytes = t.values.size() * 4;
     header[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};

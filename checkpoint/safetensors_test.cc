@@ -1,7 +1,6 @@
 #include "checkpoint/safetensors.h"
 
 #include <algorithm>
-
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -14,9 +13,7 @@
 namespace bertshard::checkpoint {
 namespace {
 
-std::string TempPath(const std::string& name) {
-  return std::string(std::getenv("TEST_TMPDIR")) + "/" + name;
-}
+std::string TempPath(const std::string& name) { return std::string(std::getenv("TEST_TMPDIR")) + "/" + name; }
 
 // A file with an arbitrary header text and data bytes (or `data_bytes` zeros).
 std::string RawFile(const std::string& name, const std::string& header, const std::string& data,
@@ -178,8 +175,10 @@ TEST(Safetensors, RefusesShapesThatOverflowOrOutgrowTheFile) {
   ExpectRefused(RawFile("beyond_file_small_range", header("[1048576,1048576]", "[0,8]"), 8),
                 "tensor a has 1099511627776 elements of 4 bytes but 8 bytes of data");
   // data_offsets that disagree with shape x dtype size, both ways.
-  ExpectRefused(RawFile("offsets_long", header("[2,3]", "[0,32]"), 32), "tensor a has 6 elements of 4 bytes but 32 bytes");
-  ExpectRefused(RawFile("offsets_short", header("[2,3]", "[0,16]"), 16), "tensor a has 6 elements of 4 bytes but 16 bytes");
+  ExpectRefused(RawFile("offsets_long", header("[2,3]", "[0,32]"), 32),
+                "tensor a has 6 elements of 4 bytes but 32 bytes");
+  ExpectRefused(RawFile("offsets_short", header("[2,3]", "[0,16]"), 16),
+                "tensor a has 6 elements of 4 bytes but 16 bytes");
   // A zero dimension makes an empty tensor, however large the others: no overflow to report.
   auto empty = SafetensorsFile::Open(RawFile("empty_huge", header("[1099511627776,0,1099511627776]", "[0,0]"), 0));
   ASSERT_TRUE(empty.ok()) << empty.status();

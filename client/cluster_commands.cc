@@ -40,13 +40,14 @@ std::unique_ptr<v1::Coordinator::Stub> Connect(const CommandLine& cl) {
   args.SetMaxReceiveMessageSize(1 << 30);
   // Checked before any command runs (RunClusterCommand): here it loads.
   auto credentials = ClientCredentials(cl);
-  return v1::Coordinator::NewStub(grpc::CreateCustomChannel(
-      server, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(), args));
+  return v1::Coordinator::NewStub(
+      grpc::CreateCustomChannel(server, credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(), args));
 }
 
 std::unique_ptr<grpc::ClientContext> Context(const CommandLine& cl, int default_seconds) {
   int64_t seconds = default_seconds;
-  if (auto it = cl.values.find("timeout"); it != cl.values.end()) seconds = std::max<int64_t>(1, std::atoll(it->second.c_str()));
+  if (auto it = cl.values.find("timeout"); it != cl.values.end())
+    seconds = std::max<int64_t>(1, std::atoll(it->second.c_str()));
   auto context = std::make_unique<grpc::ClientContext>();
   context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
   // Checked before any command runs (shardctl.cc): here it loads.
@@ -119,9 +120,10 @@ void PrintEvent(const v1::JobEvent& e, std::FILE* out) {
     const int width = 30;
     const int filled = static_cast<int>(width * loaded / total);
     std::fprintf(out, "%s%s [%s%s] %3d%% %s / %s (%d ranks)%s", tty ? "\r" : "", state.c_str(),
-                 std::string(static_cast<size_t>(filled), '#').c_str(), std::string(static_cast<size_t>(width - filled), '.').c_str(),
-                 static_cast<int>(100 * loaded / total), planner::HumanBytes(loaded).c_str(),
-                 planner::HumanBytes(total).c_str(), e.ranks_size(), tty ? "" : "\n");
+                 std::string(static_cast<size_t>(filled), '#').c_str(),
+                 std::string(static_cast<size_t>(width - filled), '.').c_str(), static_cast<int>(100 * loaded / total),
+                 planner::HumanBytes(loaded).c_str(), planner::HumanBytes(total).c_str(), e.ranks_size(),
+                 tty ? "" : "\n");
   } else {
     std::fprintf(out, "%s%s%s%s\n", tty ? "\n" : "", state.c_str(),
                  e.job().failure_cause().empty() ? "" : (": " + e.job().failure_cause()).c_str(),
@@ -158,7 +160,8 @@ absl::Status Watch(v1::Coordinator::Stub* stub, const std::string& id, const Com
     last = event;
   }
   RETURN_IF_ERROR(common::FromGrpcStatus(reader->Finish()));
-  if (last.job().state() == v1::FAILED) return absl::AbortedError(absl::StrCat("job ", id, " failed: ", last.job().failure_cause()));
+  if (last.job().state() == v1::FAILED)
+    return absl::AbortedError(absl::StrCat("job ", id, " failed: ", last.job().failure_cause()));
   return absl::OkStatus();
 }
 
@@ -183,19 +186,21 @@ absl::Status Submit(const CommandLine& cl, std::FILE* out) {
 absl::Status Jobs(const CommandLine& cl, std::FILE* out) {
   v1::ListJobsResponse jobs;
   RETURN_IF_ERROR(common::FromGrpcStatus(Connect(cl)->ListJobs(Context(cl, 30).get(), v1::ListJobsRequest(), &jobs)));
-  std::fputs(absl::StrFormat("%-26s %-10s %-32s %-8s %-5s %s\n", "JOB", "STATE", "VARIANT", "TPxPP", "AGE", "DETAIL").c_str(), out);
+  std::fputs(
+      absl::StrFormat("%-26s %-10s %-32s %-8s %-5s %s\n", "JOB", "STATE", "VARIANT", "TPxPP", "AGE", "DETAIL").c_str(),
+      out);
   for (const v1::Job& j : jobs.jobs()) {
     const auto& p = j.request().parallel();
     // Jobs submitted before the coordinator stored the resolved class have none.
     const std::string variant = j.request().variant() == v1::MODEL_VARIANT_UNSPECIFIED
                                     ? "(from checkpoint)"
                                     : std::string(planner::HfClassName(j.request().variant()));
-    std::fputs(absl::StrFormat("%-26s %-10s %-32s %-8s %-5s %s\n", j.id(), v1::JobState_Name(j.state()), variant,
-                               absl::StrCat(std::max<int64_t>(1, p.tp_size()), "x", std::max<int64_t>(1, p.pp_size())),
-                               Age(j.created_unix_millis()),
-                               j.state() == v1::FAILED ? j.failure_cause() : j.pending_reason())
-                   .c_str(),
-               out);
+    std::fputs(
+        absl::StrFormat("%-26s %-10s %-32s %-8s %-5s %s\n", j.id(), v1::JobState_Name(j.state()), variant,
+                        absl::StrCat(std::max<int64_t>(1, p.tp_size()), "x", std::max<int64_t>(1, p.pp_size())),
+                        Age(j.created_unix_millis()), j.state() == v1::FAILED ? j.failure_cause() : j.pending_reason())
+            .c_str(),
+        out);
   }
   return absl::OkStatus();
 }
@@ -222,17 +227,19 @@ absl::Status Cancel(const CommandLine& cl, std::FILE* out) {
 
 absl::Status Workers(const CommandLine& cl, std::FILE* out) {
   v1::ListWorkersResponse workers;
-  RETURN_IF_ERROR(common::FromGrpcStatus(Connect(cl)->ListWorkers(Context(cl, 30).get(), v1::ListWorkersRequest(), &workers)));
+  RETURN_IF_ERROR(
+      common::FromGrpcStatus(Connect(cl)->ListWorkers(Context(cl, 30).get(), v1::ListWorkersRequest(), &workers)));
   std::fputs(absl::StrFormat("%-12s %-22s %-7s %-8s %-10s %-26s %s\n", "WORKER", "ADDRESS", "DEVICE", "HEALTHY",
                              "FREE MEM", "JOB", "RANK")
                  .c_str(),
              out);
   for (const auto& w : workers.workers()) {
-    std::fputs(absl::StrFormat("%-12s %-22s %-7s %-8s %-10s %-26s %s\n", w.worker_id(), w.address(), w.device(),
-                               w.healthy() ? "yes" : "no", planner::HumanBytes(w.free_memory_bytes()),
-                               w.job_id().empty() ? "-" : w.job_id(), w.job_id().empty() ? "-" : std::to_string(w.rank()))
-                   .c_str(),
-               out);
+    std::fputs(
+        absl::StrFormat("%-12s %-22s %-7s %-8s %-10s %-26s %s\n", w.worker_id(), w.address(), w.device(),
+                        w.healthy() ? "yes" : "no", planner::HumanBytes(w.free_memory_bytes()),
+                        w.job_id().empty() ? "-" : w.job_id(), w.job_id().empty() ? "-" : std::to_string(w.rank()))
+            .c_str(),
+        out);
   }
   return absl::OkStatus();
 }
@@ -255,7 +262,8 @@ absl::StatusOr<int> IntFlag(const CommandLine& cl, const std::string& name, int 
   if (it == cl.values.end()) return 0;
   int value = 0;
   if (!absl::SimpleAtoi(it->second, &value) || value < low) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be an integer >= ", low, ", got '", it->second, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " must be an integer >= ", low, ", got '", it->second, "'"));
   }
   return value;
 }
@@ -269,12 +277,14 @@ void PrintPredictions(const v1::InferResponse& response, std::FILE* out) {
     const std::string prefix = response.predictions_size() > 1 ? absl::StrCat("[", i, "] ") : "";
     for (const v1::MaskPrediction& m : p.masks()) {
       std::fprintf(out, "%s[MASK] at %lld:", prefix.c_str(), static_cast<long long>(m.position()));
-      for (const v1::TokenScore& t : m.top()) std::fprintf(out, "  %s (%s)", t.token().c_str(), Score(t.score()).c_str());
+      for (const v1::TokenScore& t : m.top())
+        std::fprintf(out, "  %s (%s)", t.token().c_str(), Score(t.score()).c_str());
       std::fprintf(out, "\n");
     }
     if (p.labels_size() > 0) {
       std::fprintf(out, "%slabels:", prefix.c_str());
-      for (const v1::LabelScore& l : p.labels()) std::fprintf(out, "  %s (%s)", l.label().c_str(), Score(l.score()).c_str());
+      for (const v1::LabelScore& l : p.labels())
+        std::fprintf(out, "  %s (%s)", l.label().c_str(), Score(l.score()).c_str());
       std::fprintf(out, "\n");
     }
     for (const v1::TokenLabel& t : p.token_labels()) {
@@ -297,10 +307,12 @@ absl::Status Infer(const CommandLine& cl, std::FILE* out) {
   // Said before the general rule: with --input a pair used to be dropped without a word, and the
   // request then ran on something other than what was asked.
   if (v.count("text-pair") && !v.count("text")) {
-    return absl::InvalidArgumentError("--text-pair needs --text (the pair's first text); token inputs (--input) carry "
-                                      "their own token_type_ids");
+    return absl::InvalidArgumentError(
+        "--text-pair needs --text (the pair's first text); token inputs (--input) carry "
+        "their own token_type_ids");
   }
-  if (v.count("text") == v.count("input")) return absl::InvalidArgumentError("infer needs exactly one of --text or --input");
+  if (v.count("text") == v.count("input"))
+    return absl::InvalidArgumentError("infer needs exactly one of --text or --input");
   if (auto it = v.find("text"); it != v.end()) {
     RETURN_IF_ERROR(CheckUtf8(it->second, "--text"));
     infer.mutable_text()->add_texts(it->second);
@@ -348,24 +360,34 @@ absl::Status Infer(const CommandLine& cl, std::FILE* out) {
 absl::StatusOr<v1::Pooling> ParsePoolingFlag(const std::string& name) {
   auto pooling = serving::ParsePooling(name);
   if (!pooling.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown --pooling '", name, "' (valid: mean, cls, max, mean_sqrt_len)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown --pooling '", name, "' (valid: mean, cls, max, mean_sqrt_len)"));
   }
   switch (*pooling) {
-    case serving::Pooling::kMean: return v1::POOLING_MEAN;
-    case serving::Pooling::kCls: return v1::POOLING_CLS;
-    case serving::Pooling::kMax: return v1::POOLING_MAX;
-    case serving::Pooling::kMeanSqrtLen: return v1::POOLING_MEAN_SQRT_LEN;
+    case serving::Pooling::kMean:
+      return v1::POOLING_MEAN;
+    case serving::Pooling::kCls:
+      return v1::POOLING_CLS;
+    case serving::Pooling::kMax:
+      return v1::POOLING_MAX;
+    case serving::Pooling::kMeanSqrtLen:
+      return v1::POOLING_MEAN_SQRT_LEN;
   }
   return absl::InternalError("unreachable");
 }
 
 std::string PoolingFlagName(v1::Pooling p) {
   switch (p) {
-    case v1::POOLING_MEAN: return serving::PoolingName(serving::Pooling::kMean);
-    case v1::POOLING_CLS: return serving::PoolingName(serving::Pooling::kCls);
-    case v1::POOLING_MAX: return serving::PoolingName(serving::Pooling::kMax);
-    case v1::POOLING_MEAN_SQRT_LEN: return serving::PoolingName(serving::Pooling::kMeanSqrtLen);
-    default: return "unspecified";
+    case v1::POOLING_MEAN:
+      return serving::PoolingName(serving::Pooling::kMean);
+    case v1::POOLING_CLS:
+      return serving::PoolingName(serving::Pooling::kCls);
+    case v1::POOLING_MAX:
+      return serving::PoolingName(serving::Pooling::kMax);
+    case v1::POOLING_MEAN_SQRT_LEN:
+      return serving::PoolingName(serving::Pooling::kMeanSqrtLen);
+    default:
+      return "unspecified";
   }
 }
 
@@ -375,7 +397,8 @@ absl::Status Embed(const CommandLine& cl, std::FILE* out) {
   embed.set_job_id(JobId(cl));
   if (embed.job_id().empty()) return absl::InvalidArgumentError("embed needs a job id");
   const auto& v = cl.values;
-  std::vector<std::string> texts(cl.positional.begin() + std::min<size_t>(2, cl.positional.size()), cl.positional.end());
+  std::vector<std::string> texts(cl.positional.begin() + std::min<size_t>(2, cl.positional.size()),
+                                 cl.positional.end());
   if (auto it = v.find("file"); it != v.end()) {
     std::string content;
     if (it->second == "-") {
@@ -388,7 +411,8 @@ absl::Status Embed(const CommandLine& cl, std::FILE* out) {
     for (absl::string_view line : absl::StrSplit(content, '\n', absl::SkipEmpty())) texts.emplace_back(line);
   }
   if (texts.empty() == (v.count("input") == 0)) {
-    return absl::InvalidArgumentError("embed needs texts (arguments or --file, one per line) or --input TOKENS.json, not both");
+    return absl::InvalidArgumentError(
+        "embed needs texts (arguments or --file, one per line) or --input TOKENS.json, not both");
   }
   if (v.count("input")) {
     RETURN_IF_ERROR(ReadTokenInputs(v.at("input"), embed.mutable_tokens()));
@@ -434,7 +458,9 @@ absl::Status Embed(const CommandLine& cl, std::FILE* out) {
     std::fprintf(out, "[%d] %-48s %3d tokens%s  [%s, ...]\n", i, label(i).c_str(),
                  i < response.token_counts_size() ? response.token_counts(i) : 0,
                  i < response.truncated_size() && response.truncated(i) ? " (truncated)" : "",
-                 absl::StrJoin(head, ", ", [](std::string* o, float f) { absl::StrAppend(o, absl::StrFormat("%.4f", f)); }).c_str());
+                 absl::StrJoin(head, ", ", [](std::string* o, float f) {
+                   absl::StrAppend(o, absl::StrFormat("%.4f", f));
+                 }).c_str());
   }
   if (n > 1) {
     std::vector<std::vector<float>> vectors;
@@ -444,7 +470,8 @@ absl::Status Embed(const CommandLine& cl, std::FILE* out) {
     std::fprintf(out, "\n");
     for (int i = 0; i < n; ++i) {
       std::fprintf(out, "%-5s", absl::StrCat("[", i, "]").c_str());
-      for (int j = 0; j < n; ++j) std::fprintf(out, " %6.3f", serving::Cosine(vectors[static_cast<size_t>(i)], vectors[static_cast<size_t>(j)]));
+      for (int j = 0; j < n; ++j)
+        std::fprintf(out, " %6.3f", serving::Cosine(vectors[static_cast<size_t>(i)], vectors[static_cast<size_t>(j)]));
       std::fprintf(out, "\n");
     }
   }
@@ -454,8 +481,8 @@ absl::Status Embed(const CommandLine& cl, std::FILE* out) {
 }  // namespace
 
 bool IsClusterCommand(const std::string& c) {
-  return c == "submit" || c == "jobs" || c == "job" || c == "watch" || c == "cancel" || c == "workers" || c == "infer" ||
-         c == "embed";
+  return c == "submit" || c == "jobs" || c == "job" || c == "watch" || c == "cancel" || c == "workers" ||
+         c == "infer" || c == "embed";
 }
 
 const std::set<std::string>& ClusterValueFlags(const std::string& command) {
@@ -465,13 +492,14 @@ const std::set<std::string>& ClusterValueFlags(const std::string& command) {
     f->insert("backend");
     return f;
   }();
-  static const auto* infer = new std::set<std::string>{"server", "timeout", "token-file", "tls-ca", "tls-cert",
-                                                        "tls-key", "text", "text-pair", "input", "output",
-                                                        "micro-batches", "top-k"};
-  static const auto* embed = new std::set<std::string>{"server", "timeout", "token-file", "tls-ca", "tls-cert",
-                                                        "tls-key", "file", "input", "pooling", "normalize", "format"};
-  static const auto* plain = new std::set<std::string>{"server", "timeout", "token-file", "tls-ca", "tls-cert",
-                                                        "tls-key"};
+  static const auto* infer =
+      new std::set<std::string>{"server", "timeout",   "token-file", "tls-ca", "tls-cert",      "tls-key",
+                                "text",   "text-pair", "input",      "output", "micro-batches", "top-k"};
+  static const auto* embed =
+      new std::set<std::string>{"server", "timeout", "token-file", "tls-ca",    "tls-cert", "tls-key",
+                                "file",   "input",   "pooling",    "normalize", "format"};
+  static const auto* plain =
+      new std::set<std::string>{"server", "timeout", "token-file", "tls-ca", "tls-cert", "tls-key"};
   if (command == "submit") return *submit;
   if (command == "infer") return *infer;
   if (command == "embed") return *embed;

@@ -39,8 +39,7 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
       if (!has_value || value == "true") {
         cl.switches.insert(name);
       } else if (value != "false") {
-        return absl::InvalidArgumentError(
-            absl::StrCat("--", name, " is a switch: give it alone, or =true / =false"));
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " is a switch: give it alone, or =true / =false"));
       }
     } else {
       std::vector<std::string> known;

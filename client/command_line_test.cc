@@ -19,10 +19,8 @@ TEST(CommandLine, ParsesValuesSwitchesAndPositionals) {
 TEST(CommandLine, RejectsUnknownMissingRepeatedAndBadSwitchValues) {
   EXPECT_EQ(ParseCommandLine({"--tpp", "2"}, {"tp"}, {}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ParseCommandLine({"--tp"}, {"tp"}, {}).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseCommandLine({"--tp", "1", "--tp=2"}, {"tp"}, {}).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseCommandLine({"--local=yes"}, {}, {"local"}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseCommandLine({"--tp", "1", "--tp=2"}, {"tp"}, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseCommandLine({"--local=yes"}, {}, {"local"}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

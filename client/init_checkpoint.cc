@@ -51,9 +51,8 @@ absl::Status InitCheckpoint(v1::ModelVariant variant, const v1::BertConfig& conf
   RETURN_IF_ERROR(checkpoint::WriteSafetensors(directory + "/model.safetensors", tensors, {{"format", "pt"}}));
   // config.json in HF's field names; architectures[0] names the class.
   std::string json = common::ProtoToJson(c);
-  json.insert(json.find('{') + 1,
-              absl::StrCat("\n  \"architectures\": [\"", planner::HfClassName(variant),
-                           "\"],\n  \"model_type\": \"bert\",\n  \"initializer_range\": 0.02,"));
+  json.insert(json.find('{') + 1, absl::StrCat("\n  \"architectures\": [\"", planner::HfClassName(variant),
+                                               "\"],\n  \"model_type\": \"bert\",\n  \"initializer_range\": 0.02,"));
   std::ofstream out(directory + "/config.json");
   out << json << "\n";
   if (!out) return absl::InternalError(absl::StrCat("cannot write ", directory, "/config.json"));

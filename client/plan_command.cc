@@ -5,8 +5,8 @@
 #include <cctype>
 #include <chrono>
 #include <fstream>
-#include <iostream>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <sstream>
 
@@ -17,8 +17,8 @@
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "common/file.h"
 #include "common/grpc_auth.h"
-#include "common/grpc_tls.h"
 #include "common/grpc_status.h"
+#include "common/grpc_tls.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
 #include "google/protobuf/arena.h"
@@ -39,8 +39,7 @@ absl::StatusOr<v1::PipelineStyle> ParsePipelineStyle(absl::string_view text) {
   if (s == "1f1b" || s == "one_f_one_b") return v1::ONE_F_ONE_B;
   if (s == "interleaved") return v1::INTERLEAVED;
   if (s == "zbv") return v1::ZBV;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown pipeline style '", text, "'; valid: 1f1b, interleaved, zbv"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown pipeline style '", text, "'; valid: 1f1b, interleaved, zbv"));
 }
 
 absl::StatusOr<v1::SequenceParallelMode> ParseSpMode(absl::string_view text) {
@@ -50,9 +49,9 @@ absl::StatusOr<v1::SequenceParallelMode> ParseSpMode(absl::string_view text) {
   if (s == "ring") return v1::RING;
   if (s == "all_to_all") return v1::ALL_TO_ALL;
   if (s == "ring_attn") return v1::RING_ATTN;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown sequence parallel mode '", text, "'; valid: none, split_gather, ring (all_to_all "
-      "and ring_attn are refused for BERT)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown sequence parallel mode '", text,
+                                                 "'; valid: none, split_gather, ring (all_to_all "
+                                                 "and ring_attn are refused for BERT)"));
 }
 
 absl::StatusOr<int64_t> ParseInt(const std::string& flag, const std::string& text) {
@@ -173,23 +172,26 @@ int ReportError(std::FILE* err, const absl::Status& status) {
   std::fprintf(err, "shardctl: %s: %s\n", absl::StatusCodeToString(status.code()).c_str(),
                std::string(status.message()).c_str());
   switch (status.code()) {
-    case absl::StatusCode::kInvalidArgument: return kExitInvalidInput;
-    case absl::StatusCode::kNotFound: return kExitNotFound;
-    default: return kExitFailure;
+    case absl::StatusCode::kInvalidArgument:
+      return kExitInvalidInput;
+    case absl::StatusCode::kNotFound:
+      return kExitNotFound;
+    default:
+      return kExitFailure;
   }
 }
 
 const std::set<std::string>& PlanValueFlags() {
   static const auto* flags = new std::set<std::string>{
-      "request", "variant", "config", "checkpoint", "tp", "pp", "pp-style", "chunks",
-      "layers-per-stage", "sp-mode", "vocab-multiple", "dtype", "server", "output", "batch", "timeout",
-      "token-file", "tls-ca", "tls-cert", "tls-key"};
+      "request", "variant",          "config",     "checkpoint",     "tp",       "pp",     "pp-style",
+      "chunks",  "layers-per-stage", "sp-mode",    "vocab-multiple", "dtype",    "server", "output",
+      "batch",   "timeout",          "token-file", "tls-ca",         "tls-cert", "tls-key"};
   return *flags;
 }
 
 const std::set<std::string>& PlanSwitchFlags() {
-  static const auto* flags = new std::set<std::string>{"local", "fused-norm", "jit-fused",
-                                                        "all-optimization", "fp8", "help"};
+  static const auto* flags =
+      new std::set<std::string>{"local", "fused-norm", "jit-fused", "all-optimization", "fp8", "help"};
   return *flags;
 }
 
@@ -282,8 +284,8 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   const auto& v = cl.values;
   const std::string output = v.count("output") ? v.at("output") : "table";
   if (output != "table" && output != "json" && output != "dot") {
-    return ReportError(err, absl::InvalidArgumentError(
-                        absl::StrCat("--output '", output, "' is not one of table, json, dot")));
+    return ReportError(
+        err, absl::InvalidArgumentError(absl::StrCat("--output '", output, "' is not one of table, json, dot")));
   }
   if (cl.switches.count("local") && v.count("server")) {
     return ReportError(err, absl::InvalidArgumentError("give either --local or --server, not both"));
@@ -305,11 +307,11 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
     if (output != "json") {
       return ReportError(err, absl::InvalidArgumentError("--batch writes JSON lines: use it with --output json"));
     }
-    for (const char* flag : {"request", "variant", "config", "checkpoint", "tp", "pp", "pp-style",
-                             "chunks", "layers-per-stage", "sp-mode", "vocab-multiple", "dtype"}) {
+    for (const char* flag : {"request", "variant", "config", "checkpoint", "tp", "pp", "pp-style", "chunks",
+                             "layers-per-stage", "sp-mode", "vocab-multiple", "dtype"}) {
       if (v.count(flag)) {
-        return ReportError(err, absl::InvalidArgumentError(absl::StrCat(
-                                    "--batch takes each request from its file; --", flag, " cannot be combined with it")));
+        return ReportError(err, absl::InvalidArgumentError(absl::StrCat("--batch takes each request from its file; --",
+                                                                        flag, " cannot be combined with it")));
       }
     }
     return RunBatch(it->second, plan_fn, out, err);

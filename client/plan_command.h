@@ -23,7 +23,7 @@ namespace bertshard::client {
 
 // Exit statuses of shardctl.
 inline constexpr int kExitOk = 0;
-inline constexpr int kExitFailure = 1;     // the coordinator could not be reached, I/O errors
+inline constexpr int kExitFailure = 1;       // the coordinator could not be reached, I/O errors
 inline constexpr int kExitInvalidInput = 2;  // invalid request or command line
 inline constexpr int kExitNotFound = 3;      // an unknown job
 

@@ -7,8 +7,8 @@ namespace bertshard::client {
 namespace {
 
 TEST(PlanRequestJson, AcceptsContractAndFriendlySpellings) {
-  auto contract = ParsePlanRequestJson(
-      R"({"variant": "BERT_FOR_MASKED_LM", "parallel": {"tp_size": 2, "pp_style": "ZBV"}})");
+  auto contract =
+      ParsePlanRequestJson(R"({"variant": "BERT_FOR_MASKED_LM", "parallel": {"tp_size": 2, "pp_style": "ZBV"}})");
   ASSERT_TRUE(contract.ok()) << contract.status();
   EXPECT_EQ(contract->variant(), v1::BERT_FOR_MASKED_LM);
   auto friendly = ParsePlanRequestJson(
@@ -44,9 +44,9 @@ TEST(PlanRequestJson, RejectsUnknownNamesWithTheValidOnes) {
 }
 
 TEST(PlanFlags, FlagsOverrideTheRequest) {
-  auto cl = ParseCommandLine({"plan", "--variant", "BertModel", "--tp", "4", "--pp-style", "interleaved",
-                              "--chunks", "2", "--layers-per-stage", "1, 2,3,6", "--sp-mode", "ring",
-                              "--config", R"({"num_hidden_layers": 12, "hidden_act": "relu"})", "--fp8"},
+  auto cl = ParseCommandLine({"plan", "--variant", "BertModel", "--tp", "4", "--pp-style", "interleaved", "--chunks",
+                              "2", "--layers-per-stage", "1, 2,3,6", "--sp-mode", "ring", "--config",
+                              R"({"num_hidden_layers": 12, "hidden_act": "relu"})", "--fp8"},
                              PlanValueFlags(), PlanSwitchFlags());
   ASSERT_TRUE(cl.ok()) << cl.status();
   v1::PlanRequest request;
@@ -63,8 +63,8 @@ TEST(PlanFlags, FlagsOverrideTheRequest) {
 }
 
 TEST(PlanFlags, DtypeFromTheFlagOrTheRequest) {
-  auto cl = ParseCommandLine({"plan", "--variant", "BertModel", "--dtype", "bfloat16"}, PlanValueFlags(),
-                             PlanSwitchFlags());
+  auto cl =
+      ParseCommandLine({"plan", "--variant", "BertModel", "--dtype", "bfloat16"}, PlanValueFlags(), PlanSwitchFlags());
   ASSERT_TRUE(cl.ok()) << cl.status();
   v1::PlanRequest request;
   ASSERT_TRUE(ApplyPlanFlags(*cl, &request).ok());

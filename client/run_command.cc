@@ -216,8 +216,8 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
     return Invalid(absl::StrCat("--backend '", backend, "' is not one of gloo, nccl"));
   }
   int64_t micro_batches = 1, threads = 0, timeout_s = 600, iterations = 1;
-  if (v.count("iterations") && (!absl::SimpleAtoi(v.at("iterations"), &iterations) || iterations < 1 ||
-                                iterations > 1000)) {
+  if (v.count("iterations") &&
+      (!absl::SimpleAtoi(v.at("iterations"), &iterations) || iterations < 1 || iterations > 1000)) {
     return Invalid("--iterations needs an integer in 1..1000");
   }
   if (v.count("micro-batches") && (!absl::SimpleAtoi(v.at("micro-batches"), &micro_batches) || micro_batches < 1)) {
@@ -264,15 +264,18 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   {
     std::ofstream plan_out(dir + "/plan.pb", std::ios::binary);
     plan.SerializeToOstream(&plan_out);
-    json normalised = {{"rows", inputs.batch * inputs.choices}, {"seq", inputs.seq}, {"choices", inputs.choices},
-                       {"input_ids", inputs.input_ids}, {"attention_mask", inputs.attention_mask},
+    json normalised = {{"rows", inputs.batch * inputs.choices},
+                       {"seq", inputs.seq},
+                       {"choices", inputs.choices},
+                       {"input_ids", inputs.input_ids},
+                       {"attention_mask", inputs.attention_mask},
                        {"token_type_ids", inputs.token_type_ids}};
     std::ofstream(dir + "/inputs.json") << normalised.dump();
   }
   const std::string binary = FindRankBinary(v);
   if (access(binary.c_str(), X_OK) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat("rank binary ", binary,
-                                                      " not found; build //worker:shard-rank or pass --rank-binary"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank binary ", binary, " not found; build //worker:shard-rank or pass --rank-binary"));
   }
   std::string checkpoint = request.checkpoint();
   std::vector<std::string> env_strings;
@@ -347,12 +350,13 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   }
   RETURN_IF_ERROR(WaitForRanks(ranks, deadline, timeout_s));
 
-  std::string table = absl::StrFormat("%-5s %-6s %-3s %9s %9s %10s %12s %12s  %s\n", "RANK", "STAGE", "TP",
-                                      "LOAD s", "FORWARD s", "PEAK RSS", "CKPT READ",
-                                      absl::StrCat("PARAM B ", planner::DtypeName(plan.dtype())), "GEMM");
+  std::string table =
+      absl::StrFormat("%-5s %-6s %-3s %9s %9s %10s %12s %12s  %s\n", "RANK", "STAGE", "TP", "LOAD s", "FORWARD s",
+                      "PEAK RSS", "CKPT READ", absl::StrCat("PARAM B ", planner::DtypeName(plan.dtype())), "GEMM");
   json reports = json::array();
   for (int rank = 0; rank < world; ++rank) {
-    ASSIGN_OR_RETURN(std::string text, common::ReadFileToString(absl::StrCat(dir, "/rank_", rank, ".json"), "rank report"));
+    ASSIGN_OR_RETURN(std::string text,
+                     common::ReadFileToString(absl::StrCat(dir, "/rank_", rank, ".json"), "rank report"));
     const json report = json::parse(text, nullptr, false);
     if (report.is_discarded()) return absl::InternalError(absl::StrCat("rank ", rank, " wrote a bad report"));
     reports.push_back(report);
@@ -386,8 +390,8 @@ const std::set<std::string>& RunValueFlags() {
     for (const char* drop : {"request", "server", "output", "batch", "token-file", "tls-ca", "tls-cert", "tls-key"}) {
       f->erase(drop);
     }
-    for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout", "report",
-                             "iterations", "gemm", "tp-transport"}) {
+    for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout",
+                            "report", "iterations", "gemm", "tp-transport"}) {
       f->insert(add);
     }
     return f;
@@ -406,10 +410,11 @@ absl::StatusOr<RunInputs> ParseTokenJson(const std::string& text, int depth) {
     }
   }
   if (!j.contains("input_ids")) return Invalid("input needs input_ids");
-  if (depth == 0) depth = j["input_ids"].is_array() && !j["input_ids"].empty() && j["input_ids"][0].is_array() &&
-                                  !j["input_ids"][0].empty() && j["input_ids"][0][0].is_array()
-                              ? 3
-                              : 2;
+  if (depth == 0)
+    depth = j["input_ids"].is_array() && !j["input_ids"].empty() && j["input_ids"][0].is_array() &&
+                    !j["input_ids"][0].empty() && j["input_ids"][0][0].is_array()
+                ? 3
+                : 2;
   const char* layout = depth == 3 ? "[batch, choices, seq]" : "[batch, seq]";
   RunInputs in;
   std::vector<int64_t> shape;
@@ -436,9 +441,8 @@ absl::StatusOr<RunInputs> ParseTokenJson(const std::string& text, int depth) {
 
 absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::ShardPlan& plan) {
   ASSIGN_OR_RETURN(RunInputs in, ParseTokenJson(text, plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE ? 3 : 2));
-  RETURN_IF_ERROR(planner::CheckTokens({in.batch * in.choices, in.seq, in.choices, in.input_ids, in.attention_mask,
-                                        in.token_type_ids},
-                                       plan));
+  RETURN_IF_ERROR(planner::CheckTokens(
+      {in.batch * in.choices, in.seq, in.choices, in.input_ids, in.attention_mask, in.token_type_ids}, plan));
   return in;
 }
 

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "client/command_line.h"
 #include "client/cluster_commands.h"
+#include "client/command_line.h"
 #include "client/init_checkpoint.h"
 #include "client/plan_command.h"
 #include "client/run_command.h"
@@ -117,8 +117,7 @@ int main(int argc, char** argv) {
   }
   auto command_line = client::ParseCommandLine(args, *value_flags, *switch_flags);
   if (!command_line.ok()) {
-    std::fprintf(stderr, "shardctl: %s (see shardctl --help)\n",
-                 std::string(command_line.status().message()).c_str());
+    std::fprintf(stderr, "shardctl: %s (see shardctl --help)\n", std::string(command_line.status().message()).c_str());
     return bertshard::client::kExitInvalidInput;
   }
   if (command_line->switches.count("help")) {

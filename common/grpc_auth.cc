@@ -42,8 +42,9 @@ absl::StatusOr<std::string> LoadToken(const std::string& file, const char* env) 
   for (const char c : token) {
     // Printable ASCII without spaces: what a header value carries unchanged.
     if (c <= ' ' || c > '~') {
-      return absl::InvalidArgumentError(absl::StrCat(source, " holds a character a token cannot have "
-                                                              "(printable ASCII without spaces only)"));
+      return absl::InvalidArgumentError(absl::StrCat(source,
+                                                     " holds a character a token cannot have "
+                                                     "(printable ASCII without spaces only)"));
     }
   }
   return token;

@@ -34,7 +34,11 @@ TEST(LoadToken, RefusesMissingEmptyAndUnsendableTokensWithoutQuotingThem) {
   const auto spaced = LoadToken(File("spaced", "two words-secret"), nullptr);
   EXPECT_EQ(spaced.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(std::string(spaced.status().message()).find("secret"), std::string::npos);
-  EXPECT_EQ(LoadToken(File("binary", std::string("a\x01" "b")), nullptr).status().code(),
+  EXPECT_EQ(LoadToken(File("binary", std::string("a\x01"
+                                                 "b")),
+                      nullptr)
+                .status()
+                .code(),
             absl::StatusCode::kInvalidArgument);
 }
 

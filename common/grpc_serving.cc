@@ -31,7 +31,7 @@ struct RpcMetrics {
 // Seconds, from a health check (~1 ms) to the longest call the coordinator allows (Infer's 10 min).
 const std::vector<double>& RpcSecondsBounds() {
   static const auto* bounds = new std::vector<double>{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                                                       1,     2.5,    5,     10,   30,    60,   120, 300,  600};
+                                                      1,     2.5,    5,     10,   30,    60,   120, 300,  600};
   return *bounds;
 }
 
@@ -117,7 +117,8 @@ absl::StatusOr<StartedServer> StartServer(const std::string& address, const std:
                                           int max_message_bytes, MetricsRegistry* metrics,
                                           std::shared_ptr<grpc::ServerCredentials> credentials) {
   if (address.empty() || !absl::StrContains(address, ':')) {
-    return absl::InvalidArgumentError(absl::StrCat("listen address '", address, "' is not host:port (e.g. 0.0.0.0:50051)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("listen address '", address, "' is not host:port (e.g. 0.0.0.0:50051)"));
   }
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   if (metrics != nullptr) {

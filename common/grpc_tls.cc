@@ -31,9 +31,10 @@ struct Pem {
 };
 absl::StatusOr<Pem> ReadAll(const TlsFiles& f) {
   Pem pem;
-  for (auto [path, what, out] : {std::tuple<const std::string&, const char*, std::string*>{f.cert, "certificate", &pem.cert},
-                                 {f.key, "key", &pem.key},
-                                 {f.ca, "CA", &pem.ca}}) {
+  for (auto [path, what, out] :
+       {std::tuple<const std::string&, const char*, std::string*>{f.cert, "certificate", &pem.cert},
+        {f.key, "key", &pem.key},
+        {f.ca, "CA", &pem.ca}}) {
     if (path.empty()) continue;
     absl::StatusOr<std::string> text = ReadPem(path, what);
     if (!text.ok()) return text.status();
@@ -55,7 +56,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const
   if (!f.enabled()) return grpc::InsecureServerCredentials();
   if (absl::Status s = CheckPair(f); !s.ok()) return s;
   if (f.cert.empty()) {
-    return absl::InvalidArgumentError("a TLS server needs its certificate and key (--tls_cert, --tls_key), not only a CA");
+    return absl::InvalidArgumentError(
+        "a TLS server needs its certificate and key (--tls_cert, --tls_key), not only a CA");
   }
   absl::StatusOr<Pem> pem = ReadAll(f);
   if (!pem.ok()) return pem.status();

@@ -27,7 +27,8 @@ class GrpcTls : public testing::Test {
     std::filesystem::create_directories(*dir_);
     const int rc = std::system(("bash tools/make_test_certs.sh " + *dir_).c_str());
     ASSERT_EQ(rc, 0) << "tools/make_test_certs.sh could not make the test certificates (is Debian's openssl "
-                        "installed? tools/install_deps.sh installs it); see " << *dir_ << "/make.log";
+                        "installed? tools/install_deps.sh installs it); see "
+                     << *dir_ << "/make.log";
   }
   static std::string F(const std::string& name) { return *dir_ + "/" + name; }
 
@@ -47,7 +48,8 @@ class GrpcTls : public testing::Test {
   bool Connects(int port, const TlsFiles& files) {
     auto credentials = ChannelCredentials(files);
     EXPECT_TRUE(credentials.ok()) << credentials.status();
-    auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port), *credentials));
+    auto stub =
+        grpc::health::v1::Health::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port), *credentials));
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     grpc::health::v1::HealthCheckResponse response;
@@ -65,9 +67,11 @@ TEST_F(GrpcTls, MutualTlsConnectsWithTheRightFilesOnly) {
   EXPECT_TRUE(Connects(port, {F("client.pem"), F("client.key"), F("ca.pem")}));
   EXPECT_FALSE(Connects(port, {})) << "plaintext";
   EXPECT_FALSE(Connects(port, {"", "", F("ca.pem")})) << "no client certificate";
-  EXPECT_FALSE(Connects(port, {F("client-other.pem"), F("client.key"), F("ca.pem")})) << "client certificate of another CA";
+  EXPECT_FALSE(Connects(port, {F("client-other.pem"), F("client.key"), F("ca.pem")}))
+      << "client certificate of another CA";
   EXPECT_FALSE(Connects(port, {F("client-expired.pem"), F("client.key"), F("ca.pem")})) << "expired client certificate";
-  EXPECT_FALSE(Connects(port, {F("client.pem"), F("client.key"), F("other-ca.pem")})) << "server not from the CA trusted";
+  EXPECT_FALSE(Connects(port, {F("client.pem"), F("client.key"), F("other-ca.pem")}))
+      << "server not from the CA trusted";
 }
 
 TEST_F(GrpcTls, ServerTlsWithoutClientCertificates) {

@@ -138,8 +138,8 @@ absl::Status CheckFamily(MetricType type, const std::string& name, const std::ve
   for (size_t i = 0; i < label_names.size(); ++i) {
     const std::string& label = label_names[i];
     if (!IsLabelName(label)) {
-      return absl::InvalidArgumentError(absl::StrCat("label name '", label, "' of ", name,
-                                                     " is not [a-zA-Z_][a-zA-Z0-9_]* or starts with __"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("label name '", label, "' of ", name, " is not [a-zA-Z_][a-zA-Z0-9_]* or starts with __"));
     }
     if (std::find(label_names.begin(), label_names.begin() + i, label) != label_names.begin() + i) {
       return absl::InvalidArgumentError(absl::StrCat("label name '", label, "' appears twice in ", name));
@@ -150,7 +150,8 @@ absl::Status CheckFamily(MetricType type, const std::string& name, const std::ve
   }
   for (size_t i = 0; i < bounds.size(); ++i) {
     if (!std::isfinite(bounds[i]) || (i > 0 && !(bounds[i] > bounds[i - 1]))) {
-      return absl::InvalidArgumentError(absl::StrCat("bucket bounds of ", name, " must be finite and strictly "
+      return absl::InvalidArgumentError(absl::StrCat("bucket bounds of ", name,
+                                                     " must be finite and strictly "
                                                      "increasing (+Inf is implicit); got ",
                                                      absl::StrJoin(bounds, ", ")));
     }
@@ -300,8 +301,8 @@ absl::StatusOr<MetricsRegistry::CollectorHandle> MetricsRegistry::AddCollector(
   if (families_.count(name) || collectors_.count(name)) {
     return absl::AlreadyExistsError(absl::StrCat("metric ", name, " is already registered"));
   }
-  collectors_.emplace(name, std::make_shared<CollectorEntry>(
-                                CollectorEntry{type, name, help, label_names, std::move(collect)}));
+  collectors_.emplace(
+      name, std::make_shared<CollectorEntry>(CollectorEntry{type, name, help, label_names, std::move(collect)}));
   return CollectorHandle(this, name);
 }
 
@@ -349,9 +350,8 @@ std::string MetricsRegistry::Render() {
     AppendHeader(name, entry->help, entry->type, &out);
     absl::StatusOr<std::vector<Sample>> samples = entry->collect();
     if (samples.ok()) {
-      auto wrong = std::find_if(samples->begin(), samples->end(), [&](const Sample& s) {
-        return s.label_values.size() != entry->label_names.size();
-      });
+      auto wrong = std::find_if(samples->begin(), samples->end(),
+                                [&](const Sample& s) { return s.label_values.size() != entry->label_names.size(); });
       if (wrong != samples->end()) {
         samples = absl::InternalError(absl::StrCat("a sample has ", wrong->label_values.size(), " label values for ",
                                                    entry->label_names.size(), " labels"));

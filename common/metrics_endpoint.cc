@@ -28,8 +28,8 @@ extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
   static const SetStackSize next = reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
   if (next == nullptr) return ENOSYS;
   Dl_info caller;
-  if (size < kCivetwebThreadStack && dladdr(__builtin_return_address(0), &caller) != 0 &&
-      caller.dli_fname != nullptr && std::strstr(caller.dli_fname, "libcivetweb") != nullptr) {
+  if (size < kCivetwebThreadStack && dladdr(__builtin_return_address(0), &caller) != 0 && caller.dli_fname != nullptr &&
+      std::strstr(caller.dli_fname, "libcivetweb") != nullptr) {
     size = kCivetwebThreadStack;
   }
   return next(attr, size);
@@ -63,9 +63,8 @@ absl::StatusOr<std::string> ListeningPort(const std::string& address) {
 
 void Respond(mg_connection* connection, int code, const char* reason, const std::string& body,
              const char* extra_headers = "") {
-  mg_printf(connection,
-            "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%sConnection: close\r\n\r\n", code,
-            reason, code == 200 ? kContentType : "text/plain; charset=utf-8", body.size(), extra_headers);
+  mg_printf(connection, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%sConnection: close\r\n\r\n",
+            code, reason, code == 200 ? kContentType : "text/plain; charset=utf-8", body.size(), extra_headers);
   mg_write(connection, body.data(), body.size());
 }
 
@@ -85,8 +84,8 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
 
   std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint(registry));
   // Scrapes are rare and short: a couple of threads is plenty.
-  const char* options[] = {"listening_ports", listening.c_str(), "num_threads", "2", "request_timeout_ms", "10000",
-                           nullptr};
+  const char* options[] = {"listening_ports",    listening.c_str(), "num_threads", "2",
+                           "request_timeout_ms", "10000",           nullptr};
   mg_callbacks callbacks{};
   char error_text[256] = "";
   unsigned error_code = 0;

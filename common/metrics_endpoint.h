@@ -32,8 +32,7 @@ class MetricsEndpoint {
   // Listens on `address`, HOST:PORT with an IPv4 address or host name (port 0 picks a free port).
   // INVALID_ARGUMENT if the address is not HOST:PORT with a port in 0..65535; UNAVAILABLE if it
   // cannot be bound (in use, or not an address of this machine).
-  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& address,
-                                                                MetricsRegistry* registry);
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& address, MetricsRegistry* registry);
 
   // Stops listening and waits for requests in flight; up to ~2 s, as civetweb's accept loop only
   // looks for the stop every 2 s.

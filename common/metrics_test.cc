@@ -112,15 +112,15 @@ TEST(MetricsRegistry, RejectsBadNames) {
     bool counter;
   };
   const Case cases[] = {
-      {"requests", {}, {}, true},            // counter without _total
-      {"1abc_total", {}, {}, true},          // starts with a digit
-      {"a-b_total", {}, {}, true},           // dash
-      {"", {}, {}, false},                   // empty
-      {"g", {"bad-label"}, {}, false},       // label with a dash
-      {"g", {"__reserved"}, {}, false},      // reserved label prefix
-      {"g", {"a", "a"}, {}, false},          // repeated label
-      {"h", {"le"}, {1}, false},             // le on a histogram
-      {"h", {}, {1, 1}, false},              // bounds not increasing
+      {"requests", {}, {}, true},                                      // counter without _total
+      {"1abc_total", {}, {}, true},                                    // starts with a digit
+      {"a-b_total", {}, {}, true},                                     // dash
+      {"", {}, {}, false},                                             // empty
+      {"g", {"bad-label"}, {}, false},                                 // label with a dash
+      {"g", {"__reserved"}, {}, false},                                // reserved label prefix
+      {"g", {"a", "a"}, {}, false},                                    // repeated label
+      {"h", {"le"}, {1}, false},                                       // le on a histogram
+      {"h", {}, {1, 1}, false},                                        // bounds not increasing
       {"h", {}, {1, std::numeric_limits<double>::infinity()}, false},  // +Inf is implicit
   };
   for (const Case& c : cases) {
@@ -206,14 +206,13 @@ TEST(MetricsRegistry, CollectorsRunAtRenderUntilTheirHandleGoes) {
 
 TEST(MetricsRegistry, FailingCollectorShowsWhyInAComment) {
   MetricsRegistry registry;
-  auto failing = registry.AddCollector(MetricType::kGauge, "a", "A.", {},
-                                       []() -> absl::StatusOr<std::vector<Sample>> {
-                                         return absl::UnavailableError("database\nlocked");
-                                       });
-  auto wrong_labels = registry.AddCollector(MetricType::kCounter, "b_total", "B.", {"x"},
-                                            []() -> absl::StatusOr<std::vector<Sample>> {
-                                              return std::vector<Sample>{{{}, 1}};
-                                            });
+  auto failing = registry.AddCollector(MetricType::kGauge, "a", "A.", {}, []() -> absl::StatusOr<std::vector<Sample>> {
+    return absl::UnavailableError("database\nlocked");
+  });
+  auto wrong_labels =
+      registry.AddCollector(MetricType::kCounter, "b_total", "B.", {"x"}, []() -> absl::StatusOr<std::vector<Sample>> {
+        return std::vector<Sample>{{{}, 1}};
+      });
   ASSERT_TRUE(failing.ok() && wrong_labels.ok());
   EXPECT_EQ(registry.Render(),
             "# HELP a A.\n# TYPE a gauge\n# collecting a failed: UNAVAILABLE: database locked\n"
@@ -309,8 +308,8 @@ TEST(MetricsEndpoint, ScrapesRunOnRoomyStacksOthersUnchanged) {
 
 TEST(MetricsEndpoint, BadAddressIsInvalidArgument) {
   MetricsRegistry registry;
-  for (const char* address : {"", "9090", ":9090", "host:", "host:port", "1.2.3.4:65536", "a,b:1", "127.0.0.1:80s",
-                              "127.0.0.1:-1"}) {
+  for (const char* address :
+       {"", "9090", ":9090", "host:", "host:port", "1.2.3.4:65536", "a,b:1", "127.0.0.1:80s", "127.0.0.1:-1"}) {
     SCOPED_TRACE(address);
     EXPECT_EQ(MetricsEndpoint::Start(address, &registry).status().code(), absl::StatusCode::kInvalidArgument);
   }
@@ -342,8 +341,8 @@ TEST(GrpcServingMetrics, CountsEveryCallByMethodAndCode) {
     health->Check(&context, request, &response);
   }
   const std::string text = registry.Render();
-  EXPECT_TRUE(absl::StrContains(
-      text, "bertshard_grpc_requests_total{method=\"/grpc.health.v1.Health/Check\",code=\"OK\"} 2\n"))
+  EXPECT_TRUE(
+      absl::StrContains(text, "bertshard_grpc_requests_total{method=\"/grpc.health.v1.Health/Check\",code=\"OK\"} 2\n"))
       << text;
   EXPECT_TRUE(absl::StrContains(
       text, "bertshard_grpc_requests_total{method=\"/grpc.health.v1.Health/Check\",code=\"NOT_FOUND\"} 1\n"))

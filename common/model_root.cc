@@ -68,8 +68,8 @@ absl::StatusOr<std::string> ModelRoot::Resolve(const std::string& path) const {
       const fs::path target = fs::canonical(it->path(), link_ec);
       if (link_ec) {
         // A dangling link reads as nothing; refused anyway, since what it names may appear later.
-        return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, ": ", relative.string(),
-                                                       " is a symbolic link to nothing"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoint ", path, ": ", relative.string(), " is a symbolic link to nothing"));
       }
       if (!Inside(target, root)) {
         return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, ": ", relative.string(),

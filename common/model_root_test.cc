@@ -16,7 +16,8 @@ namespace fs = std::filesystem;
 class ModelRootTest : public testing::Test {
  protected:
   void SetUp() override {
-    base_ = fs::path(testing::TempDir()) / ("model_root_" + std::string(testing::UnitTest::GetInstance()->current_test_info()->name()));
+    base_ = fs::path(testing::TempDir()) /
+            ("model_root_" + std::string(testing::UnitTest::GetInstance()->current_test_info()->name()));
     fs::remove_all(base_);
     fs::create_directories(base_ / "models" / "bert" / "1_Pooling");
     fs::create_directories(base_ / "models-old" / "stolen");

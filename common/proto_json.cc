@@ -83,17 +83,28 @@ class Writer {
   static bool IsDefault(const Message& m, const FieldDescriptor* f) {
     const Reflection* r = m.GetReflection();
     switch (f->cpp_type()) {
-      case FieldDescriptor::CPPTYPE_INT32: return r->GetInt32(m, f) == 0;
-      case FieldDescriptor::CPPTYPE_INT64: return r->GetInt64(m, f) == 0;
-      case FieldDescriptor::CPPTYPE_UINT32: return r->GetUInt32(m, f) == 0;
-      case FieldDescriptor::CPPTYPE_UINT64: return r->GetUInt64(m, f) == 0;
-      case FieldDescriptor::CPPTYPE_DOUBLE: return r->GetDouble(m, f) == 0;
-      case FieldDescriptor::CPPTYPE_FLOAT: return r->GetFloat(m, f) == 0;
-      case FieldDescriptor::CPPTYPE_BOOL: return !r->GetBool(m, f);
-      case FieldDescriptor::CPPTYPE_ENUM: return r->GetEnumValue(m, f) == 0;
-      case FieldDescriptor::CPPTYPE_STRING: return r->GetStringReference(m, f, nullptr).empty();
-      case FieldDescriptor::CPPTYPE_MESSAGE: return !r->HasField(m, f);
-      default: return false;
+      case FieldDescriptor::CPPTYPE_INT32:
+        return r->GetInt32(m, f) == 0;
+      case FieldDescriptor::CPPTYPE_INT64:
+        return r->GetInt64(m, f) == 0;
+      case FieldDescriptor::CPPTYPE_UINT32:
+        return r->GetUInt32(m, f) == 0;
+      case FieldDescriptor::CPPTYPE_UINT64:
+        return r->GetUInt64(m, f) == 0;
+      case FieldDescriptor::CPPTYPE_DOUBLE:
+        return r->GetDouble(m, f) == 0;
+      case FieldDescriptor::CPPTYPE_FLOAT:
+        return r->GetFloat(m, f) == 0;
+      case FieldDescriptor::CPPTYPE_BOOL:
+        return !r->GetBool(m, f);
+      case FieldDescriptor::CPPTYPE_ENUM:
+        return r->GetEnumValue(m, f) == 0;
+      case FieldDescriptor::CPPTYPE_STRING:
+        return r->GetStringReference(m, f, nullptr).empty();
+      case FieldDescriptor::CPPTYPE_MESSAGE:
+        return !r->HasField(m, f);
+      default:
+        return false;
     }
   }
 
@@ -121,38 +132,72 @@ class Writer {
   void WriteSingular(const Message& m, const FieldDescriptor* f, int depth) {
     const Reflection* r = m.GetReflection();
     switch (f->cpp_type()) {
-      case FieldDescriptor::CPPTYPE_INT32: absl::StrAppend(out_, r->GetInt32(m, f)); break;
-      case FieldDescriptor::CPPTYPE_INT64: absl::StrAppend(out_, r->GetInt64(m, f)); break;
-      case FieldDescriptor::CPPTYPE_UINT32: absl::StrAppend(out_, r->GetUInt32(m, f)); break;
-      case FieldDescriptor::CPPTYPE_UINT64: absl::StrAppend(out_, r->GetUInt64(m, f)); break;
-      case FieldDescriptor::CPPTYPE_DOUBLE: AppendJsonDouble(r->GetDouble(m, f), out_); break;
-      case FieldDescriptor::CPPTYPE_FLOAT: AppendJsonDouble(r->GetFloat(m, f), out_); break;
-      case FieldDescriptor::CPPTYPE_BOOL: out_->append(r->GetBool(m, f) ? "true" : "false"); break;
-      case FieldDescriptor::CPPTYPE_ENUM: WriteEnum(f, r->GetEnumValue(m, f)); break;
+      case FieldDescriptor::CPPTYPE_INT32:
+        absl::StrAppend(out_, r->GetInt32(m, f));
+        break;
+      case FieldDescriptor::CPPTYPE_INT64:
+        absl::StrAppend(out_, r->GetInt64(m, f));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT32:
+        absl::StrAppend(out_, r->GetUInt32(m, f));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT64:
+        absl::StrAppend(out_, r->GetUInt64(m, f));
+        break;
+      case FieldDescriptor::CPPTYPE_DOUBLE:
+        AppendJsonDouble(r->GetDouble(m, f), out_);
+        break;
+      case FieldDescriptor::CPPTYPE_FLOAT:
+        AppendJsonDouble(r->GetFloat(m, f), out_);
+        break;
+      case FieldDescriptor::CPPTYPE_BOOL:
+        out_->append(r->GetBool(m, f) ? "true" : "false");
+        break;
+      case FieldDescriptor::CPPTYPE_ENUM:
+        WriteEnum(f, r->GetEnumValue(m, f));
+        break;
       case FieldDescriptor::CPPTYPE_STRING:
         AppendJsonString(r->GetStringReference(m, f, nullptr), out_);
         break;
-      case FieldDescriptor::CPPTYPE_MESSAGE: WriteMessage(r->GetMessage(m, f), depth); break;
+      case FieldDescriptor::CPPTYPE_MESSAGE:
+        WriteMessage(r->GetMessage(m, f), depth);
+        break;
     }
   }
 
   void WriteRepeatedElement(const Message& m, const FieldDescriptor* f, int k, int depth) {
     const Reflection* r = m.GetReflection();
     switch (f->cpp_type()) {
-      case FieldDescriptor::CPPTYPE_INT32: absl::StrAppend(out_, r->GetRepeatedInt32(m, f, k)); break;
-      case FieldDescriptor::CPPTYPE_INT64: absl::StrAppend(out_, r->GetRepeatedInt64(m, f, k)); break;
-      case FieldDescriptor::CPPTYPE_UINT32: absl::StrAppend(out_, r->GetRepeatedUInt32(m, f, k)); break;
-      case FieldDescriptor::CPPTYPE_UINT64: absl::StrAppend(out_, r->GetRepeatedUInt64(m, f, k)); break;
-      case FieldDescriptor::CPPTYPE_DOUBLE: AppendJsonDouble(r->GetRepeatedDouble(m, f, k), out_); break;
-      case FieldDescriptor::CPPTYPE_FLOAT: AppendJsonDouble(r->GetRepeatedFloat(m, f, k), out_); break;
+      case FieldDescriptor::CPPTYPE_INT32:
+        absl::StrAppend(out_, r->GetRepeatedInt32(m, f, k));
+        break;
+      case FieldDescriptor::CPPTYPE_INT64:
+        absl::StrAppend(out_, r->GetRepeatedInt64(m, f, k));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT32:
+        absl::StrAppend(out_, r->GetRepeatedUInt32(m, f, k));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT64:
+        absl::StrAppend(out_, r->GetRepeatedUInt64(m, f, k));
+        break;
+      case FieldDescriptor::CPPTYPE_DOUBLE:
+        AppendJsonDouble(r->GetRepeatedDouble(m, f, k), out_);
+        break;
+      case FieldDescriptor::CPPTYPE_FLOAT:
+        AppendJsonDouble(r->GetRepeatedFloat(m, f, k), out_);
+        break;
       case FieldDescriptor::CPPTYPE_BOOL:
         out_->append(r->GetRepeatedBool(m, f, k) ? "true" : "false");
         break;
-      case FieldDescriptor::CPPTYPE_ENUM: WriteEnum(f, r->GetRepeatedEnumValue(m, f, k)); break;
+      case FieldDescriptor::CPPTYPE_ENUM:
+        WriteEnum(f, r->GetRepeatedEnumValue(m, f, k));
+        break;
       case FieldDescriptor::CPPTYPE_STRING:
         AppendJsonString(r->GetRepeatedStringReference(m, f, k, nullptr), out_);
         break;
-      case FieldDescriptor::CPPTYPE_MESSAGE: WriteMessage(r->GetRepeatedMessage(m, f, k), depth); break;
+      case FieldDescriptor::CPPTYPE_MESSAGE:
+        WriteMessage(r->GetRepeatedMessage(m, f, k), depth);
+        break;
     }
   }
 
@@ -184,14 +229,26 @@ class Writer {
 
   void WriteValue(const google::protobuf::Value& v, int depth) {
     switch (v.kind_case()) {
-      case google::protobuf::Value::kNumberValue: AppendJsonDouble(v.number_value(), out_); break;
-      case google::protobuf::Value::kStringValue: AppendJsonString(v.string_value(), out_); break;
-      case google::protobuf::Value::kBoolValue: out_->append(v.bool_value() ? "true" : "false"); break;
-      case google::protobuf::Value::kStructValue: WriteStruct(v.struct_value(), depth); break;
-      case google::protobuf::Value::kListValue: WriteList(v.list_value(), depth); break;
+      case google::protobuf::Value::kNumberValue:
+        AppendJsonDouble(v.number_value(), out_);
+        break;
+      case google::protobuf::Value::kStringValue:
+        AppendJsonString(v.string_value(), out_);
+        break;
+      case google::protobuf::Value::kBoolValue:
+        out_->append(v.bool_value() ? "true" : "false");
+        break;
+      case google::protobuf::Value::kStructValue:
+        WriteStruct(v.struct_value(), depth);
+        break;
+      case google::protobuf::Value::kListValue:
+        WriteList(v.list_value(), depth);
+        break;
       case google::protobuf::Value::kNullValue:
       case google::protobuf::Value::KIND_NOT_SET:
-      default: out_->append("null"); break;
+      default:
+        out_->append("null");
+        break;
     }
   }
 
@@ -213,11 +270,21 @@ void AppendJsonString(absl::string_view text, std::string* out) {
     out->append(text.data() + plain_start, i - plain_start);
     plain_start = i + 1;
     switch (c) {
-      case '"': out->append("\\\""); break;
-      case '\\': out->append("\\\\"); break;
-      case '\n': out->append("\\n"); break;
-      case '\r': out->append("\\r"); break;
-      case '\t': out->append("\\t"); break;
+      case '"':
+        out->append("\\\"");
+        break;
+      case '\\':
+        out->append("\\\\");
+        break;
+      case '\n':
+        out->append("\\n");
+        break;
+      case '\r':
+        out->append("\\r");
+        break;
+      case '\t':
+        out->append("\\t");
+        break;
       default:
         out->append("\\u00");
         out->push_back(kHex[c >> 4]);
@@ -249,8 +316,7 @@ void AppendJsonDouble(double value, std::string* out) {
   out->append(buffer);
 }
 
-void AppendProtoJson(const google::protobuf::Message& message, const JsonWriteOptions& options,
-                     std::string* out) {
+void AppendProtoJson(const google::protobuf::Message& message, const JsonWriteOptions& options, std::string* out) {
   Writer(options, out).WriteMessage(message, 0);
 }
 
@@ -264,11 +330,11 @@ absl::Status JsonToProto(absl::string_view json, google::protobuf::Message* mess
   message->Clear();
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = false;
-  auto status = google::protobuf::util::JsonStringToMessage(
-      google::protobuf::StringPiece(json.data(), json.size()), message, options);
+  auto status = google::protobuf::util::JsonStringToMessage(google::protobuf::StringPiece(json.data(), json.size()),
+                                                            message, options);
   if (!status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "cannot parse ", message->GetDescriptor()->name(), " JSON: ", std::string(status.message())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot parse ", message->GetDescriptor()->name(), " JSON: ", std::string(status.message())));
   }
   return absl::OkStatus();
 }

@@ -42,11 +42,9 @@ struct JsonWriteOptions {
 };
 
 // Appends the JSON of `message` to `*out`.
-void AppendProtoJson(const google::protobuf::Message& message, const JsonWriteOptions& options,
-                     std::string* out);
+void AppendProtoJson(const google::protobuf::Message& message, const JsonWriteOptions& options, std::string* out);
 
-std::string ProtoToJson(const google::protobuf::Message& message,
-                        const JsonWriteOptions& options = {});
+std::string ProtoToJson(const google::protobuf::Message& message, const JsonWriteOptions& options = {});
 
 // Parses `json` into `*message` (cleared first). Unknown fields are an error. Returns
 // INVALID_ARGUMENT naming what could not be parsed.

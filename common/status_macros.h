@@ -29,9 +29,9 @@
 #define BERTSHARD_STATUS_CONCAT_(a, b) BERTSHARD_STATUS_CONCAT_INNER_(a, b)
 
 // Returns the status from the enclosing function if `expr` is not OK.
-#define RETURN_IF_ERROR(expr)                          \
-  do {                                                 \
-    ::absl::Status bertshard_status_ = (expr);         \
+#define RETURN_IF_ERROR(expr)                              \
+  do {                                                     \
+    ::absl::Status bertshard_status_ = (expr);             \
     if (!bertshard_status_.ok()) return bertshard_status_; \
   } while (false)
 
@@ -43,7 +43,6 @@
 // Evaluates `rexpr` (an absl::StatusOr<T>); on error returns its status, else assigns or
 // declares `lhs` with the value.
 #define ASSIGN_OR_RETURN(lhs, rexpr) \
-  BERTSHARD_ASSIGN_OR_RETURN_IMPL_(  \
-      BERTSHARD_STATUS_CONCAT_(bertshard_statusor_, __LINE__), lhs, rexpr)
+  BERTSHARD_ASSIGN_OR_RETURN_IMPL_(BERTSHARD_STATUS_CONCAT_(bertshard_statusor_, __LINE__), lhs, rexpr)
 
 #endif  // BERTSHARD_COMMON_STATUS_MACROS_H_

@@ -17,7 +17,7 @@ namespace bertshard::common {
 struct TokenView {
   int64_t rows = 0;
   int64_t seq = 0;
-  int64_t choices = 1;  // > 1 only for multiple choice
+  int64_t choices = 1;                       // > 1 only for multiple choice
   absl::Span<const int64_t> input_ids;       // rows * seq
   absl::Span<const int64_t> attention_mask;  // rows * seq 0/1 (serving: or empty, all ones)
   absl::Span<const int64_t> token_type_ids;  // rows * seq (serving: or empty, all zeros)

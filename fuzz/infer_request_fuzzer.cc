@@ -34,8 +34,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }();
   static const bertshard::server::JobAssets* assets = [] {
     auto* a = new bertshard::server::JobAssets();
-    std::vector<std::string> vocab = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "##s", "##ing",
-                                      "play", "un", "##able", "é", "中", "!", ",", "1", "##2"};
+    std::vector<std::string> vocab = {"[PAD]", "[UNK]", "[CLS]",  "[SEP]", "[MASK]", "the", "a", "##s", "##ing",
+                                      "play",  "un",    "##able", "é",     "中",     "!",   ",", "1",   "##2"};
     a->tokenizer = bertshard::tokenizer::WordPieceTokenizer::FromVocab(vocab, {}).value();
     a->cls_id = 2;
     a->sep_id = 3;

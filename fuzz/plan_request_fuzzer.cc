@@ -3,9 +3,8 @@
 #include <cstdint>
 #include <string>
 
-#include "google/protobuf/stubs/logging.h"
-
 #include "common/proto_json.h"
+#include "google/protobuf/stubs/logging.h"
 #include "planner/planner.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

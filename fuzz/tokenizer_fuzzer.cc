@@ -11,8 +11,8 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using bertshard::tokenizer::WordPieceTokenizer;
   static const auto* tok = [] {
-    std::vector<std::string> vocab = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "##s", "##ing",
-                                      "play", "un", "##able", "é", "中", "!", ",", "1", "##2"};
+    std::vector<std::string> vocab = {"[PAD]", "[UNK]", "[CLS]",  "[SEP]", "[MASK]", "the", "a", "##s", "##ing",
+                                      "play",  "un",    "##able", "é",     "中",     "!",   ",", "1",   "##2"};
     return WordPieceTokenizer::FromVocab(vocab, {}).value().release();
   }();
   static const auto* cased = [] {

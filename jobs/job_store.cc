@@ -40,8 +40,7 @@ absl::Status WriteError(sqlite3* db, int rc, const std::string& what) {
   const std::string detail = absl::StrCat(what, ": ", sqlite3_errmsg(db));
   switch (rc & 0xff) {  // the primary code; extended codes refine it in the high bits
     case SQLITE_FULL:
-      return absl::ResourceExhaustedError(
-          absl::StrCat("the job database cannot grow (its disk is full): ", detail));
+      return absl::ResourceExhaustedError(absl::StrCat("the job database cannot grow (its disk is full): ", detail));
     case SQLITE_READONLY:
       return absl::FailedPreconditionError(
           absl::StrCat("the job database is read-only (check the data directory): ", detail));
@@ -69,10 +68,14 @@ bool TransitionAllowed(v1::JobState from, v1::JobState to) {
   if (Terminal(from) || from == to) return false;
   if (to == v1::FAILED || to == v1::CANCELLED) return true;
   switch (from) {
-    case v1::PENDING: return to == v1::PLANNED;
-    case v1::PLANNED: return to == v1::LOADING || to == v1::PENDING;
-    case v1::LOADING: return to == v1::READY;
-    default: return false;
+    case v1::PENDING:
+      return to == v1::PLANNED;
+    case v1::PLANNED:
+      return to == v1::LOADING || to == v1::PENDING;
+    case v1::LOADING:
+      return to == v1::READY;
+    default:
+      return false;
   }
 }
 
@@ -86,8 +89,8 @@ JobStore::~JobStore() {
 absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path, JobStoreOptions options) {
   if (!options.now_millis) options.now_millis = [] { return absl::ToUnixMillis(absl::Now()); };
   sqlite3* db = nullptr;
-  const int rc = sqlite3_open_v2(path.c_str(), &db,
-                                 SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr);
+  const int rc =
+      sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr);
   if (rc != SQLITE_OK) {
     const std::string message = db != nullptr ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
     sqlite3_close_v2(db);
@@ -97,8 +100,8 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   // SQLite opens a file it may not write read-only without saying so; the first write would fail
   // much later. Say it now, when the operator starts the coordinator.
   if (path != ":memory:" && sqlite3_db_readonly(db, "main") == 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the job database ", path, " is read-only: the coordinator must be able to write it and its directory"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the job database ", path, " is read-only: the coordinator must be able to write it and its directory"));
   }
   absl::MutexLock lock(&store->mu_);
   sqlite3_busy_timeout(db, 5000);
@@ -117,7 +120,8 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
   {
     Statement version(db, "SELECT value FROM meta WHERE key = 'schema_version'");
     RETURN_IF_ERROR(version.status());
-    if (sqlite3_step(version.get()) == SQLITE_ROW) v = reinterpret_cast<const char*>(sqlite3_column_text(version.get(), 0));
+    if (sqlite3_step(version.get()) == SQLITE_ROW)
+      v = reinterpret_cast<const char*>(sqlite3_column_text(version.get(), 0));
   }
   if (v.empty()) {
     RETURN_IF_ERROR(Exec(db, "INSERT INTO meta (key, value) VALUES ('schema_version', '2')"));
@@ -127,15 +131,16 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
                          "BEGIN IMMEDIATE; ALTER TABLE jobs ADD COLUMN plan BLOB;"
                          " UPDATE meta SET value = '2' WHERE key = 'schema_version'; COMMIT;"));
   } else if (v != std::to_string(kSchemaVersion)) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " has job schema version ", v, "; this coordinator reads 1 and ",
-                                                   kSchemaVersion));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " has job schema version ", v, "; this coordinator reads 1 and ", kSchemaVersion));
   }
   return store;
 }
 
 absl::Status JobStore::PutLocked(const v1::Job& job, bool insert, const v1::ShardPlan* plan) {
-  Statement stmt(db_, insert ? "INSERT INTO jobs (id, state, created_ms, updated_ms, job, plan) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
-                             : "UPDATE jobs SET state = ?2, created_ms = ?3, updated_ms = ?4, job = ?5 WHERE id = ?1");
+  Statement stmt(
+      db_, insert ? "INSERT INTO jobs (id, state, created_ms, updated_ms, job, plan) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
+                  : "UPDATE jobs SET state = ?2, created_ms = ?3, updated_ms = ?4, job = ?5 WHERE id = ?1");
   RETURN_IF_ERROR(stmt.status());
   const std::string plan_blob = plan != nullptr ? plan->SerializeAsString() : "";
   if (insert && plan != nullptr) {
@@ -223,8 +228,8 @@ absl::Status JobStore::SetPendingReason(const std::string& id, const std::string
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
   if (job.state() != v1::PENDING) {
-    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state()),
-                                                      ", not PENDING"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state()), ", not PENDING"));
   }
   job.set_pending_reason(reason);
   job.set_updated_unix_millis(options_.now_millis());

@@ -48,8 +48,7 @@ class JobStore {
   // the file is not a bertshard job database; FAILED_PRECONDITION if an existing database can
   // only be read (a read-only file, or one in a read-only directory); UNAVAILABLE if it cannot be
   // opened or created (a missing database in a read-only directory is this).
-  static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path,
-                                                        JobStoreOptions options = {});
+  static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& path, JobStoreOptions options = {});
   ~JobStore();
   JobStore(const JobStore&) = delete;
   JobStore& operator=(const JobStore&) = delete;

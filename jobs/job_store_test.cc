@@ -34,12 +34,14 @@ TEST(JobStore, PersistsJobsAndHistoryAcrossReopen) {
     ASSERT_TRUE((*store)->Create(NewJob("job-1")).ok());
     ASSERT_TRUE((*store)->Create(NewJob("job-2")).ok());
     ASSERT_TRUE((*store)->Transition("job-1", v1::PLANNED, "4 workers").ok());
-    ASSERT_TRUE((*store)->SetRanks("job-1", {[] {
-                  v1::RankAssignment r;
-                  r.set_rank(0);
-                  r.set_worker_id("w0");
-                  return r;
-                }()}).ok());
+    ASSERT_TRUE((*store)
+                    ->SetRanks("job-1", {[] {
+                                 v1::RankAssignment r;
+                                 r.set_rank(0);
+                                 r.set_worker_id("w0");
+                                 return r;
+                               }()})
+                    .ok());
     ASSERT_TRUE((*store)->Transition("job-1", v1::LOADING, "").ok());
   }
   auto store = JobStore::Open(path, FixedClock(&now));

@@ -4,18 +4,17 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/version.h>
-
 #include <malloc.h>
 #include <sys/mman.h>
+#include <torch/version.h>
 
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <new>
 #include <stdexcept>
-#include <limits>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -62,9 +61,9 @@ absl::Status ProbeKernels(at::ScalarType dtype, c10::Device device, const std::s
     op = "embedding";
     at::embedding(w, at::zeros({1, 2}, at::TensorOptions().dtype(at::kLong).device(device)));
   } catch (const std::exception&) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "dtype ", name, " cannot run on ", device.str(), " with this LibTorch (", TORCH_VERSION,
-        "): it has no ", op, " kernel for it", device.is_cpu() ? "; on CPU use fp32 or bf16" : ""));
+    return absl::FailedPreconditionError(
+        absl::StrCat("dtype ", name, " cannot run on ", device.str(), " with this LibTorch (", TORCH_VERSION,
+                     "): it has no ", op, " kernel for it", device.is_cpu() ? "; on CPU use fp32 or bf16" : ""));
   }
   return absl::OkStatus();
 }
@@ -123,7 +122,8 @@ class WeightArena {
     if (used_ + bytes > size_) return at::empty(shape);  // the estimate fell short: never fail for it
     char* p = base_ + used_;
     used_ += bytes;
-    return at::from_blob(p, shape, [self](void*) {}, at::TensorOptions().dtype(at::kFloat));
+    return at::from_blob(
+        p, shape, [self](void*) {}, at::TensorOptions().dtype(at::kFloat));
   }
   static int64_t Bytes(int64_t elements) { return (elements * static_cast<int64_t>(sizeof(float)) + 63) / 64 * 64; }
 
@@ -177,8 +177,8 @@ class BertShard::Impl {
       if (r.rank() == rank_) mine = &r;
     }
     if (mine == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " is not in the plan (world size ",
-                                                     plan_.world_size(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank_, " is not in the plan (world size ", plan_.world_size(), ")"));
     }
     *param_bytes = 0;
     int64_t arena_bytes = 0;
@@ -207,9 +207,9 @@ class BertShard::Impl {
       ASSIGN_OR_RETURN(checkpoint::TensorLocation where, ckpt.Find(primary, candidates));
       const std::vector<int64_t> global(t.global_shape().begin(), t.global_shape().end());
       if (where.info->shape != global) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "checkpoint tensor ", where.info->name, " has shape ", ShapeString(where.info->shape),
-            "; the plan (from config.json) expects ", ShapeString(global)));
+        return absl::InvalidArgumentError(absl::StrCat("checkpoint tensor ", where.info->name, " has shape ",
+                                                       ShapeString(where.info->shape),
+                                                       "; the plan (from config.json) expects ", ShapeString(global)));
       }
       checkpoint::Slice slice;
       if (t.split_dim() >= 0) {
@@ -224,8 +224,8 @@ class BertShard::Impl {
       *param_bytes += t.bytes();
       shards_[t.name()] = &t;
       if (IsQkvPart(t.name())) FuseQkvOnceWhole(t.name());
-      if (progress && !progress(static_cast<int>(shards_.size()), mine->tensors_size(), *param_bytes,
-                                mine->param_bytes())) {
+      if (progress &&
+          !progress(static_cast<int>(shards_.size()), mine->tensors_size(), *param_bytes, mine->param_bytes())) {
         return absl::CancelledError(absl::StrCat("loading rank ", rank_, " was cancelled"));
       }
     }
@@ -305,7 +305,8 @@ class BertShard::Impl {
       const std::string p = QkvPrefix(t.name());
       QkvInPlace& fused = qkv_in_place_[p];
       if (!fused.weight.defined()) fused.weight = arena_->Empty({cols, 3 * rows}, arena_);
-      TransposeInto(load_scratch_.data_ptr<float>(), rows, cols, fused.weight.data_ptr<float>() + part * rows, 3 * rows);
+      TransposeInto(load_scratch_.data_ptr<float>(), rows, cols, fused.weight.data_ptr<float>() + part * rows,
+                    3 * rows);
       ++fused.parts;
       return absl::OkStatus();
     }
@@ -394,7 +395,8 @@ class BertShard::Impl {
     }
     if (in.input_ids.dim() != 2 || in.input_ids.sizes() != in.attention_mask.sizes() ||
         in.input_ids.sizes() != in.token_type_ids.sizes()) {
-      return absl::InvalidArgumentError("input_ids, attention_mask and token_type_ids must share one [rows, seq] shape");
+      return absl::InvalidArgumentError(
+          "input_ids, attention_mask and token_type_ids must share one [rows, seq] shape");
     }
     const int64_t rows = in.input_ids.size(0), seq = in.input_ids.size(1);
     if (rows < 1 || seq < 1) return absl::InvalidArgumentError("inputs must hold at least one token");
@@ -406,8 +408,8 @@ class BertShard::Impl {
           "inputs are [batch, choices, seq] exactly for BertForMultipleChoice, [batch, seq] otherwise");
     }
     if (seq > c.max_position_embeddings()) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence length ", seq, " exceeds max_position_embeddings ",
-                                                     c.max_position_embeddings()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence length ", seq, " exceeds max_position_embeddings ", c.max_position_embeddings()));
     }
     if (sp_ && seq % tp_ != 0) {
       return absl::InvalidArgumentError(absl::StrCat("split_gather sequence parallelism needs the sequence length (",
@@ -416,15 +418,14 @@ class BertShard::Impl {
     if (in.input_ids.min().item<int64_t>() < 0 || in.input_ids.max().item<int64_t>() >= c.vocab_size()) {
       return absl::InvalidArgumentError(absl::StrCat("input_ids must be in [0, vocab_size ", c.vocab_size(), ")"));
     }
-    if (in.token_type_ids.min().item<int64_t>() < 0 ||
-        in.token_type_ids.max().item<int64_t>() >= c.type_vocab_size()) {
-      return absl::InvalidArgumentError(absl::StrCat("token_type_ids must be in [0, type_vocab_size ",
-                                                     c.type_vocab_size(), ")"));
+    if (in.token_type_ids.min().item<int64_t>() < 0 || in.token_type_ids.max().item<int64_t>() >= c.type_vocab_size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token_type_ids must be in [0, type_vocab_size ", c.type_vocab_size(), ")"));
     }
     const int64_t batch = rows / in.choices;
     if (micro_batches < 1 || micro_batches > batch) {
-      return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 1..batch size ", batch,
-                                                     ", got ", micro_batches));
+      return absl::InvalidArgumentError(
+          absl::StrCat("micro_batches must be in 1..batch size ", batch, ", got ", micro_batches));
     }
     return absl::OkStatus();
   }
@@ -673,10 +674,9 @@ class BertShard::Impl {
     t = Norm(t, "cls.predictions.transform.LayerNorm").to(dtype_);  // float32 out of the norm
     // VocabParallelLMHead1D with gather_output (PaddingLMHead without TP): padded rows are zero
     // weights and bias, and are cut off after the gather.
-    at::Tensor logits =
-        gemm_ == GemmPath::kOneDnn
-            ? OneDnnLinear(t, packed_.at("cls.predictions.decoder.weight"), P("cls.predictions.bias"))
-            : at::linear(t, P("cls.predictions.decoder.weight"), P("cls.predictions.bias"));
+    at::Tensor logits = gemm_ == GemmPath::kOneDnn
+                            ? OneDnnLinear(t, packed_.at("cls.predictions.decoder.weight"), P("cls.predictions.bias"))
+                            : at::linear(t, P("cls.predictions.decoder.weight"), P("cls.predictions.bias"));
     if (tp_ > 1) {
       ASSIGN_OR_RETURN(logits, comm_->AllGather(logits, logits.dim() - 1));
     }
@@ -793,8 +793,8 @@ class BertShard::Impl {
   bool sp_ = false;
   std::string prefix_;
   std::vector<Slot> route_;
-  std::map<std::string, at::Tensor> params_;  // by state-dict name and alias
-  std::map<std::string, at::Tensor> packed_;  // oneDNN path: the linears' weights, by name and alias
+  std::map<std::string, at::Tensor> params_;              // by state-dict name and alias
+  std::map<std::string, at::Tensor> packed_;              // oneDNN path: the linears' weights, by name and alias
   std::map<std::string, const v1::TensorShard*> shards_;  // points into plan_
   // While loading: each layer's fused, packed QKV weight as its parts arrive (ReadTransposed), by
   // the layer's "...attention.self." prefix, and the buffer every transposed tensor is read into.
@@ -805,7 +805,7 @@ class BertShard::Impl {
   std::map<std::string, QkvInPlace> qkv_in_place_;
   at::Tensor load_scratch_;
   std::shared_ptr<WeightArena> arena_;  // what ReadTransposed writes into
-  Collectives* comm_ = nullptr;  // set for the duration of Forward
+  Collectives* comm_ = nullptr;         // set for the duration of Forward
   int64_t padding_bytes_ = 0;
 };
 
@@ -820,8 +820,8 @@ GemmPath BertShard::gemm_path() const { return impl_->gemm_path(); }
 at::ScalarType BertShard::dtype() const { return impl_->dtype(); }
 
 absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& plan, int rank,
-                                                           const checkpoint::Checkpoint& checkpoint,
-                                                           c10::Device device, const Progress& progress) {
+                                                           const checkpoint::Checkpoint& checkpoint, c10::Device device,
+                                                           const Progress& progress) {
   return Load(plan, rank, checkpoint, LoadOptions{device, GemmPath::kBlas, progress});
 }
 
@@ -829,8 +829,8 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
                                                            const checkpoint::Checkpoint& checkpoint,
                                                            const LoadOptions& options) {
   if (rank < 0 || rank >= plan.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is outside the plan's world of ",
-                                                   plan.world_size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside the plan's world of ", plan.world_size()));
   }
   try {
     auto impl = std::make_unique<Impl>(plan, rank, options.device, options.gemm);
@@ -860,8 +860,7 @@ GemmChoice PickGemmPathForPlan(const v1::ShardPlan& plan) {
                       dtype == at::kHalf ? at::kFloat : dtype);
 }
 
-absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs,
-                                                                     int micro_batches,
+absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs, int micro_batches,
                                                                      Collectives* collectives) {
   absl::StatusOr<std::map<std::string, at::Tensor>> outputs;
   try {

@@ -95,8 +95,7 @@ class BertShard {
   // stage, {} elsewhere. Returns once the rank's device work is done (Collectives::Synchronize).
   // INVALID_ARGUMENT for inputs the plan cannot run (shapes, ids, lengths); a collective failure
   // is UNAVAILABLE; the device's memory running out is RESOURCE_EXHAUSTED.
-  absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& inputs,
-                                                            int micro_batches,
+  absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& inputs, int micro_batches,
                                                             Collectives* collectives);
 
  private:

@@ -33,10 +33,13 @@ ModelInputs ReadInputs(const std::string& path) {
     const auto& v = j[key];
     if (v[0][0].is_array()) {
       shape = {static_cast<int64_t>(v.size()), static_cast<int64_t>(v[0].size()), static_cast<int64_t>(v[0][0].size())};
-      for (const auto& a : v) for (const auto& b : a) for (const auto& x : b) flat.push_back(x.get<int64_t>());
+      for (const auto& a : v)
+        for (const auto& b : a)
+          for (const auto& x : b) flat.push_back(x.get<int64_t>());
     } else {
       shape = {static_cast<int64_t>(v.size()), static_cast<int64_t>(v[0].size())};
-      for (const auto& a : v) for (const auto& x : a) flat.push_back(x.get<int64_t>());
+      for (const auto& a : v)
+        for (const auto& x : a) flat.push_back(x.get<int64_t>());
     }
     inputs.choices = shape.size() == 3 ? shape[1] : 1;
     return at::tensor(flat, at::kLong).view({-1, shape.back()});
@@ -99,9 +102,8 @@ TEST_P(UnshardedReference, MatchesIndependentOutputs) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, UnshardedReference,
-                         ::testing::Values("bert_model", "pretraining_tied", "lm_head_decoder",
-                                           "masked_lm_untied", "next_sentence",
-                                           "sequence_classification_f16", "token_classification_bf16",
+                         ::testing::Values("bert_model", "pretraining_tied", "lm_head_decoder", "masked_lm_untied",
+                                           "next_sentence", "sequence_classification_f16", "token_classification_bf16",
                                            "multiple_choice", "question_answering"));
 
 // The oneDNN path against the BLAS path on the same weights, for every variant: every kind of
@@ -151,9 +153,8 @@ TEST_P(OneDnnPath, EqualsBlasPath) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, OneDnnPath,
-                         ::testing::Values("bert_model", "pretraining_tied", "lm_head_decoder",
-                                           "masked_lm_untied", "next_sentence",
-                                           "sequence_classification_f16", "token_classification_bf16",
+                         ::testing::Values("bert_model", "pretraining_tied", "lm_head_decoder", "masked_lm_untied",
+                                           "next_sentence", "sequence_classification_f16", "token_classification_bf16",
                                            "multiple_choice", "question_answering"));
 
 // bf16: weights converted at load, the forward in bf16, outputs float32, against the same fp32
@@ -212,9 +213,8 @@ TEST_P(Bf16Compute, MatchesFp32ReferenceWithinBf16Tolerance) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllVariants, Bf16Compute,
-                         ::testing::Values("bert_model", "pretraining_tied", "lm_head_decoder",
-                                           "masked_lm_untied", "next_sentence",
-                                           "sequence_classification_f16", "token_classification_bf16",
+                         ::testing::Values("bert_model", "pretraining_tied", "lm_head_decoder", "masked_lm_untied",
+                                           "next_sentence", "sequence_classification_f16", "token_classification_bf16",
                                            "multiple_choice", "question_answering"));
 
 TEST(BertShardDtype, Fp16OnCpuIsRefusedBeforeReadingWhereLibTorchLacksKernels) {
@@ -313,15 +313,15 @@ TEST(BertShardLoad, NamesMissingAndMisshapedTensors) {
   auto shard = BertShard::Load(*plan, 0, **ckpt);
   EXPECT_EQ(shard.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(shard.status().message().find("encoder.layer.0.intermediate.dense.weight has shape [64, 32]"),
-            std::string::npos) << shard.status();
+            std::string::npos)
+      << shard.status();
   request.mutable_config()->clear_intermediate_size();
   request.set_variant(v1::BERT_FOR_PRE_TRAINING);  // heads the checkpoint lacks
   plan = planner::Plan(request);
   shard = BertShard::Load(*plan, 0, **ckpt);
   EXPECT_EQ(shard.status().code(), absl::StatusCode::kNotFound);
   // The trunk loads from the base-model names (HF does the same); the heads are missing.
-  EXPECT_NE(shard.status().message().find("has no tensor cls.predictions.bias"), std::string::npos)
-      << shard.status();
+  EXPECT_NE(shard.status().message().find("has no tensor cls.predictions.bias"), std::string::npos) << shard.status();
   EXPECT_EQ(BertShard::Load(*plan, 5, **ckpt).status().code(), absl::StatusCode::kInvalidArgument);
 }
 

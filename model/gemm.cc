@@ -75,8 +75,8 @@ __attribute__((target("avx2"))) inline void Transpose8x8(const float* s, int64_t
   _mm256_storeu_ps(d + 7 * ld, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-__attribute__((target("avx2"))) void TransposeAvx2(const float* src, int64_t rows, int64_t cols, int64_t ls,
-                                                   float* dst, int64_t ld) {
+__attribute__((target("avx2"))) void TransposeAvx2(const float* src, int64_t rows, int64_t cols, int64_t ls, float* dst,
+                                                   int64_t ld) {
   for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
     for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
       const int64_t c1 = std::min(cols, c0 + kBlock), r1 = std::min(rows, r0 + kBlock);

@@ -56,7 +56,8 @@ at::Tensor OneDnnLinear(const at::Tensor& x, const at::Tensor& packed_weight, co
 // beta C, op 'N' or 'T', leading dimensions in elements; returns dnnl_status_t, 0 for success),
 // from the libdnnl LibTorch is linked with, looked up once at run time; null where the process has
 // none. Looked up rather than included: Debian ships oneDNN's headers only in libdnnl-dev, and the
-// C API's signature is stable since oneDNN 1.0. Called from several threads at once it runs each call on its own thread.
+// C API's signature is stable since oneDNN 1.0. Called from several threads at once it runs each call on its own
+// thread.
 using DnnlSgemmFn = int (*)(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                             int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 DnnlSgemmFn DnnlSgemm();

@@ -138,8 +138,8 @@ TEST(DnnlSgemm, StridedRowMajorProductsMatchLibTorch) {
 // Every shape class: whole 8 x 8 tiles, tails of rows and of columns, more than one 64-wide block,
 // vectors, and parts written side by side into a wider destination.
 TEST(TransposeInto, EqualsTheTransposeForAnyShapeAndStride) {
-  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
-           {8, 8}, {64, 64}, {77, 45}, {1, 130}, {130, 1}, {200, 136}, {3, 5}}) {
+  for (const auto& [rows, cols] :
+       std::vector<std::pair<int64_t, int64_t>>{{8, 8}, {64, 64}, {77, 45}, {1, 130}, {130, 1}, {200, 136}, {3, 5}}) {
     const at::Tensor src = at::randn({rows, cols});
     at::Tensor dst = at::full({cols, rows}, -7.f);
     TransposeInto(src.data_ptr<float>(), rows, cols, dst.data_ptr<float>(), rows);

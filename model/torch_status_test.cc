@@ -27,9 +27,8 @@ absl::Status Caught(void (*thrower)()) {
 }
 
 TEST(StatusFromTorchError, OutOfMemoryIsResourceExhaustedWithWhatToChange) {
-  const absl::Status status = Caught([] {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate 2.00 GiB");
-  });
+  const absl::Status status =
+      Caught([] { TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate 2.00 GiB"); });
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
   EXPECT_THAT(status.message(), HasSubstr("forward: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"));
   EXPECT_THAT(status.message(), HasSubstr("fewer tokens per forward"));

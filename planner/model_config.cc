@@ -36,8 +36,7 @@ using google::protobuf::Value;
 absl::StatusOr<int64_t> IntegerField(const Value& v, absl::string_view name) {
   if (v.kind_case() != Value::kNumberValue || std::floor(v.number_value()) != v.number_value() ||
       std::fabs(v.number_value()) > 9.0e15) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json field ", name, " must be an integer"));
+    return absl::InvalidArgumentError(absl::StrCat("config.json field ", name, " must be an integer"));
   }
   return static_cast<int64_t>(v.number_value());
 }
@@ -77,9 +76,9 @@ absl::StatusOr<v1::ModelVariant> ParseVariant(absl::string_view name) {
   for (const auto& v : kVariants) {
     if (name == v.hf_class || name == v1::ModelVariant_Name(v.variant)) return v.variant;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown model variant '", name, "'; valid variants: ", ValidVariantNames(),
-      " (or their enum names, e.g. BERT_FOR_MASKED_LM)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown model variant '", name,
+                                                 "'; valid variants: ", ValidVariantNames(),
+                                                 " (or their enum names, e.g. BERT_FOR_MASKED_LM)"));
 }
 
 absl::StatusOr<v1::Dtype> ParseDtype(absl::string_view name) {
@@ -172,9 +171,9 @@ absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json) {
   }
   if (auto it = f.find("position_embedding_type"); it != f.end()) {
     if (it->second.kind_case() != Value::kStringValue || it->second.string_value() != "absolute") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json position_embedding_type ", common::ProtoToJson(it->second, {.indent = 0}),
-          " is not supported; bertshard runs absolute position embeddings"));
+      return absl::InvalidArgumentError(absl::StrCat("config.json position_embedding_type ",
+                                                     common::ProtoToJson(it->second, {.indent = 0}),
+                                                     " is not supported; bertshard runs absolute position embeddings"));
     }
   }
   if (auto it = f.find("layer_norm_eps"); it != f.end()) {
@@ -198,17 +197,17 @@ absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json) {
     ASSIGN_OR_RETURN(bool value, BoolField(it->second, field.name));
     (c.*field.set)(value);
   }
-  if (auto it = f.find("architectures"); it != f.end() && it->second.kind_case() == Value::kListValue &&
-                                         it->second.list_value().values_size() > 0) {
+  if (auto it = f.find("architectures");
+      it != f.end() && it->second.kind_case() == Value::kListValue && it->second.list_value().values_size() > 0) {
     const Value& first = it->second.list_value().values(0);
     if (first.kind_case() != Value::kStringValue) {
       return absl::InvalidArgumentError("config.json field architectures must list class names");
     }
     auto variant = ParseVariant(first.string_value());
     if (!variant.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json architectures[0] is '", first.string_value(),
-          "', not a BERT class bertshard can shard; valid: ", ValidVariantNames()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json architectures[0] is '", first.string_value(),
+                       "', not a BERT class bertshard can shard; valid: ", ValidVariantNames()));
     }
     out.variant = *variant;
   }

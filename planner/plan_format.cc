@@ -35,8 +35,7 @@ std::vector<std::string> CompressModules(const v1::Stage& stage) {
   for (const std::string& m : stage.held_modules()) {
     const size_t at = m.find(kLayerPrefix);
     int64_t index = 0;
-    if (at != std::string::npos &&
-        absl::SimpleAtoi(absl::string_view(m).substr(at + kLayerPrefixSize), &index)) {
+    if (at != std::string::npos && absl::SimpleAtoi(absl::string_view(m).substr(at + kLayerPrefixSize), &index)) {
       const std::string prefix = m.substr(0, at + kLayerPrefixSize);
       if (run_start >= 0 && prefix == run_prefix && index == run_end + 1) {
         run_end = index;
@@ -102,20 +101,18 @@ std::string FormatPlanTable(const v1::ShardPlan& plan) {
   const v1::ShardConfig& sc = plan.shard_config();
   const v1::BertConfig& c = plan.config();
   std::string out;
-  absl::StrAppend(&out, VariantLabel(plan), ": ", c.num_hidden_layers(), " layers, hidden ",
-                  c.hidden_size(), ", ", c.num_attention_heads(), " heads, intermediate ",
-                  c.intermediate_size(), ", vocab ", c.vocab_size(), ", ", c.hidden_act(), "; ",
-                  DtypeName(plan.dtype()), "\n");
+  absl::StrAppend(&out, VariantLabel(plan), ": ", c.num_hidden_layers(), " layers, hidden ", c.hidden_size(), ", ",
+                  c.num_attention_heads(), " heads, intermediate ", c.intermediate_size(), ", vocab ", c.vocab_size(),
+                  ", ", c.hidden_act(), "; ", DtypeName(plan.dtype()), "\n");
   absl::StrAppend(&out, "parallel: tp ", sc.tensor_parallel_size(), " x pp ", sc.pp_size());
   if (sc.pp_style() != v1::PIPELINE_STYLE_UNSPECIFIED) {
     absl::StrAppend(&out, " (", v1::PipelineStyle_Name(sc.pp_style()), ", ", sc.num_model_chunks(),
                     sc.num_model_chunks() == 1 ? " chunk" : " chunks", ")");
   }
   absl::StrAppend(&out, " = ", plan.world_size(), " ranks; sequence parallel ",
-                  v1::SequenceParallelMode_Name(sc.sp_mode()), "; tied embeddings ",
-                  plan.tie_weight() ? "yes" : "no", "; vocab padded to a multiple of ",
-                  sc.make_vocab_size_divisible_by(), sc.enable_tensor_parallelism() ? " x tp" : "",
-                  "\n");
+                  v1::SequenceParallelMode_Name(sc.sp_mode()), "; tied embeddings ", plan.tie_weight() ? "yes" : "no",
+                  "; vocab padded to a multiple of ", sc.make_vocab_size_divisible_by(),
+                  sc.enable_tensor_parallelism() ? " x tp" : "", "\n");
   std::vector<std::string> opts;
   if (sc.enable_fused_normalization()) opts.push_back("fused layernorm");
   if (sc.enable_jit_fused()) opts.push_back("jit fused");
@@ -125,21 +122,20 @@ std::string FormatPlanTable(const v1::ShardPlan& plan) {
   for (const auto& w : plan.warnings()) absl::StrAppend(&out, "warning: ", w, "\n");
   absl::StrAppend(&out, "layers per slot: ", absl::StrJoin(plan.layers_per_stage(), " "), "\n\n");
 
-  absl::StrAppend(&out, absl::StrFormat("%-6s %-6s %-5s %-18s %s\n", "STAGE", "FIRST", "LAST",
-                                        "LAYERS", "MODULES"));
+  absl::StrAppend(&out, absl::StrFormat("%-6s %-6s %-5s %-18s %s\n", "STAGE", "FIRST", "LAST", "LAYERS", "MODULES"));
   for (const v1::Stage& s : plan.stages()) {
-    absl::StrAppend(&out, absl::StrFormat("%-6d %-6s %-5s %-18s %s\n", s.stage(),
-                                          s.is_first() ? "yes" : "-", s.is_last() ? "yes" : "-",
-                                          Ranges(s), absl::StrJoin(CompressModules(s), ", ")));
+    absl::StrAppend(&out,
+                    absl::StrFormat("%-6d %-6s %-5s %-18s %s\n", s.stage(), s.is_first() ? "yes" : "-",
+                                    s.is_last() ? "yes" : "-", Ranges(s), absl::StrJoin(CompressModules(s), ", ")));
   }
-  absl::StrAppend(&out, "\n", absl::StrFormat("%-6s %-6s %-4s %-8s %s\n", "RANK", "STAGE", "TP",
-                                              "TENSORS", absl::StrCat("PARAM BYTES (", DtypeName(plan.dtype()), ")")));
+  absl::StrAppend(&out, "\n",
+                  absl::StrFormat("%-6s %-6s %-4s %-8s %s\n", "RANK", "STAGE", "TP", "TENSORS",
+                                  absl::StrCat("PARAM BYTES (", DtypeName(plan.dtype()), ")")));
   int64_t total = 0;
   for (const v1::RankShard& r : plan.ranks()) {
     total += r.param_bytes();
-    absl::StrAppend(&out, absl::StrFormat("%-6d %-6d %-4d %-8d %s (%d)\n", r.rank(), r.stage(),
-                                          r.tp_rank(), r.tensors_size(),
-                                          HumanBytes(r.param_bytes()), r.param_bytes()));
+    absl::StrAppend(&out, absl::StrFormat("%-6d %-6d %-4d %-8d %s (%d)\n", r.rank(), r.stage(), r.tp_rank(),
+                                          r.tensors_size(), HumanBytes(r.param_bytes()), r.param_bytes()));
   }
   absl::StrAppend(&out, "total parameter bytes over all ranks: ", HumanBytes(total), " (", total, ")\n");
   for (const auto& shared : plan.shared_params()) {
@@ -167,21 +163,21 @@ std::string FormatPlanTable(const v1::ShardPlan& plan) {
 
 std::string FormatPlanDot(const v1::ShardPlan& plan) {
   const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
-  std::string out = "digraph bertshard_plan {\n  rankdir=LR;\n  compound=true;\n"
-                    "  node [shape=box, fontname=\"Helvetica\", fontsize=10];\n";
+  std::string out =
+      "digraph bertshard_plan {\n  rankdir=LR;\n  compound=true;\n"
+      "  node [shape=box, fontname=\"Helvetica\", fontsize=10];\n";
   absl::StrAppend(&out, "  label=\"", DotEscape(VariantLabel(plan)), ": tp ", tp, " x pp ",
                   plan.shard_config().pp_size(), "\";\n");
   for (const v1::Stage& s : plan.stages()) {
-    absl::StrAppend(&out, "  subgraph cluster_stage", s.stage(), " {\n    label=\"stage ", s.stage(),
-                    " layers ", Ranges(s), s.is_first() ? " (first)" : "", s.is_last() ? " (last)" : "",
-                    "\";\n");
+    absl::StrAppend(&out, "  subgraph cluster_stage", s.stage(), " {\n    label=\"stage ", s.stage(), " layers ",
+                    Ranges(s), s.is_first() ? " (first)" : "", s.is_last() ? " (last)" : "", "\";\n");
     std::vector<std::string> lines = CompressModules(s);
     for (std::string& line : lines) line = DotEscape(line);
     const std::string modules = absl::StrJoin(lines, "\\n");
     for (const v1::RankShard& r : plan.ranks()) {
       if (r.stage() != s.stage()) continue;
-      absl::StrAppend(&out, "    rank", r.rank(), " [label=\"rank ", r.rank(), " (tp ", r.tp_rank(),
-                      ")\\n", modules, "\\n", HumanBytes(r.param_bytes()), "\"];\n");
+      absl::StrAppend(&out, "    rank", r.rank(), " [label=\"rank ", r.rank(), " (tp ", r.tp_rank(), ")\\n", modules,
+                      "\\n", HumanBytes(r.param_bytes()), "\"];\n");
     }
     absl::StrAppend(&out, "  }\n");
   }
@@ -202,8 +198,8 @@ std::string FormatPlanDot(const v1::ShardPlan& plan) {
       const auto& b = shared.members(i);
       for (int t = 0; t < tp; ++t) {
         absl::StrAppend(&out, "  rank", a.stage() * tp + t, " -> rank", b.stage() * tp + t,
-                        " [style=dashed, dir=both, color=blue, label=\"tied: ",
-                        DotEscape(a.param()), " = ", DotEscape(b.param()), "\"];\n");
+                        " [style=dashed, dir=both, color=blue, label=\"tied: ", DotEscape(a.param()), " = ",
+                        DotEscape(b.param()), "\"];\n");
       }
     }
   }
@@ -221,8 +217,8 @@ void AppendKey(absl::string_view key, bool* first, std::string* out) {
   out->append("\":");
 }
 
-void AppendIntArray(absl::string_view key, const google::protobuf::RepeatedField<int64_t>& values,
-                    bool* first, std::string* out) {
+void AppendIntArray(absl::string_view key, const google::protobuf::RepeatedField<int64_t>& values, bool* first,
+                    std::string* out) {
   AppendKey(key, first, out);
   out->push_back('[');
   for (int i = 0; i < values.size(); ++i) {

@@ -19,8 +19,9 @@ v1::ShardPlan ZbvPlan() {
 
 TEST(PlanTable, CompressesLayerRunsAndListsRanks) {
   const std::string table = FormatPlanTable(ZbvPlan());
-  EXPECT_TRUE(absl::StrContains(table, "0      yes    yes   [0,2) [10,12)      bert.embeddings, "
-                                       "bert.encoder.layer.0-1, bert.encoder.layer.10-11, cls"))
+  EXPECT_TRUE(absl::StrContains(table,
+                                "0      yes    yes   [0,2) [10,12)      bert.embeddings, "
+                                "bert.encoder.layer.0-1, bert.encoder.layer.10-11, cls"))
       << table;
   EXPECT_TRUE(absl::StrContains(table, "5      2      1")) << table;
 }

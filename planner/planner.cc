@@ -5,8 +5,8 @@
 #include <string>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
@@ -21,8 +21,7 @@ constexpr char kRingWarning[] =
     "split_gather";
 
 // The activations the executor implements (HF ACT2FN names).
-constexpr absl::string_view kSupportedActivations[] = {"gelu", "gelu_new", "gelu_pytorch_tanh",
-                                                       "relu"};
+constexpr absl::string_view kSupportedActivations[] = {"gelu", "gelu_new", "gelu_pytorch_tanh", "relu"};
 
 // Modules the variant adds after the BERT trunk, as get_held_layers names them.
 std::vector<std::string> HeadModules(v1::ModelVariant v) {
@@ -45,16 +44,26 @@ std::vector<std::string> HeadModules(v1::ModelVariant v) {
 
 absl::string_view PipelineForwardName(v1::ModelVariant v) {
   switch (v) {
-    case v1::BERT_MODEL: return "bert_model_forward";
-    case v1::BERT_FOR_PRE_TRAINING: return "bert_for_pretraining_forward";
-    case v1::BERT_LM_HEAD_MODEL: return "bert_lm_head_model_forward";
-    case v1::BERT_FOR_MASKED_LM: return "bert_for_masked_lm_forward";
-    case v1::BERT_FOR_NEXT_SENTENCE_PREDICTION: return "bert_for_next_sentence_prediction_forward";
-    case v1::BERT_FOR_SEQUENCE_CLASSIFICATION: return "bert_for_sequence_classification_forward";
-    case v1::BERT_FOR_TOKEN_CLASSIFICATION: return "bert_for_token_classification_forward";
-    case v1::BERT_FOR_MULTIPLE_CHOICE: return "bert_for_multiple_choice_forward";
-    case v1::BERT_FOR_QUESTION_ANSWERING: return "bert_for_question_answering_forward";
-    default: return "";
+    case v1::BERT_MODEL:
+      return "bert_model_forward";
+    case v1::BERT_FOR_PRE_TRAINING:
+      return "bert_for_pretraining_forward";
+    case v1::BERT_LM_HEAD_MODEL:
+      return "bert_lm_head_model_forward";
+    case v1::BERT_FOR_MASKED_LM:
+      return "bert_for_masked_lm_forward";
+    case v1::BERT_FOR_NEXT_SENTENCE_PREDICTION:
+      return "bert_for_next_sentence_prediction_forward";
+    case v1::BERT_FOR_SEQUENCE_CLASSIFICATION:
+      return "bert_for_sequence_classification_forward";
+    case v1::BERT_FOR_TOKEN_CLASSIFICATION:
+      return "bert_for_token_classification_forward";
+    case v1::BERT_FOR_MULTIPLE_CHOICE:
+      return "bert_for_multiple_choice_forward";
+    case v1::BERT_FOR_QUESTION_ANSWERING:
+      return "bert_for_question_answering_forward";
+    default:
+      return "";
   }
 }
 
@@ -89,9 +98,7 @@ struct Resolved {
 
 std::string Join(const std::vector<int64_t>& values) { return absl::StrJoin(values, ", "); }
 
-absl::Status Invalid(absl::string_view message) {
-  return absl::InvalidArgumentError(message);
-}
+absl::Status Invalid(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
 absl::Status CheckPositive(absl::string_view name, int64_t value, int64_t max) {
   if (value <= 0) {
@@ -109,15 +116,12 @@ absl::Status ValidateConfig(const v1::ModelVariant variant, const v1::BertConfig
   RETURN_IF_ERROR(CheckPositive("num_hidden_layers", c.num_hidden_layers(), kMaxLayers));
   RETURN_IF_ERROR(CheckPositive("num_attention_heads", c.num_attention_heads(), kMaxTensorElements));
   RETURN_IF_ERROR(CheckPositive("intermediate_size", c.intermediate_size(), kMaxTensorElements));
-  RETURN_IF_ERROR(
-      CheckPositive("max_position_embeddings", c.max_position_embeddings(), kMaxTensorElements));
+  RETURN_IF_ERROR(CheckPositive("max_position_embeddings", c.max_position_embeddings(), kMaxTensorElements));
   RETURN_IF_ERROR(CheckPositive("type_vocab_size", c.type_vocab_size(), kMaxTensorElements));
   RETURN_IF_ERROR(CheckPositive("num_labels", c.num_labels(), kMaxTensorElements));
   if (c.hidden_size() % c.num_attention_heads() != 0) {
-    return Invalid(absl::StrCat("config.hidden_size ", c.hidden_size(),
-                                " is not a multiple of num_attention_heads ",
-                                c.num_attention_heads(),
-                                " (HF BERT needs whole attention heads)"));
+    return Invalid(absl::StrCat("config.hidden_size ", c.hidden_size(), " is not a multiple of num_attention_heads ",
+                                c.num_attention_heads(), " (HF BERT needs whole attention heads)"));
   }
   if (!(c.layer_norm_eps() > 0) || !std::isfinite(c.layer_norm_eps())) {
     return Invalid(absl::StrCat("config.layer_norm_eps is ", c.layer_norm_eps(),
@@ -127,12 +131,11 @@ absl::Status ValidateConfig(const v1::ModelVariant variant, const v1::BertConfig
   for (absl::string_view a : kSupportedActivations) act_ok |= (c.hidden_act() == a);
   if (!act_ok) {
     return Invalid(absl::StrCat("config.hidden_act '", c.hidden_act(),
-                                "' is not supported; valid: ",
-                                absl::StrJoin(kSupportedActivations, ", ")));
+                                "' is not supported; valid: ", absl::StrJoin(kSupportedActivations, ", ")));
   }
   if (c.pad_token_id() < 0 || c.pad_token_id() >= c.vocab_size()) {
-    return Invalid(absl::StrCat("config.pad_token_id ", c.pad_token_id(),
-                                " is outside the vocabulary [0, ", c.vocab_size(), ")"));
+    return Invalid(
+        absl::StrCat("config.pad_token_id ", c.pad_token_id(), " is outside the vocabulary [0, ", c.vocab_size(), ")"));
   }
   if (c.add_cross_attention() && !c.is_decoder()) {
     return Invalid(
@@ -142,16 +145,17 @@ absl::Status ValidateConfig(const v1::ModelVariant variant, const v1::BertConfig
   // Every tensor, padded, must stay below 2^31 elements.
   const int64_t h = c.hidden_size();
   auto too_big = [h](int64_t rows) { return rows > kMaxTensorElements / h; };
-  if (too_big(c.vocab_size()) || too_big(c.intermediate_size()) ||
-      too_big(h) || too_big(c.max_position_embeddings()) || too_big(c.type_vocab_size()) ||
-      too_big(c.num_labels())) {
-    return Invalid(absl::StrCat("config sizes give a tensor of more than 2^31 elements (hidden_size ",
-                                h, "); this is not a BERT bertshard can plan"));
+  if (too_big(c.vocab_size()) || too_big(c.intermediate_size()) || too_big(h) || too_big(c.max_position_embeddings()) ||
+      too_big(c.type_vocab_size()) || too_big(c.num_labels())) {
+    return Invalid(absl::StrCat("config sizes give a tensor of more than 2^31 elements (hidden_size ", h,
+                                "); this is not a BERT bertshard can plan"));
   }
   if (variant == v1::BERT_FOR_QUESTION_ANSWERING && c.num_labels() != 2) {
     // HF splits qa_outputs into exactly start and end logits.
-    return Invalid(absl::StrCat("BertForQuestionAnswering needs config.num_labels 2 (start and end "
-                                "logits), got ", c.num_labels()));
+    return Invalid(
+        absl::StrCat("BertForQuestionAnswering needs config.num_labels 2 (start and end "
+                     "logits), got ",
+                     c.num_labels()));
   }
   return absl::OkStatus();
 }
@@ -160,13 +164,14 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
   Resolved r;
   // --- model ---
   if (request.variant() == v1::MODEL_VARIANT_UNSPECIFIED) {
-    return Invalid(absl::StrCat("variant is required (or a checkpoint whose config.json names "
-                                "architectures[0]); valid variants: ",
-                                ValidVariantNames()));
+    return Invalid(
+        absl::StrCat("variant is required (or a checkpoint whose config.json names "
+                     "architectures[0]); valid variants: ",
+                     ValidVariantNames()));
   }
   if (!v1::ModelVariant_IsValid(request.variant())) {
-    return Invalid(absl::StrCat("unknown variant value ", request.variant(),
-                                "; valid variants: ", ValidVariantNames()));
+    return Invalid(
+        absl::StrCat("unknown variant value ", request.variant(), "; valid variants: ", ValidVariantNames()));
   }
   r.variant = request.variant();
   r.config = WithHfDefaults(request.config());
@@ -189,31 +194,29 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
   // --- parallel sizes ---
   const v1::ParallelConfig& p = request.parallel();
   if (p.tp_size() < 0 || p.tp_size() > kMaxParallelSize) {
-    return Invalid(absl::StrCat("parallel.tp_size is ", p.tp_size(), "; it must be in 0..",
-                                kMaxParallelSize, " (0 or 1: tensor parallelism off); valid for this model: ",
-                                Join(ValidTpSizes(r.config))));
+    return Invalid(
+        absl::StrCat("parallel.tp_size is ", p.tp_size(), "; it must be in 0..", kMaxParallelSize,
+                     " (0 or 1: tensor parallelism off); valid for this model: ", Join(ValidTpSizes(r.config))));
   }
   if (p.pp_size() < 0 || p.pp_size() > kMaxParallelSize) {
-    return Invalid(absl::StrCat("parallel.pp_size is ", p.pp_size(), "; it must be in 0..",
-                                kMaxParallelSize, " (0 or 1: no pipeline)"));
+    return Invalid(absl::StrCat("parallel.pp_size is ", p.pp_size(), "; it must be in 0..", kMaxParallelSize,
+                                " (0 or 1: no pipeline)"));
   }
   if (p.num_model_chunks() < 0 || p.num_model_chunks() > kMaxParallelSize) {
-    return Invalid(absl::StrCat("parallel.num_model_chunks is ", p.num_model_chunks(),
-                                "; it must be in 0..", kMaxParallelSize,
-                                " (0: 1 for ONE_F_ONE_B, 2 for INTERLEAVED and ZBV)"));
+    return Invalid(absl::StrCat("parallel.num_model_chunks is ", p.num_model_chunks(), "; it must be in 0..",
+                                kMaxParallelSize, " (0: 1 for ONE_F_ONE_B, 2 for INTERLEAVED and ZBV)"));
   }
   if (p.make_vocab_size_divisible_by() < 0 || p.make_vocab_size_divisible_by() > 65536) {
-    return Invalid(absl::StrCat("parallel.make_vocab_size_divisible_by is ",
-                                p.make_vocab_size_divisible_by(),
+    return Invalid(absl::StrCat("parallel.make_vocab_size_divisible_by is ", p.make_vocab_size_divisible_by(),
                                 "; it must be in 0..65536 (0 means 64)"));
   }
   if (!v1::PipelineStyle_IsValid(p.pp_style())) {
-    return Invalid(absl::StrCat("unknown parallel.pp_style value ", p.pp_style(),
-                                "; valid: ONE_F_ONE_B, INTERLEAVED, ZBV"));
+    return Invalid(
+        absl::StrCat("unknown parallel.pp_style value ", p.pp_style(), "; valid: ONE_F_ONE_B, INTERLEAVED, ZBV"));
   }
   if (!v1::SequenceParallelMode_IsValid(p.sp_mode())) {
-    return Invalid(absl::StrCat("unknown parallel.sp_mode value ", p.sp_mode(),
-                                "; valid: SP_NONE, SPLIT_GATHER, RING"));
+    return Invalid(
+        absl::StrCat("unknown parallel.sp_mode value ", p.sp_mode(), "; valid: SP_NONE, SPLIT_GATHER, RING"));
   }
   r.tp = std::max<int64_t>(p.tp_size(), 1);
   r.tp_on = r.tp > 1;  // as HybridParallelPlugin: tp_size 1 means TP off
@@ -241,17 +244,16 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
                                 "; use ONE_F_ONE_B for one chunk per stage"));
   }
   if (r.style == v1::ZBV && r.chunks != 2) {
-    return Invalid(absl::StrCat("pp_style ZBV needs num_model_chunks == 2 (the V has two legs), got ",
-                                r.chunks));
+    return Invalid(absl::StrCat("pp_style ZBV needs num_model_chunks == 2 (the V has two legs), got ", r.chunks));
   }
   if (r.tp * r.stages > kMaxParallelSize) {
-    return Invalid(absl::StrCat("tp_size x pp_size is ", r.tp * r.stages, "; at most ",
-                                kMaxParallelSize, " ranks are supported"));
+    return Invalid(
+        absl::StrCat("tp_size x pp_size is ", r.tp * r.stages, "; at most ", kMaxParallelSize, " ranks are supported"));
   }
   const int64_t slots = r.stages * r.chunks;
   if (slots > kMaxParallelSize) {
-    return Invalid(absl::StrCat("pp_size x num_model_chunks is ", slots, "; at most ",
-                                kMaxParallelSize, " pipeline slots are supported"));
+    return Invalid(absl::StrCat("pp_size x num_model_chunks is ", slots, "; at most ", kMaxParallelSize,
+                                " pipeline slots are supported"));
   }
   if (p.num_layers_per_stage_size() > 0) {
     if (p.num_layers_per_stage_size() != slots) {
@@ -263,14 +265,14 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
     int64_t sum = 0;
     for (int64_t n : p.num_layers_per_stage()) {
       if (n < 0 || n > kMaxLayers) {
-        return Invalid(absl::StrCat("parallel.num_layers_per_stage has ", n,
-                                    "; each count must be in 0..num_hidden_layers"));
+        return Invalid(
+            absl::StrCat("parallel.num_layers_per_stage has ", n, "; each count must be in 0..num_hidden_layers"));
       }
       sum += n;
     }
     if (sum != r.layers) {
-      return Invalid(absl::StrCat("parallel.num_layers_per_stage sums to ", sum,
-                                  "; it must sum to num_hidden_layers ", r.layers));
+      return Invalid(
+          absl::StrCat("parallel.num_layers_per_stage sums to ", sum, "; it must sum to num_hidden_layers ", r.layers));
     }
     r.layers_per_slot.assign(p.num_layers_per_stage().begin(), p.num_layers_per_stage().end());
   } else {
@@ -292,8 +294,7 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
   // --- sequence parallelism (ShardConfig.__post_init__, then the policy) ---
   const v1::SequenceParallelMode sp = p.sp_mode();
   if ((sp == v1::SPLIT_GATHER || sp == v1::RING) && !r.tp_on) {
-    return Invalid(absl::StrCat("sequence parallelism mode ",
-                                sp == v1::RING ? "ring" : "split_gather",
+    return Invalid(absl::StrCat("sequence parallelism mode ", sp == v1::RING ? "ring" : "split_gather",
                                 " can only be used when enable_tensor_parallelism is True; set "
                                 "tp_size > 1 (valid: ",
                                 Join(ValidTpSizes(r.config)), ") or sp_mode SP_NONE"));
@@ -315,17 +316,16 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
   // --- tensor parallel divisibility (contract difference 7: refused at plan time) ---
   if (r.tp_on) {
     if (r.heads % r.tp != 0) {
-      return Invalid(absl::StrCat("tp_size ", r.tp, " does not divide num_attention_heads ",
-                                  r.heads, "; valid tp_size values: ", Join(ValidTpSizes(r.config))));
+      return Invalid(absl::StrCat("tp_size ", r.tp, " does not divide num_attention_heads ", r.heads,
+                                  "; valid tp_size values: ", Join(ValidTpSizes(r.config))));
     }
     if (r.hidden % r.tp != 0) {
       return Invalid(absl::StrCat("tp_size ", r.tp, " does not divide hidden_size ", r.hidden,
                                   "; valid tp_size values: ", Join(ValidTpSizes(r.config))));
     }
     if (r.intermediate % r.tp != 0) {
-      return Invalid(absl::StrCat("tp_size ", r.tp, " does not divide intermediate_size ",
-                                  r.intermediate, "; valid tp_size values: ",
-                                  Join(ValidTpSizes(r.config))));
+      return Invalid(absl::StrCat("tp_size ", r.tp, " does not divide intermediate_size ", r.intermediate,
+                                  "; valid tp_size values: ", Join(ValidTpSizes(r.config))));
     }
     if (r.config.add_cross_attention()) {
       // Contract difference 4: the seed rewrites head counts but leaves the linears whole.
@@ -342,8 +342,7 @@ absl::StatusOr<Resolved> Resolve(const v1::PlanRequest& request) {
 
 class PolicyBuilder {
  public:
-  explicit PolicyBuilder(google::protobuf::RepeatedPtrField<v1::ModulePolicyEntry>* entries)
-      : entries_(entries) {}
+  explicit PolicyBuilder(google::protobuf::RepeatedPtrField<v1::ModulePolicyEntry>* entries) : entries_(entries) {}
 
   // The entry of `target_class`, created at the end if new (Python dict order).
   v1::ModulePolicyEntry* Entry(absl::string_view target_class) {
@@ -363,8 +362,8 @@ class PolicyBuilder {
     return e;
   }
 
-  static google::protobuf::Struct* AddSub(v1::ModulePolicyEntry* e, absl::string_view suffix,
-                                          absl::string_view layer, bool has_kwargs) {
+  static google::protobuf::Struct* AddSub(v1::ModulePolicyEntry* e, absl::string_view suffix, absl::string_view layer,
+                                          bool has_kwargs) {
     v1::SubmoduleReplacement* s = e->add_submodule_replacements();
     s->set_suffix(std::string(suffix));
     s->set_layer(std::string(layer));
@@ -391,9 +390,7 @@ class PolicyBuilder {
 void SetNull(google::protobuf::Struct* s, const char* key) {
   (*s->mutable_fields())[key].set_null_value(google::protobuf::NULL_VALUE);
 }
-void SetBool(google::protobuf::Struct* s, const char* key, bool v) {
-  (*s->mutable_fields())[key].set_bool_value(v);
-}
+void SetBool(google::protobuf::Struct* s, const char* key, bool v) { (*s->mutable_fields())[key].set_bool_value(v); }
 void SetString(google::protobuf::Struct* s, const char* key, const char* v) {
   (*s->mutable_fields())[key].set_string_value(v);
 }
@@ -406,11 +403,9 @@ void BuildModulePolicy(const Resolved& r, bool bias_gelu_fused, v1::ShardPlan* p
   const bool split_gather = r.sp == v1::SPLIT_GATHER;
   const bool use_zbv = r.pipeline && r.zbv;
   const char* norm_cls = r.fused_norm ? "FusedLayerNorm" : "LayerNorm";
-  const char* embedding_cls =
-      r.tp_on ? "VocabParallelEmbedding1D" : (r.tie_weight ? "PaddingEmbedding" : nullptr);
+  const char* embedding_cls = r.tp_on ? "VocabParallelEmbedding1D" : (r.tie_weight ? "PaddingEmbedding" : nullptr);
 
-  auto linear = [&](v1::ModulePolicyEntry* e, const char* suffix, const char* layer,
-                    bool with_skip_bias) {
+  auto linear = [&](v1::ModulePolicyEntry* e, const char* suffix, const char* layer, bool with_skip_bias) {
     google::protobuf::Struct* kw = PolicyBuilder::AddSub(e, suffix, layer, true);
     if (split_gather) {
       SetString(kw, "seq_parallel_mode", "split_gather");
@@ -451,16 +446,13 @@ void BuildModulePolicy(const Resolved& r, bool bias_gelu_fused, v1::ShardPlan* p
     linear(layer, "output.dense", row, false);
     PolicyBuilder::AddSub(layer, "output.dropout", "DropoutForParallelInput", false);
 
-    PolicyBuilder::AddSub(policy.Replace("BertEmbeddings"), "dropout", "DropoutForReplicatedInput",
-                          false);
+    PolicyBuilder::AddSub(policy.Replace("BertEmbeddings"), "dropout", "DropoutForReplicatedInput", false);
     if (bias_gelu_fused) {
-      PolicyBuilder::SetMethod(policy.Entry("BertIntermediate"), "forward",
-                               "get_jit_fused_bert_intermediate_forward");
+      PolicyBuilder::SetMethod(policy.Entry("BertIntermediate"), "forward", "get_jit_fused_bert_intermediate_forward");
     }
   }
   if (split_gather) {
-    PolicyBuilder::SetMethod(policy.Entry("BertModel"), "forward",
-                             "bert_sequence_parallel_forward_fn");
+    PolicyBuilder::SetMethod(policy.Entry("BertModel"), "forward", "bert_sequence_parallel_forward_fn");
   }
   if (embedding_cls != nullptr) {
     google::protobuf::Struct* kw =
@@ -469,19 +461,17 @@ void BuildModulePolicy(const Resolved& r, bool bias_gelu_fused, v1::ShardPlan* p
   }
   {
     v1::ModulePolicyEntry* layer = policy.Entry("BertLayer");
-    SetBool(PolicyBuilder::AddSub(layer, "attention.output.LayerNorm", norm_cls, true),
-            "sp_partial_derived", split_gather);
-    SetBool(PolicyBuilder::AddSub(layer, "output.LayerNorm", norm_cls, true), "sp_partial_derived",
+    SetBool(PolicyBuilder::AddSub(layer, "attention.output.LayerNorm", norm_cls, true), "sp_partial_derived",
             split_gather);
+    SetBool(PolicyBuilder::AddSub(layer, "output.LayerNorm", norm_cls, true), "sp_partial_derived", split_gather);
     PolicyBuilder::AddSub(policy.Entry("BertEmbeddings"), "LayerNorm", norm_cls, false);
   }
   if (r.jit) {
     for (const char* cls : {"BertSelfOutput", "BertOutput"}) {
       v1::ModulePolicyEntry* e = policy.Entry(cls);
       PolicyBuilder::SetMethod(e, "forward",
-                               absl::string_view(cls) == "BertSelfOutput"
-                                   ? "get_jit_fused_bert_self_output_forward"
-                                   : "get_jit_fused_bert_output_forward");
+                               absl::string_view(cls) == "BertSelfOutput" ? "get_jit_fused_bert_self_output_forward"
+                                                                          : "get_jit_fused_bert_output_forward");
       PolicyBuilder::SetMethod(e, "dropout_add", "get_jit_fused_dropout_add_func");
     }
   }
@@ -489,25 +479,22 @@ void BuildModulePolicy(const Resolved& r, bool bias_gelu_fused, v1::ShardPlan* p
   if (IsLmVariant(r.variant)) {
     v1::ModulePolicyEntry* head = policy.Entry("BertLMPredictionHead");
     if (r.tp_on) {
-      google::protobuf::Struct* kw =
-          PolicyBuilder::AddSub(head, "decoder", "VocabParallelLMHead1D", true);
+      google::protobuf::Struct* kw = PolicyBuilder::AddSub(head, "decoder", "VocabParallelLMHead1D", true);
       SetBool(kw, "gather_output", true);
       SetNumber(kw, "make_vocab_size_divisible_by", static_cast<double>(r.vocab_multiple));
       SetBool(kw, "fp8_communication", r.fp8);
     } else {
-      SetNumber(PolicyBuilder::AddSub(head, "decoder", "PaddingLMHead", true),
-                "make_vocab_size_divisible_by", static_cast<double>(r.vocab_multiple));
+      SetNumber(PolicyBuilder::AddSub(head, "decoder", "PaddingLMHead", true), "make_vocab_size_divisible_by",
+                static_cast<double>(r.vocab_multiple));
     }
     if (r.fused_norm) PolicyBuilder::AddSub(head, "transform.LayerNorm", "FusedLayerNorm", false);
     PolicyBuilder::SetMethod(head, "_save_to_state_dict", "ParallelModule._save_to_state_dict");
     PolicyBuilder::SetMethod(head, "_load_from_state_dict", "ParallelModule._load_from_state_dict");
   }
   const std::string variant_class(HfClassName(r.variant));
-  if (r.tp_on && (r.variant == v1::BERT_FOR_SEQUENCE_CLASSIFICATION ||
-                  r.variant == v1::BERT_FOR_TOKEN_CLASSIFICATION ||
+  if (r.tp_on && (r.variant == v1::BERT_FOR_SEQUENCE_CLASSIFICATION || r.variant == v1::BERT_FOR_TOKEN_CLASSIFICATION ||
                   r.variant == v1::BERT_FOR_MULTIPLE_CHOICE)) {
-    PolicyBuilder::AddSub(policy.Replace(variant_class), "dropout", "DropoutForParallelInput",
-                          false);
+    PolicyBuilder::AddSub(policy.Replace(variant_class), "dropout", "DropoutForParallelInput", false);
   }
   if (r.pipeline) {
     PolicyBuilder::SetMethod(policy.Entry(variant_class), "forward",
@@ -545,30 +532,24 @@ class TensorTable {
     for (const std::string& m : modules) holds_embeddings |= (m == "embeddings");
     for (const std::string& m : modules) {
       if (m == "embeddings") {
-        ParamSpec word{prefix_ + "embeddings.word_embeddings.weight", r_.vocab, r_.hidden,
-                       Split::kVocabEmbed};
+        ParamSpec word{prefix_ + "embeddings.word_embeddings.weight", r_.vocab, r_.hidden, Split::kVocabEmbed};
         if (r_.tie_weight) word.aliases.push_back("cls.predictions.decoder.weight");
         params.push_back(std::move(word));
-        Add(&params, prefix_ + "embeddings.position_embeddings.weight",
-            r_.config.max_position_embeddings(), r_.hidden);
-        Add(&params, prefix_ + "embeddings.token_type_embeddings.weight", r_.config.type_vocab_size(),
-            r_.hidden);
+        Add(&params, prefix_ + "embeddings.position_embeddings.weight", r_.config.max_position_embeddings(), r_.hidden);
+        Add(&params, prefix_ + "embeddings.token_type_embeddings.weight", r_.config.type_vocab_size(), r_.hidden);
         AddNorm(&params, prefix_ + "embeddings.LayerNorm");
       } else if (absl::StartsWith(m, "encoder.layer.")) {
         const std::string p = prefix_ + m + ".";
         for (const char* proj : {"query", "key", "value"}) {
-          AddLinear(&params, absl::StrCat(p, "attention.self.", proj), r_.hidden, r_.hidden,
-                    Split::kOutputs);
+          AddLinear(&params, absl::StrCat(p, "attention.self.", proj), r_.hidden, r_.hidden, Split::kOutputs);
         }
         AddLinear(&params, p + "attention.output.dense", r_.hidden, r_.hidden, Split::kInputs);
         AddNorm(&params, p + "attention.output.LayerNorm");
         if (r_.config.add_cross_attention()) {
           for (const char* proj : {"query", "key", "value"}) {
-            AddLinear(&params, absl::StrCat(p, "crossattention.self.", proj), r_.hidden, r_.hidden,
-                      Split::kReplicated);
+            AddLinear(&params, absl::StrCat(p, "crossattention.self.", proj), r_.hidden, r_.hidden, Split::kReplicated);
           }
-          AddLinear(&params, p + "crossattention.output.dense", r_.hidden, r_.hidden,
-                    Split::kReplicated);
+          AddLinear(&params, p + "crossattention.output.dense", r_.hidden, r_.hidden, Split::kReplicated);
           AddNorm(&params, p + "crossattention.output.LayerNorm");
         }
         AddLinear(&params, p + "intermediate.dense", r_.intermediate, r_.hidden, Split::kOutputs);
@@ -579,20 +560,16 @@ class TensorTable {
       } else if (m == "cls") {
         if (IsLmVariant(r_.variant)) {
           // BertLMPredictionHead registers its own `bias` (shared with decoder.bias) first.
-          params.push_back({"cls.predictions.bias", r_.vocab, 0, Split::kVocabHead,
-                            {"cls.predictions.decoder.bias"}});
-          AddLinear(&params, "cls.predictions.transform.dense", r_.hidden, r_.hidden,
-                    Split::kReplicated);
+          params.push_back({"cls.predictions.bias", r_.vocab, 0, Split::kVocabHead, {"cls.predictions.decoder.bias"}});
+          AddLinear(&params, "cls.predictions.transform.dense", r_.hidden, r_.hidden, Split::kReplicated);
           AddNorm(&params, "cls.predictions.transform.LayerNorm");
           if (!(r_.tie_weight && holds_embeddings)) {
-            ParamSpec decoder{"cls.predictions.decoder.weight", r_.vocab, r_.hidden,
-                              Split::kVocabHead};
+            ParamSpec decoder{"cls.predictions.decoder.weight", r_.vocab, r_.hidden, Split::kVocabHead};
             if (r_.tie_weight) decoder.aliases.push_back(prefix_ + "embeddings.word_embeddings.weight");
             params.push_back(std::move(decoder));
           }
         }
-        if (r_.variant == v1::BERT_FOR_PRE_TRAINING ||
-            r_.variant == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION) {
+        if (r_.variant == v1::BERT_FOR_PRE_TRAINING || r_.variant == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION) {
           AddLinear(&params, "cls.seq_relationship", 2, r_.hidden, Split::kReplicated);
         }
       } else if (m == "classifier") {
@@ -671,8 +648,8 @@ class TensorTable {
     Add(params, module + ".weight", r_.hidden, 0);
     Add(params, module + ".bias", r_.hidden, 0);
   }
-  static void AddLinear(std::vector<ParamSpec>* params, const std::string& module, int64_t out,
-                        int64_t in, Split split) {
+  static void AddLinear(std::vector<ParamSpec>* params, const std::string& module, int64_t out, int64_t in,
+                        Split split) {
     Add(params, module + ".weight", out, in, split);
     // Linear1D_Row keeps the whole bias on every rank (added once after the all-reduce).
     Add(params, module + ".bias", out, 0, split == Split::kInputs ? Split::kReplicated : split);
@@ -739,9 +716,8 @@ absl::Status PlanInto(const v1::PlanRequest& request, v1::ShardPlan* plan) {
     stage->set_stage(static_cast<int32_t>(s));
     stage->set_is_first(s == 0);
     stage->set_is_last(s == head_stage);
-    std::vector<LayerSpan> ranges =
-        r.pipeline ? StageLayerRanges(r.layers_per_slot, s, r.stages, r.chunks, r.zbv)
-                   : std::vector<LayerSpan>{{0, r.layers}};
+    std::vector<LayerSpan> ranges = r.pipeline ? StageLayerRanges(r.layers_per_slot, s, r.stages, r.chunks, r.zbv)
+                                               : std::vector<LayerSpan>{{0, r.layers}};
     std::vector<std::string> modules;  // relative to the trunk for trunk modules
     if (s == 0) modules.push_back("embeddings");
     for (const LayerSpan& span : ranges) {

@@ -26,8 +26,8 @@
 namespace bertshard::planner {
 
 // Upper bounds that separate a large model from a malformed request.
-inline constexpr int64_t kMaxParallelSize = 4096;         // tp_size, pp_size, world size
-inline constexpr int64_t kMaxLayers = 4096;               // num_hidden_layers
+inline constexpr int64_t kMaxParallelSize = 4096;                // tp_size, pp_size, world size
+inline constexpr int64_t kMaxLayers = 4096;                      // num_hidden_layers
 inline constexpr int64_t kMaxTensorElements = int64_t{1} << 31;  // one tensor, padded
 
 // Computes the plan of `request`. If the request names a checkpoint, its config.json fills the

@@ -51,11 +51,10 @@ TEST(ContractDifference1, ZbvPutsPoolerAndHeadsOnStageZero) {
   auto plan = Plan(r);
   ASSERT_TRUE(plan.ok()) << plan.status();
   // The seed holds bert.pooler and cls on stage 1 although layers 5-6 end the V on stage 0.
-  EXPECT_EQ(Held(*plan, 0), (std::vector<std::string>{"bert.embeddings", "bert.encoder.layer.0",
-                                                        "bert.encoder.layer.5", "bert.encoder.layer.6",
-                                                        "bert.pooler", "cls"}));
+  EXPECT_EQ(Held(*plan, 0), (std::vector<std::string>{"bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.5",
+                                                      "bert.encoder.layer.6", "bert.pooler", "cls"}));
   EXPECT_EQ(Held(*plan, 1), (std::vector<std::string>{"bert.encoder.layer.1", "bert.encoder.layer.2",
-                                                        "bert.encoder.layer.3", "bert.encoder.layer.4"}));
+                                                      "bert.encoder.layer.3", "bert.encoder.layer.4"}));
   EXPECT_TRUE(plan->stages(0).is_first());
   EXPECT_TRUE(plan->stages(0).is_last());
   EXPECT_FALSE(plan->stages(1).is_last());
@@ -127,8 +126,8 @@ TEST(ContractDifference4, CrossAttentionWithTensorParallelismRefused) {
 }
 
 TEST(ContractDifference5, HeldModulesNeverListAMissingPooler) {
-  for (v1::ModelVariant v : {v1::BERT_LM_HEAD_MODEL, v1::BERT_FOR_MASKED_LM,
-                             v1::BERT_FOR_TOKEN_CLASSIFICATION, v1::BERT_FOR_QUESTION_ANSWERING}) {
+  for (v1::ModelVariant v : {v1::BERT_LM_HEAD_MODEL, v1::BERT_FOR_MASKED_LM, v1::BERT_FOR_TOKEN_CLASSIFICATION,
+                             v1::BERT_FOR_QUESTION_ANSWERING}) {
     auto plan = Plan(Request(v, 1, 2));
     ASSERT_TRUE(plan.ok());
     for (const auto& stage : plan->stages()) {
@@ -217,8 +216,8 @@ TEST(PlanValidator, RejectsNonPositiveSizes) {
     for (int64_t bad : {int64_t{0}, int64_t{-3}}) {
       v1::PlanRequest r = Request(v1::BERT_FOR_SEQUENCE_CLASSIFICATION);
       (r.mutable_config()->*f.set)(bad);
-      ExpectInvalid(r, std::string("config.") + f.name + " is " + std::to_string(bad) +
-                           "; it must be a positive integer");
+      ExpectInvalid(r,
+                    std::string("config.") + f.name + " is " + std::to_string(bad) + "; it must be a positive integer");
     }
   }
   v1::PlanRequest r = Request(v1::BERT_MODEL);
@@ -436,8 +435,7 @@ TEST(StageLayout, DistributeLayersCentresTheRemainder) {
   EXPECT_EQ(DistributeLayers(12, 5, 1), (std::vector<int64_t>{2, 3, 3, 2, 2}));
   EXPECT_EQ(DistributeLayers(7, 2, 2), (std::vector<int64_t>{1, 2, 2, 2}));
   EXPECT_EQ(DistributeLayers(5, 8, 1), (std::vector<int64_t>{0, 0, 1, 1, 1, 1, 1, 0}));
-  EXPECT_EQ(StageLayerRanges({2, 2, 2, 3, 2, 2}, 2, 3, 2, true),
-            (std::vector<LayerSpan>{{4, 6}, {6, 9}}));
+  EXPECT_EQ(StageLayerRanges({2, 2, 2, 3, 2, 2}, 2, 3, 2, true), (std::vector<LayerSpan>{{4, 6}, {6, 9}}));
 }
 
 TEST(PlanOutput, ShardConfigIsEffectiveValues) {
@@ -482,8 +480,8 @@ TEST(TokenCheck, RefusesWhatNoRankCouldRun) {
   EXPECT_TRUE(absl::StrContains(message({18, 1224979098644774911, 1, ids, mask, types}), "rows x seq values"));
   EXPECT_TRUE(absl::StrContains(message({INT64_MAX, INT64_MAX, 1, ids, mask, types}), "rows x seq values"));
   const std::vector<int64_t> six(6, 1);
-  EXPECT_TRUE(absl::StrContains(message({1, 6, 1, six, six, std::vector<int64_t>(6, 0)}),
-                                "exceeds max_position_embeddings 4"));
+  EXPECT_TRUE(
+      absl::StrContains(message({1, 6, 1, six, six, std::vector<int64_t>(6, 0)}), "exceeds max_position_embeddings 4"));
 }
 
 }  // namespace

@@ -4,8 +4,7 @@
 
 namespace bertshard::planner {
 
-std::vector<int64_t> DistributeLayers(int64_t num_layers, int64_t num_stages,
-                                      int64_t num_model_chunks) {
+std::vector<int64_t> DistributeLayers(int64_t num_layers, int64_t num_stages, int64_t num_model_chunks) {
   const int64_t slots = num_stages * num_model_chunks;
   const int64_t quotient = num_layers / slots;
   const int64_t remainder = num_layers % slots;
@@ -16,8 +15,7 @@ std::vector<int64_t> DistributeLayers(int64_t num_layers, int64_t num_stages,
   return layers;
 }
 
-std::vector<LayerSpan> StageLayerRanges(const std::vector<int64_t>& layers_per_slot,
-                                        int64_t stage, int64_t num_stages,
+std::vector<LayerSpan> StageLayerRanges(const std::vector<int64_t>& layers_per_slot, int64_t stage, int64_t num_stages,
                                         int64_t num_model_chunks, bool zbv) {
   std::vector<int64_t> prefix(layers_per_slot.size() + 1, 0);
   for (size_t i = 0; i < layers_per_slot.size(); ++i) prefix[i + 1] = prefix[i] + layers_per_slot[i];

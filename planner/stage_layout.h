@@ -31,13 +31,11 @@ struct LayerSpan {
 // Splits `num_layers` over `num_stages * num_model_chunks` slots: each slot gets the quotient and
 // the remainder goes, one each, to a window of slots centred in the middle, starting at slot
 // P/2 - r/2 (floor divisions). Requires num_stages >= 1 and num_model_chunks >= 1.
-std::vector<int64_t> DistributeLayers(int64_t num_layers, int64_t num_stages,
-                                      int64_t num_model_chunks);
+std::vector<int64_t> DistributeLayers(int64_t num_layers, int64_t num_stages, int64_t num_model_chunks);
 
 // The layer ranges of `stage`, one per model chunk in chunk order. Requires
 // layers_per_slot.size() == num_stages * num_model_chunks and, with zbv, num_model_chunks == 2.
-std::vector<LayerSpan> StageLayerRanges(const std::vector<int64_t>& layers_per_slot,
-                                        int64_t stage, int64_t num_stages,
+std::vector<LayerSpan> StageLayerRanges(const std::vector<int64_t>& layers_per_slot, int64_t stage, int64_t num_stages,
                                         int64_t num_model_chunks, bool zbv);
 
 // The stage that runs pipeline slot `slot` on the route: slot k goes to stage k mod S

@@ -19,13 +19,13 @@ absl::Status CheckTokens(const TokenView& t, const v1::ShardPlan& plan) {
   }
   const bool multiple_choice = plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE;
   if (multiple_choice ? (t.choices < 1 || t.rows % t.choices != 0) : t.choices != 1) {
-    return absl::InvalidArgumentError(multiple_choice
-                                          ? "BertForMultipleChoice takes [batch, choices, seq]: rows must be whole choice groups"
-                                          : "inputs are [batch, seq]; choices are only for BertForMultipleChoice");
+    return absl::InvalidArgumentError(
+        multiple_choice ? "BertForMultipleChoice takes [batch, choices, seq]: rows must be whole choice groups"
+                        : "inputs are [batch, seq]; choices are only for BertForMultipleChoice");
   }
   if (t.seq > c.max_position_embeddings()) {
-    return absl::InvalidArgumentError(absl::StrCat("sequence length ", t.seq, " exceeds max_position_embeddings ",
-                                                   c.max_position_embeddings()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sequence length ", t.seq, " exceeds max_position_embeddings ", c.max_position_embeddings()));
   }
   for (int64_t id : t.input_ids) {
     if (id < 0 || id >= c.vocab_size()) {

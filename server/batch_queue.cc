@@ -21,7 +21,7 @@ struct BatchQueue::Request {
   v1::TokenInputs tokens;
   int64_t rows = 0;
   int64_t seq = 0;
-  int64_t choices = 1;  // >= 1
+  int64_t choices = 1;    // >= 1
   int micro_batches = 1;  // >= 1
   bool alone = false;     // micro-batched: never merged
   absl::Time deadline;
@@ -91,8 +91,8 @@ absl::Status Split(const std::vector<v1::NamedTensor>& outputs, const std::vecto
     int64_t numel = 1;
     for (int64_t d : t.shape()) numel *= d;
     if (numel != t.values_size()) {
-      return absl::InternalError(absl::StrCat("output ", t.name(), " has ", t.values_size(), " values for ", numel,
-                                              " elements of its shape"));
+      return absl::InternalError(
+          absl::StrCat("output ", t.name(), " has ", t.values_size(), " values for ", numel, " elements of its shape"));
     }
     // Input rows per output row: 1, or `choices` for outputs per question (multiple-choice logits).
     int64_t group = 0;
@@ -198,9 +198,9 @@ absl::StatusOr<BatchResult> BatchQueue::Submit(v1::TokenInputs tokens, absl::Tim
   }
   // Checked before the size checks below, so rows x seq cannot overflow the int sizes there.
   if (rows > limits_.max_batch_tokens / seq) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the request has rows x seq = ", rows, " x ", seq, " = ", rows * seq, " tokens, more than one batch may hold (",
-        limits_.max_batch_tokens, ", --max_batch_tokens); send fewer or shorter rows"));
+    return absl::InvalidArgumentError(absl::StrCat("the request has rows x seq = ", rows, " x ", seq, " = ", rows * seq,
+                                                   " tokens, more than one batch may hold (", limits_.max_batch_tokens,
+                                                   ", --max_batch_tokens); send fewer or shorter rows"));
   }
   const int64_t n = rows * seq;
   auto size_ok = [n](int size, bool may_be_empty) { return size == n || (may_be_empty && size == 0); };
@@ -244,14 +244,14 @@ absl::StatusOr<BatchResult> BatchQueue::Submit(v1::TokenInputs tokens, absl::Tim
       break;
     }
     if (absl::Now() >= deadline) {
-      result = leave(absl::DeadlineExceededError(request->running
-                                                     ? "the deadline passed while the request's batch ran"
-                                                     : "the deadline passed while the request was queued"));
+      result =
+          leave(absl::DeadlineExceededError(request->running ? "the deadline passed while the request's batch ran"
+                                                             : "the deadline passed while the request was queued"));
       break;
     }
     if (cancelled && cancelled()) {
       result = leave(absl::CancelledError(request->running ? "the caller went away while the request's batch ran"
-                                                            : "the caller went away while the request was queued"));
+                                                           : "the caller went away while the request was queued"));
       break;
     }
   }
@@ -389,9 +389,9 @@ void BatchQueue::RunBatch(std::vector<std::shared_ptr<Request>> batch) {
   if (observer_) observer_(stats);
 
   std::vector<absl::StatusOr<BatchResult>> results(batch.size());
-  absl::StatusOr<BatchOutputs> out =
-      batch.size() == 1 ? run_(batch.front()->tokens, batch.front()->micro_batches, deadline)
-                        : run_(Merge(slices, rows, stats.seq, padding_.pad_token_id), 1, deadline);
+  absl::StatusOr<BatchOutputs> out = batch.size() == 1
+                                         ? run_(batch.front()->tokens, batch.front()->micro_batches, deadline)
+                                         : run_(Merge(slices, rows, stats.seq, padding_.pad_token_id), 1, deadline);
   if (!out.ok()) {
     for (auto& result : results) result = out.status();
   } else {

@@ -85,8 +85,8 @@ struct BatchOutputs {
 // Runs one merged forward (the caller numbers it and sends it to every rank). `micro_batches`
 // (>= 1) is what a request that runs alone asked for, 1 for a merged batch; `deadline` is the
 // latest deadline among the batch's requests.
-using RunBatchFn = std::function<absl::StatusOr<BatchOutputs>(const v1::TokenInputs& merged, int micro_batches,
-                                                              absl::Time deadline)>;
+using RunBatchFn =
+    std::function<absl::StatusOr<BatchOutputs>(const v1::TokenInputs& merged, int micro_batches, absl::Time deadline)>;
 // Whether an output has a sequence axis at dim 1 (last_hidden_state, token logits, start/end
 // logits), decided by the caller from the model variant. Null: no output does.
 using PerTokenFn = std::function<bool(const std::string& output_name)>;

@@ -111,9 +111,9 @@ v1::TokenInputs Tokens(int64_t tag, int64_t rows, int64_t seq, int64_t choices =
   }
   for (size_t i = 0; i < want.outputs.size(); ++i) {
     if (got->outputs[i].SerializeAsString() != want.outputs[i].SerializeAsString()) {
-      return ::testing::AssertionFailure() << "output " << want.outputs[i].name() << " differs: got "
-                                           << got->outputs[i].ShortDebugString() << "\nwant "
-                                           << want.outputs[i].ShortDebugString();
+      return ::testing::AssertionFailure()
+             << "output " << want.outputs[i].name() << " differs: got " << got->outputs[i].ShortDebugString()
+             << "\nwant " << want.outputs[i].ShortDebugString();
     }
   }
   return ::testing::AssertionSuccess();
@@ -236,8 +236,8 @@ class BatchQueueTest : public ::testing::Test {
   }
 
   std::future<absl::StatusOr<BatchResult>> SubmitAsync(v1::TokenInputs tokens, absl::Time deadline,
-                                                        std::function<bool()> cancelled = nullptr,
-                                                        int micro_batches = 0) {
+                                                       std::function<bool()> cancelled = nullptr,
+                                                       int micro_batches = 0) {
     return std::async(std::launch::async, [this, tokens = std::move(tokens), deadline, cancelled, micro_batches] {
       return queue_->Submit(tokens, deadline, cancelled, micro_batches);
     });
@@ -245,8 +245,7 @@ class BatchQueueTest : public ::testing::Test {
 
   // Submits and waits until the request is queued, so that arrival order is the call order.
   std::future<absl::StatusOr<BatchResult>> Enqueue(v1::TokenInputs tokens, absl::Time deadline,
-                                                   std::function<bool()> cancelled = nullptr,
-                                                   int micro_batches = 0) {
+                                                   std::function<bool()> cancelled = nullptr, int micro_batches = 0) {
     const int before = queue_->queued();
     auto f = SubmitAsync(std::move(tokens), deadline, std::move(cancelled), micro_batches);
     EXPECT_TRUE(WaitUntil([&] { return queue_->queued() > before; }));
@@ -438,8 +437,8 @@ TEST_F(BatchQueueTest, TokenLimitBoundsTheMergedBatch) {
     EXPECT_TRUE(SameAsAlone(r, Tokens(10 + i, 2, 10)));
     EXPECT_EQ(r->batch.tokens, 40);  // a third request would make 60
   }
-  EXPECT_THAT(model_.tags(), ElementsAre(ElementsAre(1), ElementsAre(10, 11), ElementsAre(12, 13),
-                                         ElementsAre(14, 15)));
+  EXPECT_THAT(model_.tags(),
+              ElementsAre(ElementsAre(1), ElementsAre(10, 11), ElementsAre(12, 13), ElementsAre(14, 15)));
 }
 
 TEST_F(BatchQueueTest, RequestLimitBoundsTheMergedBatch) {
@@ -471,8 +470,7 @@ TEST_F(BatchQueueTest, OversizeOrMalformedRequestIsInvalidArgument) {
   v1::TokenInputs short_mask = Tokens(10, 2, 4);
   short_mask.mutable_attention_mask()->RemoveLast();
   EXPECT_EQ(queue_->Submit(short_mask, Far()).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(queue_->Submit(Tokens(10, 3, 4, /*choices=*/2), Far()).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(queue_->Submit(Tokens(10, 3, 4, /*choices=*/2), Far()).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(queue_->Submit(Tokens(10, 0, 4), Far()).status().code(), absl::StatusCode::kInvalidArgument);
   // Exactly the limit is fine.
   EXPECT_TRUE(SameAsAlone(queue_->Submit(Tokens(10, 2, 50), Far()), Tokens(10, 2, 50)));
@@ -507,7 +505,7 @@ TEST_F(BatchQueueTest, DeadlineWhileRunningReturnsAtOnceAndTheBatchGoesOn) {
   model_.WaitStarted(1);
   ASSERT_THAT(model_.tags(), ElementsAre(ElementsAre(10, 11)));
   EXPECT_EQ(model_.batches()[0].deadline, later);  // the batch runs to its latest deadline
-  absl::StatusOr<BatchResult> ra = fa.get();  // returns while the batch is still held
+  absl::StatusOr<BatchResult> ra = fa.get();       // returns while the batch is still held
   EXPECT_EQ(ra.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(ra.status().message(), HasSubstr("batch ran"));
   EXPECT_FALSE(Ready(fb));
@@ -671,8 +669,8 @@ TEST_F(BatchQueueTest, MicroBatchedRunAloneAndOnlyEqualChoicesMerge) {
   EXPECT_TRUE(SameAsAlone(fd.get(), Tokens(13, 6, 9, 2)));
   EXPECT_TRUE(SameAsAlone(fe.get(), Tokens(14, 2, 3)));
   EXPECT_TRUE(SameAsAlone(ff.get(), Tokens(15, 3, 3, 3)));
-  EXPECT_THAT(model_.tags(), ElementsAre(ElementsAre(1), ElementsAre(10), ElementsAre(11, 14), ElementsAre(12, 13),
-                                         ElementsAre(15)));
+  EXPECT_THAT(model_.tags(),
+              ElementsAre(ElementsAre(1), ElementsAre(10), ElementsAre(11, 14), ElementsAre(12, 13), ElementsAre(15)));
   const auto batches = model_.batches();
   EXPECT_EQ(batches[1].micro_batches, 2);  // the micro-batched request, alone and as it came
   EXPECT_EQ(batches[1].merged.SerializeAsString(), Tokens(10, 2, 4).SerializeAsString());

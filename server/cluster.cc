@@ -84,7 +84,7 @@ Cluster::~Cluster() {
   }
   monitor_.join();
   for (auto& t : threads) t.join();  // no new ones start once stopping_ is set
-  batchers.clear();  // off the lock: a running batch may still take it
+  batchers.clear();                  // off the lock: a running batch may still take it
 }
 
 v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerRequest& request) {
@@ -104,9 +104,9 @@ v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerReque
     if (runtime != runtimes_.end() && runtime->second->recovery != nullptr) {
       // Its report counts again when it comes with this registration.
       auto& reports = runtime->second->recovery->reports;
-      reports.erase(std::remove_if(reports.begin(), reports.end(),
-                                   [&](const RankReport& r) { return r.worker_id == old_id; }),
-                    reports.end());
+      reports.erase(
+          std::remove_if(reports.begin(), reports.end(), [&](const RankReport& r) { return r.worker_id == old_id; }),
+          reports.end());
     } else if (!old_job.empty()) {
       const v1::HeldShard* shard = nullptr;
       for (const v1::HeldShard& h : request.held()) {
@@ -118,10 +118,11 @@ v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerReque
         kept_job = old_job;
         kept_rank = old_rank;
       } else {
-        FailJobLocked(old_job, absl::StrCat("worker ", old_id, " (rank ", old_rank, ") at ", request.address(),
-                                            " registered again ",
-                                            shard == nullptr ? "without its shard"
-                                                             : absl::StrCat("with its shard broken: ", shard->broken())));
+        FailJobLocked(
+            old_job,
+            absl::StrCat(
+                "worker ", old_id, " (rank ", old_rank, ") at ", request.address(), " registered again ",
+                shard == nullptr ? "without its shard" : absl::StrCat("with its shard broken: ", shard->broken())));
       }
     }
     workers_.erase(old_id);
@@ -161,7 +162,8 @@ v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerReque
       std::vector<v1::RankAssignment> ranks(job->ranks().begin(), job->ranks().end());
       ranks[r].set_worker_id(id);
       ranks[r].set_worker_address(request.address());
-      RecordLocked(store_->SetRanks(kept_job, ranks).status(), absl::StrCat("moving job ", kept_job, "'s rank ", r, " to worker ", id));
+      RecordLocked(store_->SetRanks(kept_job, ranks).status(),
+                   absl::StrCat("moving job ", kept_job, "'s rank ", r, " to worker ", id));
     }
   }
   v1::RegisterWorkerResponse response;
@@ -310,7 +312,8 @@ void Cluster::ScheduleLocked() {
       runtime->second->progress.push_back(p);
     }
     absl::Status recorded = store_->SetRanks(job.id(), ranks).status();
-    if (recorded.ok()) recorded = store_->Transition(job.id(), v1::PLANNED, absl::StrCat(need, " workers assigned")).status();
+    if (recorded.ok())
+      recorded = store_->Transition(job.id(), v1::PLANNED, absl::StrCat(need, " workers assigned")).status();
     if (!recorded.ok()) {
       // Not recorded, so not started: the job stays PENDING as stored, with no ranks, its workers
       // stay free, and the monitor tries again every quarter interval until the database takes it
@@ -505,8 +508,8 @@ void Cluster::LoadJob(std::string job_id) {
 void Cluster::MarkUnhealthyLocked(const std::string& id, Worker& worker, const std::string& why) {
   worker.info.set_healthy(false);
   if (worker.info.job_id().empty()) return;
-  FailJobLocked(worker.info.job_id(), absl::StrCat("worker ", id, " (rank ", worker.info.rank(), ") at ",
-                                                   worker.info.address(), " ", why));
+  FailJobLocked(worker.info.job_id(),
+                absl::StrCat("worker ", id, " (rank ", worker.info.rank(), ") at ", worker.info.address(), " ", why));
 }
 
 void Cluster::StoreErrorLocked(const std::string& what, const absl::Status& status) {
@@ -540,8 +543,9 @@ void Cluster::MonitorLoop() {
       if (!w->info.healthy() || now - w->last_heartbeat <= options_.heartbeat_interval * options_.missed_heartbeats) {
         continue;
       }
-      MarkUnhealthyLocked(id, *w, absl::StrCat("stopped heartbeating (silent for ",
-                                               absl::FormatDuration(now - w->last_heartbeat), ")"));
+      MarkUnhealthyLocked(
+          id, *w,
+          absl::StrCat("stopped heartbeating (silent for ", absl::FormatDuration(now - w->last_heartbeat), ")"));
       pool_shrank = true;
     }
     // After the loop, not in it: a job placed now takes none of the workers it found silent.
@@ -632,8 +636,8 @@ absl::Status CheckServing(const v1::Job& job) {
     return absl::UnavailableError(absl::StrCat("job ", job.id(), " is recovering (", job.recovering(), "); retry"));
   }
   if (job.state() != v1::READY) {
-    return absl::FailedPreconditionError(absl::StrCat("job ", job.id(), " is ", v1::JobState_Name(job.state()),
-                                                      "; inference needs READY"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job.id(), " is ", v1::JobState_Name(job.state()), "; inference needs READY"));
   }
   return absl::OkStatus();
 }
@@ -764,15 +768,16 @@ absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request
   CallCount count(&serving.runtime->infer_calls);
   const v1::ShardPlan& plan = serving.runtime->plan;
   if (request.top_k() < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", request.top_k()));
-  ASSIGN_OR_RETURN(PreparedInput input,
-                   PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
-                                request.has_text() ? &request.text() : nullptr, plan, *serving.assets,
-                                plan.config().max_position_embeddings(), request.truncate()));
+  ASSIGN_OR_RETURN(
+      PreparedInput input,
+      PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, request.has_text() ? &request.text() : nullptr,
+                   plan, *serving.assets, plan.config().max_position_embeddings(), request.truncate()));
   const int64_t batch = input.tokens.rows() / std::max<int64_t>(1, input.tokens.choices());
   if (request.micro_batches() < 0 || request.micro_batches() > batch) {
     return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 0..batch ", batch));
   }
-  ASSIGN_OR_RETURN(BatchResult result, serving.batcher->Submit(input.tokens, deadline, cancelled, request.micro_batches()));
+  ASSIGN_OR_RETURN(BatchResult result,
+                   serving.batcher->Submit(input.tokens, deadline, cancelled, request.micro_batches()));
   v1::InferResponse response;
   for (auto& t : result.outputs) *response.add_outputs() = std::move(t);
   ASSIGN_OR_RETURN(std::vector<v1::Prediction> predictions,
@@ -805,16 +810,16 @@ absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request
   const int64_t max_length = std::min(config.max_seq_length.value_or(plan.config().max_position_embeddings()),
                                       plan.config().max_position_embeddings());
   ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
-  ASSIGN_OR_RETURN(PreparedInput input,
-                   PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
-                                request.has_text() ? &request.text() : nullptr, plan, *serving.assets, max_length,
-                                request.truncate()));
+  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
+                                                     request.has_text() ? &request.text() : nullptr, plan,
+                                                     *serving.assets, max_length, request.truncate()));
   if (request.has_tokens() && input.tokens.seq() > max_length) {
     // Token rows are the caller's own; the embedding model's limit still holds for them.
     for (int32_t n : input.token_counts) {
       if (n > max_length) {
-        return absl::InvalidArgumentError(absl::StrCat("a token row has ", n, " tokens; the embedding model takes at most ",
-                                                       max_length, " (sentence_bert_config.json max_seq_length)"));
+        return absl::InvalidArgumentError(absl::StrCat("a token row has ", n,
+                                                       " tokens; the embedding model takes at most ", max_length,
+                                                       " (sentence_bert_config.json max_seq_length)"));
       }
     }
   }

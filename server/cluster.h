@@ -10,8 +10,8 @@
 //
 // Failure model: a worker silent for ClusterOptions::missed_heartbeats heartbeat intervals (3) is
 // dead (so its jobs fail within 3 1/4 intervals of its last heartbeat; workers beat on a fixed
-// schedule, so a healthy worker stalled for up to about two intervals keeps its job); a dead worker, any rank error, or a failed Forward call
-// to any rank fails its job at once with a cause naming the worker and rank and what failed, and
+// schedule, so a healthy worker stalled for up to about two intervals keeps its job); a dead worker, any rank error, or
+// a failed Forward call to any rank fails its job at once with a cause naming the worker and rank and what failed, and
 // the surviving ranks are told to unload. Workers' collectives have timeouts, so no rank waits
 // forever.
 //
@@ -21,8 +21,8 @@
 // Infer answers UNAVAILABLE meanwhile). All back, each rank once, unbroken and on the same next
 // sequence: READY again with rank -> worker and the sequence rebuilt, so Infer answers as before.
 // Otherwise FAILED with the true cause (see readoption.h), at once when a rank's worker comes back
-// without it, and the ranks that did come back unload. PLANNED jobs (nothing loaded yet) go back to PENDING. Held shards of jobs this
-// coordinator does not know, has ended, or placed on other workers are unloaded through the
+// without it, and the ranks that did come back unload. PLANNED jobs (nothing loaded yet) go back to PENDING. Held
+// shards of jobs this coordinator does not know, has ended, or placed on other workers are unloaded through the
 // RegisterWorker and Heartbeat responses. A worker that registers again while its old entry still
 // serves a job keeps the job when it reports holding that rank.
 //
@@ -44,9 +44,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/model_root.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
+#include "common/model_root.h"
 #include "grpcpp/security/credentials.h"
 #include "jobs/job_store.h"
 #include "server/batch_queue.h"
@@ -115,8 +115,8 @@ class Cluster {
   // Calls `emit` with the job's state and load progress whenever they change, until the job is
   // READY (and not recovering), FAILED or CANCELLED, `emit` returns false, `cancelled` turns true (checked at least
   // every half second), or the deadline passes.
-  absl::Status WatchJob(const std::string& id, absl::Time deadline, const std::function<bool(const v1::JobEvent&)>& emit,
-                        const std::function<bool()>& cancelled);
+  absl::Status WatchJob(const std::string& id, absl::Time deadline,
+                        const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled);
   // Requests on a job are batched (ClusterOptions::batching): concurrent ones merge into one
   // forward, and forwards run one at a time. A request whose caller went away (`cancelled`) or
   // whose deadline passed while it waited is never sent; once its forward has started on the ranks
@@ -147,8 +147,7 @@ class Cluster {
   // Takes in what a registering worker holds: reports for recovering jobs, the rest to unload.
   // Also marks the recovering ranks this worker's address held and no longer does as lost.
   void TakeHeldShardsLocked(Worker* worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
-                            google::protobuf::RepeatedPtrField<std::string>* unload)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                            google::protobuf::RepeatedPtrField<std::string>* unload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies DecideReadoption to a recovering job: adopt, fail, or keep waiting.
   void DecideRecoveryLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The stored job with `recovering` filled in.
@@ -177,8 +176,8 @@ class Cluster {
   };
   absl::StatusOr<Serving> ServingFor(const std::string& job_id);
   // One merged forward on every rank of the job; runs on the job's batch thread.
-  absl::StatusOr<BatchOutputs> ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged,
-                                            int micro_batches, absl::Time deadline);
+  absl::StatusOr<BatchOutputs> ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged, int micro_batches,
+                                            absl::Time deadline);
   v1::JobEvent EventLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ClusterOptions options_;

@@ -19,8 +19,9 @@ absl::Status Cluster::RecoverJobsLocked() {
   const absl::Time deadline = absl::Now() + options_.readopt_grace;
   // A job this coordinator cannot take back: FAILED, saying why.
   const auto fail = [this](const v1::Job& job, absl::string_view why, const absl::Status& status) {
-    RecordLocked(store_->Transition(job.id(), v1::FAILED,
-                                    absl::StrCat("the coordinator restarted and ", why, ": ", status.message()))
+    RecordLocked(store_
+                     ->Transition(job.id(), v1::FAILED,
+                                  absl::StrCat("the coordinator restarted and ", why, ": ", status.message()))
                      .status(),
                  absl::StrCat("failing job ", job.id()));
   };
@@ -34,7 +35,8 @@ absl::Status Cluster::RecoverJobsLocked() {
     } else {
       absl::StatusOr<v1::PlanRequest> local = LocalRequest(job.request());
       plan = local.ok() ? planner::Plan(*local) : absl::StatusOr<v1::ShardPlan>(local.status());
-      if (plan.ok()) RecordLocked(store_->SetPlan(job.id(), *plan), absl::StrCat("storing job ", job.id(), "'s new plan"));
+      if (plan.ok())
+        RecordLocked(store_->SetPlan(job.id(), *plan), absl::StrCat("storing job ", job.id(), "'s new plan"));
     }
     if (!plan.ok()) {
       fail(job, "cannot plan the job", plan.status());
@@ -56,12 +58,13 @@ absl::Status Cluster::RecoverJobsLocked() {
       // tries again (said on stderr).
       RecordLocked(store_->SetRanks(job.id(), {}).status(), absl::StrCat("clearing job ", job.id(), "'s ranks"));
       runtime->pending_note = "the coordinator restarted before loading";
-      RecordLocked(store_->Transition(job.id(), v1::PENDING,
-                                      absl::StrCat(runtime->pending_note, "; ",
-                                                   PlaceRanks(runtime->backend, runtime->plan.world_size(), {})
-                                                       .waiting_for))
-                       .status(),
-                   absl::StrCat("putting job ", job.id(), " back to PENDING"));
+      RecordLocked(
+          store_
+              ->Transition(job.id(), v1::PENDING,
+                           absl::StrCat(runtime->pending_note, "; ",
+                                        PlaceRanks(runtime->backend, runtime->plan.world_size(), {}).waiting_for))
+              .status(),
+          absl::StrCat("putting job ", job.id(), " back to PENDING"));
     } else if (job.state() == v1::LOADING || job.state() == v1::READY) {
       runtime->recovery = std::make_unique<Recovery>();
       runtime->recovery->deadline = deadline;
@@ -157,10 +160,12 @@ void Cluster::DecideRecoveryLocked(const std::string& job_id) {
   RecordLocked(store_->SetRanks(job_id, ranks).status(), absl::StrCat("recording job ", job_id, "'s ranks"));
   auto job = store_->Get(job_id);
   if (job.ok() && job->state() == v1::LOADING) {
-    RecordLocked(store_->Transition(job_id, v1::READY,
-                                    absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"))
-                     .status(),
-                 absl::StrCat("readying job ", job_id));
+    RecordLocked(
+        store_
+            ->Transition(job_id, v1::READY,
+                         absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"))
+            .status(),
+        absl::StrCat("readying job ", job_id));
   }
   job = store_->Get(job_id);
   runtime.serving = job.ok() && job->state() == v1::READY;

@@ -83,8 +83,8 @@ class ClusterRestart : public ::testing::Test {
     return job.ok() ? *job : v1::Job();
   }
 
-  const std::string path_ =
-      std::string(std::getenv("TEST_TMPDIR")) + "/" + ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".db";
+  const std::string path_ = std::string(std::getenv("TEST_TMPDIR")) + "/" +
+                            ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".db";
   std::unique_ptr<Cluster> cluster_;
 };
 
@@ -135,8 +135,7 @@ TEST_F(ClusterRestart, KeepsAJobWhoseWorkerRegistersAgainHoldingItsRank) {
   Register(2, {});  // this one lost its shard (the process restarted)
   job = Job("job-1");
   EXPECT_EQ(job.state(), v1::FAILED);
-  EXPECT_NE(job.failure_cause().find("(rank 2) at 127.0.0.1:11 registered again without its shard"),
-            std::string::npos)
+  EXPECT_NE(job.failure_cause().find("(rank 2) at 127.0.0.1:11 registered again without its shard"), std::string::npos)
       << job.failure_cause();
 }
 
@@ -173,12 +172,13 @@ TEST_F(ClusterRestart, FailsAfterTheGracePeriodNamingTheMissingRank) {
   for (int r = 0; r < 3; ++r) Register(r, {Held("job-1", r, 0)});
   v1::JobEvent last;
   ASSERT_TRUE(cluster_
-                  ->WatchJob("job-1", absl::Now() + absl::Seconds(20),
-                             [&](const v1::JobEvent& e) {
-                               last = e;
-                               return true;
-                             },
-                             nullptr)
+                  ->WatchJob(
+                      "job-1", absl::Now() + absl::Seconds(20),
+                      [&](const v1::JobEvent& e) {
+                        last = e;
+                        return true;
+                      },
+                      nullptr)
                   .ok());
   EXPECT_EQ(last.job().state(), v1::FAILED);
   EXPECT_EQ(last.job().failure_cause(),
@@ -245,7 +245,8 @@ TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
     EXPECT_EQ(refused.message().find("root:"), std::string::npos) << "a file's contents leaked: " << refused;
     if (confined) {
       EXPECT_NE(refused.message().find("config.json is a symbolic link that leads outside the model root"),
-                std::string::npos) << refused;
+                std::string::npos)
+          << refused;
       const absl::Status outside = submit_path((base / "outside").string());
       EXPECT_EQ(outside.code(), absl::StatusCode::kInvalidArgument);
       EXPECT_NE(outside.message().find("outside the model root"), std::string::npos) << outside;

@@ -66,19 +66,18 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterCo
     return samples;
   };
   std::vector<common::MetricsRegistry::CollectorHandle> handles;
-  ASSIGN_OR_RETURN(auto queue, registry->AddCollector(common::MetricType::kGauge,
-                                                      "bertshard_coordinator_infer_queue_depth",
-                                                      "Infer calls queued or running, per job.", {"job"},
-                                                      queue_depths));
+  ASSIGN_OR_RETURN(auto queue,
+                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_infer_queue_depth",
+                                          "Infer calls queued or running, per job.", {"job"}, queue_depths));
   handles.push_back(std::move(queue));
-  ASSIGN_OR_RETURN(auto jobs, registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_jobs",
-                                                     "Jobs the coordinator knows, by state.", {"state"},
-                                                     jobs_by_state));
+  ASSIGN_OR_RETURN(auto jobs,
+                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_jobs",
+                                          "Jobs the coordinator knows, by state.", {"state"}, jobs_by_state));
   handles.push_back(std::move(jobs));
   ASSIGN_OR_RETURN(auto workers,
                    registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_workers",
-                                          "Registered workers, by health (healthy: heartbeating in time).",
-                                          {"health"}, workers_by_health));
+                                          "Registered workers, by health (healthy: heartbeating in time).", {"health"},
+                                          workers_by_health));
   handles.push_back(std::move(workers));
   return handles;
 }
@@ -89,9 +88,9 @@ absl::StatusOr<BatchObserver> BatchMetrics(common::MetricsRegistry* registry) {
                    registry->AddHistogram("bertshard_coordinator_batch_requests",
                                           "Infer/Embed requests merged into one sharded forward.", {},
                                           {1, 2, 4, 8, 16, 32, 64, 128}));
-  ASSIGN_OR_RETURN(common::HistogramFamily * rows,
-                   registry->AddHistogram("bertshard_coordinator_batch_rows", "Rows (sequences) of one sharded forward.",
-                                          {}, {1, 2, 4, 8, 16, 32, 64, 128, 256}));
+  ASSIGN_OR_RETURN(common::HistogramFamily * rows, registry->AddHistogram("bertshard_coordinator_batch_rows",
+                                                                          "Rows (sequences) of one sharded forward.",
+                                                                          {}, {1, 2, 4, 8, 16, 32, 64, 128, 256}));
   ASSIGN_OR_RETURN(common::HistogramFamily * tokens,
                    registry->AddHistogram("bertshard_coordinator_batch_tokens",
                                           "Padded tokens (rows x padded length) of one sharded forward.", {},
@@ -112,10 +111,9 @@ absl::StatusOr<BatchObserver> BatchMetrics(common::MetricsRegistry* registry) {
 // callback reactor must not do. Each handler validates, calls the core, and maps the Status.
 // Every handler first checks the caller's token (common/grpc_auth.h): kAdmin for what changes
 // state, kRead for the rest.
-#define RETURN_IF_DENIED(context, access)                                      \
-  if (grpc::Status denied = common::CheckAccess(*(context), auth_, (access)); \
-      !denied.ok()) {                                                          \
-    return denied;                                                             \
+#define RETURN_IF_DENIED(context, access)                                                     \
+  if (grpc::Status denied = common::CheckAccess(*(context), auth_, (access)); !denied.ok()) { \
+    return denied;                                                                            \
   }
 
 // Who is calling, for per-client limits: the common name of a verified TLS client certificate,
@@ -156,12 +154,14 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     RETURN_IF_DENIED(context, common::Access::kAdmin);
     return Reply(cluster_->Heartbeat(*request), response);
   }
-  grpc::Status ListWorkers(grpc::ServerContext* context, const v1::ListWorkersRequest*, v1::ListWorkersResponse* response) override {
+  grpc::Status ListWorkers(grpc::ServerContext* context, const v1::ListWorkersRequest*,
+                           v1::ListWorkersResponse* response) override {
     RETURN_IF_DENIED(context, common::Access::kRead);
     *response = cluster_->ListWorkers();
     return grpc::Status::OK;
   }
-  grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request, v1::Job* response) override {
+  grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
+                         v1::Job* response) override {
     RETURN_IF_DENIED(context, common::Access::kAdmin);
     return Reply(cluster_->SubmitJob(*request, ClientOf(*context)), response);
   }
@@ -169,7 +169,8 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     RETURN_IF_DENIED(context, common::Access::kRead);
     return Reply(cluster_->GetJob(request->job_id()), response);
   }
-  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest*, v1::ListJobsResponse* response) override {
+  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest*,
+                        v1::ListJobsResponse* response) override {
     RETURN_IF_DENIED(context, common::Access::kRead);
     auto jobs = cluster_->ListJobs();
     if (!jobs.ok()) return common::ToGrpcStatus(jobs.status());
@@ -183,21 +184,24 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                         grpc::ServerWriter<v1::JobEvent>* writer) override {
     RETURN_IF_DENIED(context, common::Access::kRead);
-    return common::ToGrpcStatus(cluster_->WatchJob(request->job_id(), Deadline(context, absl::Hours(1)),
-                                                   [&](const v1::JobEvent& e) {
-                                                     return !context->IsCancelled() && writer->Write(e);
-                                                   },
-                                                   [context] { return context->IsCancelled(); }));
+    return common::ToGrpcStatus(cluster_->WatchJob(
+        request->job_id(), Deadline(context, absl::Hours(1)),
+        [&](const v1::JobEvent& e) { return !context->IsCancelled() && writer->Write(e); },
+        [context] { return context->IsCancelled(); }));
   }
-  grpc::Status Infer(grpc::ServerContext* context, const v1::InferRequest* request, v1::InferResponse* response) override {
+  grpc::Status Infer(grpc::ServerContext* context, const v1::InferRequest* request,
+                     v1::InferResponse* response) override {
     RETURN_IF_DENIED(context, common::Access::kRead);
-    return Reply(cluster_->Infer(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
-                 response);
+    return Reply(
+        cluster_->Infer(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
+        response);
   }
-  grpc::Status Embed(grpc::ServerContext* context, const v1::EmbedRequest* request, v1::EmbedResponse* response) override {
+  grpc::Status Embed(grpc::ServerContext* context, const v1::EmbedRequest* request,
+                     v1::EmbedResponse* response) override {
     RETURN_IF_DENIED(context, common::Access::kRead);
-    return Reply(cluster_->Embed(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
-                 response);
+    return Reply(
+        cluster_->Embed(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
+        response);
   }
 
  private:

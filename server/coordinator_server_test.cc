@@ -21,8 +21,7 @@ class CoordinatorServerTest : public ::testing::Test {
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     ASSERT_GT(server_->port(), 0);
-    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
-                                   grpc::InsecureChannelCredentials());
+    channel_ = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()), grpc::InsecureChannelCredentials());
   }
 
   static void SetDeadline(grpc::ClientContext* context) {
@@ -141,8 +140,7 @@ TEST(CoordinatorServerStart, RejectsMalformedAndBusyAddresses) {
             absl::StatusCode::kInvalidArgument);
   auto first = CoordinatorServer::Start({.listen_address = "127.0.0.1:0"});
   ASSERT_TRUE(first.ok());
-  auto second = CoordinatorServer::Start(
-      {.listen_address = "127.0.0.1:" + std::to_string((*first)->port())});
+  auto second = CoordinatorServer::Start({.listen_address = "127.0.0.1:" + std::to_string((*first)->port())});
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
 }
 
@@ -157,8 +155,8 @@ TEST(CoordinatorServerLimits, OversizedMessagesAndUnknownJobsAreRefused) {
   ASSERT_TRUE(server.ok()) << server.status();
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(64 << 20);
-  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(
-      "127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials(), args));
+  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string((*server)->port()),
+                                                                 grpc::InsecureChannelCredentials(), args));
   v1::InferRequest infer;
   infer.set_job_id("job-x");
   infer.mutable_tokens()->mutable_input_ids()->Resize(1 << 21, 1);  // 2 MiB of varints > 1 MiB
@@ -188,7 +186,8 @@ TEST(CoordinatorServerAuth, TokensGateRpcsWithTheCodesGrpcDefines) {
   options.auth = {"admin-secret-123", "read-secret-456"};
   auto server = CoordinatorServer::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string((*server)->port()), grpc::InsecureChannelCredentials());
   auto stub = v1::Coordinator::NewStub(channel);
   const auto call = [&](const std::string& header, bool submit) {
     grpc::ClientContext context;

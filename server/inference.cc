@@ -98,7 +98,8 @@ absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const 
     const int tp = std::max(1, plan.shard_config().tensor_parallel_size());
     if (plan.shard_config().sp_mode() == v1::SPLIT_GATHER) longest = (longest + tp - 1) / tp * tp;
     if (longest > plan.config().max_position_embeddings()) {
-      return absl::InvalidArgumentError(absl::StrCat("the padded batch (", longest, " tokens) exceeds max_position_embeddings ",
+      return absl::InvalidArgumentError(absl::StrCat("the padded batch (", longest,
+                                                     " tokens) exceeds max_position_embeddings ",
                                                      plan.config().max_position_embeddings()));
     }
     out.set_rows(static_cast<int64_t>(encodings.size()));
@@ -126,7 +127,8 @@ absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const 
     for (int64_t r = 0; r < out.rows(); ++r) {
       int32_t count = 0;
       for (int64_t i = 0; i < out.seq(); ++i) count += out.attention_mask(static_cast<int>(r * out.seq() + i)) != 0;
-      if (count == 0) return absl::InvalidArgumentError(absl::StrCat("token row ", r, " has no token with attention 1"));
+      if (count == 0)
+        return absl::InvalidArgumentError(absl::StrCat("token row ", r, " has no token with attention 1"));
       prepared.token_counts.push_back(count);
     }
   }
@@ -162,7 +164,9 @@ absl::StatusOr<const v1::NamedTensor*> Output(const google::protobuf::RepeatedPt
   return t;
 }
 
-absl::Span<const float> Values(const v1::NamedTensor& t) { return {t.values().data(), static_cast<size_t>(t.values_size())}; }
+absl::Span<const float> Values(const v1::NamedTensor& t) {
+  return {t.values().data(), static_cast<size_t>(t.values_size())};
+}
 
 void SetLabel(const serving::LabelScore& from, v1::LabelScore* to) {
   to->set_id(static_cast<int32_t>(from.id));
@@ -186,7 +190,9 @@ absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, c
                                                     const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
                                                     int top_k) {
   std::vector<v1::Prediction> predictions;
-  const serving::TokenRows rows{tokens.rows(), tokens.seq(), 1,
+  const serving::TokenRows rows{tokens.rows(),
+                                tokens.seq(),
+                                1,
                                 {tokens.input_ids().data(), static_cast<size_t>(tokens.input_ids_size())},
                                 {tokens.attention_mask().data(), static_cast<size_t>(tokens.attention_mask_size())},
                                 {tokens.token_type_ids().data(), static_cast<size_t>(tokens.token_type_ids_size())}};
@@ -232,8 +238,8 @@ absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, c
       }
       if (plan.variant() == v1::BERT_FOR_PRE_TRAINING) {
         ASSIGN_OR_RETURN(const v1::NamedTensor* nsp, Output(outputs, "seq_relationship_logits", 2));
-        ASSIGN_OR_RETURN(auto scored, serving::Classify(Values(*nsp), nsp->shape(0), nsp->shape(1),
-                                                        serving::NextSentenceLabels()));
+        ASSIGN_OR_RETURN(auto scored,
+                         serving::Classify(Values(*nsp), nsp->shape(0), nsp->shape(1), serving::NextSentenceLabels()));
         RETURN_IF_ERROR(AddLabels(scored, &predictions));
       }
       break;
@@ -243,9 +249,10 @@ absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, c
     case v1::BERT_FOR_MULTIPLE_CHOICE: {
       ASSIGN_OR_RETURN(const v1::NamedTensor* logits, Output(outputs, "logits", 2));
       const int64_t classes = logits->shape(1);
-      std::vector<std::string> names = plan.variant() == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION ? serving::NextSentenceLabels()
-                                       : plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE        ? serving::IndexLabels(classes)
-                                                                                               : labels(classes);
+      std::vector<std::string> names = plan.variant() == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION
+                                           ? serving::NextSentenceLabels()
+                                       : plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE ? serving::IndexLabels(classes)
+                                                                                        : labels(classes);
       serving::ScoreFunction function = serving::ScoreFunction::kSoftmax;
       if (plan.variant() == v1::BERT_FOR_SEQUENCE_CLASSIFICATION && assets.labels.ok()) {
         function = serving::DefaultScoreFunction(*assets.labels);
@@ -302,21 +309,37 @@ absl::StatusOr<EmbeddingMode> ResolveEmbeddingMode(const v1::EmbedRequest& reque
                                                    const serving::EmbeddingConfig& config) {
   EmbeddingMode mode{config.pooling, config.normalize};
   switch (request.pooling()) {
-    case v1::POOLING_UNSPECIFIED: break;
-    case v1::POOLING_MEAN: mode.pooling = serving::Pooling::kMean; break;
-    case v1::POOLING_CLS: mode.pooling = serving::Pooling::kCls; break;
-    case v1::POOLING_MAX: mode.pooling = serving::Pooling::kMax; break;
-    case v1::POOLING_MEAN_SQRT_LEN: mode.pooling = serving::Pooling::kMeanSqrtLen; break;
+    case v1::POOLING_UNSPECIFIED:
+      break;
+    case v1::POOLING_MEAN:
+      mode.pooling = serving::Pooling::kMean;
+      break;
+    case v1::POOLING_CLS:
+      mode.pooling = serving::Pooling::kCls;
+      break;
+    case v1::POOLING_MAX:
+      mode.pooling = serving::Pooling::kMax;
+      break;
+    case v1::POOLING_MEAN_SQRT_LEN:
+      mode.pooling = serving::Pooling::kMeanSqrtLen;
+      break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown pooling ", request.pooling(),
-                                                     " (valid: MEAN, CLS, MAX, MEAN_SQRT_LEN, or unset for the checkpoint's)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown pooling ", request.pooling(),
+                       " (valid: MEAN, CLS, MAX, MEAN_SQRT_LEN, or unset for the checkpoint's)"));
   }
   switch (request.normalize()) {
-    case v1::NORMALIZE_UNSPECIFIED: break;
-    case v1::NORMALIZE_ON: mode.normalize = true; break;
-    case v1::NORMALIZE_OFF: mode.normalize = false; break;
+    case v1::NORMALIZE_UNSPECIFIED:
+      break;
+    case v1::NORMALIZE_ON:
+      mode.normalize = true;
+      break;
+    case v1::NORMALIZE_OFF:
+      mode.normalize = false;
+      break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown normalize ", request.normalize(), " (valid: ON, OFF, unset)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown normalize ", request.normalize(), " (valid: ON, OFF, unset)"));
   }
   return mode;
 }
@@ -325,15 +348,24 @@ absl::Status PoolEmbeddings(const EmbeddingMode& mode, const v1::TokenInputs& to
                             const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
                             v1::EmbedResponse* response) {
   ASSIGN_OR_RETURN(const v1::NamedTensor* hidden, Output(outputs, "last_hidden_state", 3));
-  ASSIGN_OR_RETURN(auto vectors, serving::Pool(Values(*hidden), hidden->shape(0), hidden->shape(1), hidden->shape(2),
-                                               {tokens.attention_mask().data(), static_cast<size_t>(tokens.attention_mask_size())},
-                                               mode.pooling, mode.normalize));
+  ASSIGN_OR_RETURN(auto vectors,
+                   serving::Pool(Values(*hidden), hidden->shape(0), hidden->shape(1), hidden->shape(2),
+                                 {tokens.attention_mask().data(), static_cast<size_t>(tokens.attention_mask_size())},
+                                 mode.pooling, mode.normalize));
   for (auto& v : vectors) response->add_embeddings()->mutable_values()->Add(v.begin(), v.end());
   switch (mode.pooling) {
-    case serving::Pooling::kMean: response->set_pooling(v1::POOLING_MEAN); break;
-    case serving::Pooling::kCls: response->set_pooling(v1::POOLING_CLS); break;
-    case serving::Pooling::kMax: response->set_pooling(v1::POOLING_MAX); break;
-    case serving::Pooling::kMeanSqrtLen: response->set_pooling(v1::POOLING_MEAN_SQRT_LEN); break;
+    case serving::Pooling::kMean:
+      response->set_pooling(v1::POOLING_MEAN);
+      break;
+    case serving::Pooling::kCls:
+      response->set_pooling(v1::POOLING_CLS);
+      break;
+    case serving::Pooling::kMax:
+      response->set_pooling(v1::POOLING_MAX);
+      break;
+    case serving::Pooling::kMeanSqrtLen:
+      response->set_pooling(v1::POOLING_MEAN_SQRT_LEN);
+      break;
   }
   response->set_normalized(mode.normalize);
   return absl::OkStatus();
@@ -347,7 +379,7 @@ struct FanOut {
   FanOut(size_t n, const v1::ForwardRequest& forward) : request(forward), responses(n), contexts(n) {}
   const v1::ForwardRequest request;
   absl::Mutex mu;
-  std::vector<v1::ForwardResponse> responses;                 // each written by its own call only
+  std::vector<v1::ForwardResponse> responses;                  // each written by its own call only
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;  // set before any call starts
   size_t answered ABSL_GUARDED_BY(mu) = 0;
   int failed_rank ABSL_GUARDED_BY(mu) = -1;
@@ -405,9 +437,7 @@ ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::F
   ForwardOutcome outcome;
   {
     absl::MutexLock lock(&fan->mu);
-    auto settled = [&fan, n = ranks.size()] {
-      return fan->failed_rank >= 0 || fan->aborted || fan->answered == n;
-    };
+    auto settled = [&fan, n = ranks.size()] { return fan->failed_rank >= 0 || fan->aborted || fan->answered == n; };
     fan->mu.Await(absl::Condition(&settled));
     if (fan->failed_rank >= 0 || fan->aborted) {
       for (auto& context : fan->contexts) context->TryCancel();

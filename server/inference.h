@@ -58,8 +58,8 @@ std::shared_ptr<const JobAssets> RefusedJobAssets(const absl::Status& why);
 // One request's token batch, ready for the batch queue.
 struct PreparedInput {
   v1::TokenInputs tokens;
-  std::vector<bool> truncated;         // per text (empty for token input)
-  std::vector<int32_t> token_counts;   // per row: tokens with attention 1
+  std::vector<bool> truncated;        // per text (empty for token input)
+  std::vector<int32_t> token_counts;  // per row: tokens with attention 1
 };
 
 // The batch an Infer or Embed request asks for: its tokens (attention mask defaulting to ones,

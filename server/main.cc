@@ -12,20 +12,19 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "common/grpc_auth.h"
-#include "common/grpc_tls.h"
-#include "common/model_root.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_serving.h"
+#include "common/grpc_tls.h"
 #include "common/metrics.h"
 #include "common/metrics_endpoint.h"
+#include "common/model_root.h"
 #include "server/coordinator_server.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve on (port 0: any free port)");
-ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
-          "how long in-flight calls may run after SIGTERM/SIGINT");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10), "how long in-flight calls may run after SIGTERM/SIGINT");
 ABSL_FLAG(std::string, data_dir, "bertshard-data", "directory for the coordinator's state");
 ABSL_FLAG(std::string, model_root, "",
           "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; "
@@ -59,7 +58,8 @@ ABSL_FLAG(std::string, read_token_file, "",
           "a read-only bearer token (file; else $BERTSHARD_READ_TOKEN; needs --auth_token_file): when set, every "
           "other RPC (plans, listings, watches, inference) needs it or the cluster token");
 
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key); also the client certificate "
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve TLS (with --tls_key); also the client certificate "
           "presented to workers that require one");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "",
@@ -116,8 +116,8 @@ int main(int argc, char** argv) {
                                           absl::GetFlag(FLAGS_tls_ca)};
     auto server_credentials = bertshard::common::ServerCredentials(tls);
     // Workers are dialled over TLS exactly when a CA says how to verify them.
-    auto worker_credentials = bertshard::common::ChannelCredentials(
-        tls.ca.empty() ? bertshard::common::TlsFiles{} : tls);
+    auto worker_credentials =
+        bertshard::common::ChannelCredentials(tls.ca.empty() ? bertshard::common::TlsFiles{} : tls);
     const absl::Status bad = !server_credentials.ok() ? server_credentials.status() : worker_credentials.status();
     if (!bad.ok()) {
       std::fprintf(stderr, "bertshard-coordinator: %s\n", std::string(bad.message()).c_str());
@@ -135,7 +135,8 @@ int main(int argc, char** argv) {
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.cluster.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);
   if (options.cluster.missed_heartbeats < 2 || options.cluster.heartbeat_interval <= absl::ZeroDuration()) {
-    std::fprintf(stderr, "bertshard-coordinator: --missed_heartbeats must be at least 2 and --heartbeat_interval positive\n");
+    std::fprintf(stderr,
+                 "bertshard-coordinator: --missed_heartbeats must be at least 2 and --heartbeat_interval positive\n");
     return 2;
   }
   options.cluster.collective_timeout_seconds = absl::GetFlag(FLAGS_collective_timeout_s);

@@ -62,14 +62,16 @@ Placement PlaceRanks(absl::string_view backend, int need, const std::vector<Idle
   if (found >= need) return placement;
   placement.ranks.clear();
   if (!gpu) {
-    placement.waiting_for = absl::StrCat("waiting for ", Count(static_cast<size_t>(need), "healthy idle CPU worker",
-                                                               "healthy idle CPU workers"),
-                                         " (gloo); ", found, found == 1 ? " is" : " are", " free");
+    placement.waiting_for = absl::StrCat(
+        "waiting for ", Count(static_cast<size_t>(need), "healthy idle CPU worker", "healthy idle CPU workers"),
+        " (gloo); ", found, found == 1 ? " is" : " are", " free");
     return placement;
   }
   placement.waiting_for = absl::StrCat(
-      "waiting for ", Count(static_cast<size_t>(need), "healthy idle GPU worker", "healthy idle GPU workers on distinct GPUs"),
-      " (nccl: one rank per GPU); ", Count(static_cast<size_t>(found), "distinct GPU is", "distinct GPUs are"), " free");
+      "waiting for ",
+      Count(static_cast<size_t>(need), "healthy idle GPU worker", "healthy idle GPU workers on distinct GPUs"),
+      " (nccl: one rank per GPU); ", Count(static_cast<size_t>(found), "distinct GPU is", "distinct GPUs are"),
+      " free");
   std::vector<std::string> shared;
   for (const auto& [gpu_of_host, workers] : by_gpu) {
     if (workers.size() > 1) {

@@ -54,7 +54,8 @@ TEST(PlaceRanks, GlooTakesCpuWorkersOnly) {
 TEST(PlaceRanks, NcclTakesOneWorkerPerGpuOfAHost) {
   // Host a has GPUs 0 and 1, each reported once, and GPU 0 by a second worker; host b reuses the
   // index 0 of its own GPU, which is another GPU.
-  const auto idle = Workers({{"a:1", "cuda:0"}, {"a:2", "cuda:0"}, {"a:3", "cpu"}, {"a:4", "cuda:1"}, {"b:1", "cuda:0"}});
+  const auto idle =
+      Workers({{"a:1", "cuda:0"}, {"a:2", "cuda:0"}, {"a:3", "cpu"}, {"a:4", "cuda:1"}, {"b:1", "cuda:0"}});
   EXPECT_THAT(PlaceRanks("nccl", 3, idle).ranks, ElementsAre(0, 3, 4));
 }
 

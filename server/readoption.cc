@@ -36,14 +36,15 @@ ReadoptionDecision DecideReadoption(const ReadoptionInput& in) {
     }
     if (s.forward_running()) {
       return Fail(absl::StrCat("after a coordinator restart rank ", s.rank(), " on worker ", r.worker_id, " at ",
-                               r.address, " was still running a forward: a forward was cut off when the coordinator "
+                               r.address,
+                               " was still running a forward: a forward was cut off when the coordinator "
                                "stopped"));
     }
     auto [it, inserted] = by_rank.emplace(s.rank(), &r);
     if (!inserted) {
-      return Fail(absl::StrCat("after a coordinator restart rank ", s.rank(), " is held by two workers: ",
-                               it->second->worker_id, " at ", it->second->address, " and ", r.worker_id, " at ",
-                               r.address));
+      return Fail(absl::StrCat("after a coordinator restart rank ", s.rank(),
+                               " is held by two workers: ", it->second->worker_id, " at ", it->second->address, " and ",
+                               r.worker_id, " at ", r.address));
     }
   }
   std::vector<int> missing;
@@ -56,7 +57,8 @@ ReadoptionDecision DecideReadoption(const ReadoptionInput& in) {
     for (const auto& [rank, r] : by_rank) agree &= r->shard.next_sequence() == sequence;
     if (!agree) {
       std::vector<std::string> expects;
-      for (const auto& [rank, r] : by_rank) expects.push_back(absl::StrCat("rank ", rank, ": ", r->shard.next_sequence()));
+      for (const auto& [rank, r] : by_rank)
+        expects.push_back(absl::StrCat("rank ", rank, ": ", r->shard.next_sequence()));
       return Fail(absl::StrCat("after a coordinator restart the ranks disagree on the next forward (",
                                absl::StrJoin(expects, ", "), "): a forward was cut off when the coordinator stopped"));
     }

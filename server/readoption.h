@@ -49,7 +49,7 @@ struct ReadoptionInput {
   std::vector<RankReport> reports;  // in arrival order
   std::set<int> lost;               // ranks whose previous worker registered again without them
   bool grace_over = false;
-  absl::Duration grace;             // for the cause
+  absl::Duration grace;  // for the cause
 };
 
 struct ReadoptionDecision {

@@ -55,8 +55,9 @@ TEST(DecideReadoption, FailsNamingRanksMissingAfterTheGracePeriod) {
   in.grace_over = true;
   const ReadoptionDecision d = DecideReadoption(in);
   ASSERT_EQ(d.outcome, Outcome::kFail);
-  EXPECT_EQ(d.cause, "after a coordinator restart rank 1 (last on worker worker-2-old at 10.0.0.1:50061) did not "
-                     "come back within 5s");
+  EXPECT_EQ(d.cause,
+            "after a coordinator restart rank 1 (last on worker worker-2-old at 10.0.0.1:50061) did not "
+            "come back within 5s");
 }
 
 TEST(DecideReadoption, FailsAtOnceWhenAMissingRanksWorkerCameBackWithoutIt) {
@@ -64,8 +65,9 @@ TEST(DecideReadoption, FailsAtOnceWhenAMissingRanksWorkerCameBackWithoutIt) {
   in.lost = {1};  // rank 0 has not come back yet either: no reason to wait for it
   const ReadoptionDecision d = DecideReadoption(in);
   ASSERT_EQ(d.outcome, Outcome::kFail);
-  EXPECT_EQ(d.cause, "after a coordinator restart rank 1 (worker worker-2-old at 10.0.0.1:50061 registered again "
-                     "without it) cannot come back");
+  EXPECT_EQ(d.cause,
+            "after a coordinator restart rank 1 (worker worker-2-old at 10.0.0.1:50061 registered again "
+            "without it) cannot come back");
 }
 
 TEST(DecideReadoption, FailsWhenRanksDisagreeOnTheSequence) {
@@ -91,8 +93,7 @@ TEST(DecideReadoption, FailsOnBrokenDuplicateOrMisfitRanks) {
   in.reports = {Report(0, 4), running};
   d = DecideReadoption(in);
   ASSERT_EQ(d.outcome, Outcome::kFail);
-  EXPECT_NE(d.cause.find("rank 1 on worker worker-11 at 10.0.0.1:50061 was still running a forward"),
-            std::string::npos)
+  EXPECT_NE(d.cause.find("rank 1 on worker worker-11 at 10.0.0.1:50061 was still running a forward"), std::string::npos)
       << d.cause;
 
   in.reports = {Report(0, 4), Report(0, 4)};

@@ -49,8 +49,8 @@ absl::Status CheckTokens(const TokenRows& tokens) {
   const auto check_size = [&](absl::Span<const int64_t> values, const char* what, bool optional) -> absl::Status {
     if (optional && values.empty()) return absl::OkStatus();
     if (static_cast<int64_t>(values.size()) != n) {
-      return absl::InvalidArgumentError(absl::StrCat(what, " hold ", values.size(), " values; [", tokens.rows, ", ",
-                                                     tokens.seq, "] needs ", n));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " hold ", values.size(), " values; [", tokens.rows, ", ", tokens.seq, "] needs ", n));
     }
     return absl::OkStatus();
   };
@@ -60,8 +60,7 @@ absl::Status CheckTokens(const TokenRows& tokens) {
   for (int64_t i = 0; i < static_cast<int64_t>(tokens.attention_mask.size()); ++i) {
     if (tokens.attention_mask[i] != 0 && tokens.attention_mask[i] != 1) {
       return absl::InvalidArgumentError(absl::StrCat("attention mask value ", tokens.attention_mask[i], " at row ",
-                                                     i / tokens.seq, ", position ", i % tokens.seq,
-                                                     " is not 0 or 1"));
+                                                     i / tokens.seq, ", position ", i % tokens.seq, " is not 0 or 1"));
     }
   }
   return absl::OkStatus();
@@ -75,8 +74,7 @@ int64_t TokenType(const TokenRows& tokens, int64_t i) {
   return tokens.token_type_ids.empty() ? 0 : tokens.token_type_ids[i];
 }
 
-absl::Status CheckLogits(absl::Span<const float> logits, const char* what, int64_t expected,
-                         const std::string& shape) {
+absl::Status CheckLogits(absl::Span<const float> logits, const char* what, int64_t expected, const std::string& shape) {
   if (static_cast<int64_t>(logits.size()) != expected) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " hold ", logits.size(), " values; shape ", shape, " needs ", expected));
@@ -89,8 +87,8 @@ absl::Status CheckClasses(int64_t classes, const std::vector<std::string>& label
     return absl::InvalidArgumentError(absl::StrCat("classification needs at least one class; got ", classes));
   }
   if (static_cast<int64_t>(label_names.size()) != classes) {
-    return absl::InvalidArgumentError(absl::StrCat("the logits have ", classes, " classes but ", label_names.size(),
-                                                   " label names were given"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the logits have ", classes, " classes but ", label_names.size(), " label names were given"));
   }
   return absl::OkStatus();
 }
@@ -137,9 +135,8 @@ absl::StatusOr<Labels> ReadLabels(const std::string& checkpoint_dir) {
   }
   for (const auto& [id, name] : id2label) {
     if (id < 0 || id >= num_labels) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": id2label has ", num_labels, " labels, so its keys must be 0..", num_labels - 1,
-                       "; it has ", id));
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": id2label has ", num_labels, " labels, so its keys must be 0..", num_labels - 1, "; it has ", id));
     }
   }
   for (int64_t i = 0; i < num_labels; ++i) {
@@ -170,8 +167,8 @@ absl::StatusOr<std::vector<std::vector<LabelScore>>> Classify(absl::Span<const f
                                                               ScoreFunction function) {
   RETURN_IF_ERROR(CheckClasses(classes, label_names));
   if (rows < 0 || rows > kMaxDim) return absl::InvalidArgumentError(absl::StrCat("rows must be >= 0; got ", rows));
-  RETURN_IF_ERROR(CheckLogits(logits, "classification logits", rows * classes,
-                              absl::StrCat("[", rows, ", ", classes, "]")));
+  RETURN_IF_ERROR(
+      CheckLogits(logits, "classification logits", rows * classes, absl::StrCat("[", rows, ", ", classes, "]")));
   std::vector<std::vector<LabelScore>> out(rows);
   std::vector<double> probs;
   for (int64_t r = 0; r < rows; ++r) {
@@ -235,9 +232,8 @@ absl::StatusOr<std::vector<std::vector<MaskFill>>> MaskedLmTopK(
       Softmax(logits.data() + i * vocab, vocab, &probs);
       for (int64_t v = 0; v < candidates; ++v) ids[v] = v;
       // Higher probability first, then the lower id: a total order, so ties are deterministic.
-      std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int64_t a, int64_t b) {
-        return probs[a] != probs[b] ? probs[a] > probs[b] : a < b;
-      });
+      std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                        [&](int64_t a, int64_t b) { return probs[a] != probs[b] ? probs[a] > probs[b] : a < b; });
       MaskFill fill;
       fill.position = t;
       for (int64_t j = 0; j < k; ++j) {
@@ -250,8 +246,8 @@ absl::StatusOr<std::vector<std::vector<MaskFill>>> MaskedLmTopK(
 }
 
 absl::StatusOr<std::vector<AnswerSpan>> QuestionAnswerSpans(absl::Span<const float> start_logits,
-                                                            absl::Span<const float> end_logits,
-                                                            const TokenRows& tokens, const QaOptions& options) {
+                                                            absl::Span<const float> end_logits, const TokenRows& tokens,
+                                                            const QaOptions& options) {
   RETURN_IF_ERROR(CheckTokens(tokens));
   if (options.max_answer_len < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_answer_len must be >= 1; got ", options.max_answer_len));

@@ -101,7 +101,7 @@ struct TokenScore {
 };
 
 struct MaskFill {
-  int64_t position = 0;  // of the mask token in its row
+  int64_t position = 0;         // of the mask token in its row
   std::vector<TokenScore> top;  // best first; ties in id order
 };
 
@@ -145,8 +145,8 @@ struct AnswerSpan {
 // the smallest start, then end. INVALID_ARGUMENT for max_answer_len < 1 or inconsistent shapes
 // (rows < 0, seq < 1, a buffer that does not hold rows * seq values, attention not 0/1).
 absl::StatusOr<std::vector<AnswerSpan>> QuestionAnswerSpans(absl::Span<const float> start_logits,
-                                                            absl::Span<const float> end_logits,
-                                                            const TokenRows& tokens, const QaOptions& options = {});
+                                                            absl::Span<const float> end_logits, const TokenRows& tokens,
+                                                            const QaOptions& options = {});
 
 }  // namespace bertshard::serving
 

@@ -139,10 +139,10 @@ FillMaskOptions FillOptions(int64_t top_k, int64_t vocab_limit = 0) {
 
 // [1 row, 4 positions, vocab 6]: [CLS]=0 [MASK]=5 2 [MASK]=5.
 const std::vector<float> kMlmLogits = {
-    0, 0, 0, 0, 0, 0,                  //
+    0,    0,    0,     0,    0,    0,  //
     0.1f, 3.0f, -1.0f, 2.5f, 3.0f, 0,  // first [MASK]: ids 1 and 4 tie
-    0, 0, 0, 0, 0, 0,                  //
-    1, 1, 1, 1, 1, 6,                  // second [MASK]
+    0,    0,    0,     0,    0,    0,  //
+    1,    1,    1,     1,    1,    6,  // second [MASK]
 };
 const std::vector<int64_t> kMlmIds = {0, 5, 2, 5};
 
@@ -152,8 +152,7 @@ TEST(MaskedLmTopK, TopKAtEachMask) {
   tokens.seq = 4;
   tokens.input_ids = kMlmIds;
   const std::vector<std::string> vocab = {"[CLS]", "paris", "a", "lyon", "rome", "[MASK]"};
-  auto out = MaskedLmTopK(kMlmLogits, 6, tokens, 5, FillOptions(3),
-                          [&](int64_t id) { return vocab[id]; });
+  auto out = MaskedLmTopK(kMlmLogits, 6, tokens, 5, FillOptions(3), [&](int64_t id) { return vocab[id]; });
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_EQ((*out)[0].size(), 2u);
   const MaskFill& first = (*out)[0][0];
@@ -207,8 +206,7 @@ TEST(MaskedLmTopK, SkipsMasksWithoutAttentionAndChecksInput) {
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_EQ((*out)[0].size(), 1u);
   EXPECT_EQ((*out)[0][0].top.size(), 5u);  // the default top_k
-  EXPECT_EQ(MaskedLmTopK(kMlmLogits, 6, tokens, 5, FillOptions(0)).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MaskedLmTopK(kMlmLogits, 6, tokens, 5, FillOptions(0)).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(MaskedLmTopK(kMlmLogits, 6, tokens, 5, FillOptions(1, -1)).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(MaskedLmTopK(kMlmLogits, 5, tokens, 5).status().message(), HasSubstr("[1, 4, 5] needs 20"));
@@ -323,10 +321,12 @@ TEST(QuestionAnswerSpans, RowsAreIndependentAndEmptyContextHasNoSpan) {
 TEST(QuestionAnswerSpans, RejectsInconsistentInput) {
   EXPECT_EQ(QuestionAnswerSpans(kStart, kEnd, QaTokens(), BertQa(0)).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(QuestionAnswerSpans(absl::MakeConstSpan(kStart).subspan(1), kEnd, QaTokens(), BertQa()).status().message(),
-              HasSubstr("start logits hold 10 values"));
-  EXPECT_THAT(QuestionAnswerSpans(kStart, absl::MakeConstSpan(kEnd).subspan(2), QaTokens(), BertQa()).status().message(),
-              HasSubstr("end logits hold 9 values"));
+  EXPECT_THAT(
+      QuestionAnswerSpans(absl::MakeConstSpan(kStart).subspan(1), kEnd, QaTokens(), BertQa()).status().message(),
+      HasSubstr("start logits hold 10 values"));
+  EXPECT_THAT(
+      QuestionAnswerSpans(kStart, absl::MakeConstSpan(kEnd).subspan(2), QaTokens(), BertQa()).status().message(),
+      HasSubstr("end logits hold 9 values"));
   TokenRows tokens = QaTokens();
   tokens.token_type_ids = absl::MakeConstSpan(kQaTypes).subspan(1);
   EXPECT_THAT(QuestionAnswerSpans(kStart, kEnd, tokens, BertQa()).status().message(),

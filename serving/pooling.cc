@@ -41,7 +41,7 @@ absl::StatusOr<Pooling> PoolingFromConfig(const json& config, const std::string&
   if (!config.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
   struct Mode {
     const char* key;
-    const char* st_name;  // Pooling(pooling_mode=...) name
+    const char* st_name;             // Pooling(pooling_mode=...) name
     std::optional<Pooling> pooling;  // nullopt: not supported
   };
   static const Mode kModes[] = {
@@ -81,14 +81,15 @@ absl::StatusOr<Pooling> PoolingFromConfig(const json& config, const std::string&
   }
   for (const Mode* mode : on) {
     if (!mode->pooling.has_value()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": ", mode->key,
-                                                     " is not supported (supported: cls, mean, max, mean_sqrt_len)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", mode->key, " is not supported (supported: cls, mean, max, mean_sqrt_len)"));
     }
   }
   if (on.size() != 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": exactly one of pooling_mode_cls_token, pooling_mode_mean_tokens, pooling_mode_max_tokens, "
-                           "pooling_mode_mean_sqrt_len_tokens must be true (",
+        absl::StrCat(path,
+                     ": exactly one of pooling_mode_cls_token, pooling_mode_mean_tokens, pooling_mode_max_tokens, "
+                     "pooling_mode_mean_sqrt_len_tokens must be true (",
                      on.size(), " are)"));
   }
   return *on.front()->pooling;
@@ -177,9 +178,8 @@ absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const std::string& checkpoin
     }
     // Dense, LayerNorm, WordWeights, ...: each changes the vectors; serving them without it would
     // be silently wrong.
-    return absl::InvalidArgumentError(
-        absl::StrCat(modules_path, ": module ", type,
-                     " is not supported (supported: Transformer, Pooling, Normalize)"));
+    return absl::InvalidArgumentError(absl::StrCat(modules_path, ": module ", type,
+                                                   " is not supported (supported: Transformer, Pooling, Normalize)"));
   }
   if (!pooling_dir.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(modules_path, " lists no ", kPooling, " module"));
@@ -194,7 +194,8 @@ absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const std::string& checkpoin
   if (pooling->contains("word_embedding_dimension")) {
     const json& d = (*pooling)["word_embedding_dimension"];
     if (!d.is_number_integer() || d.get<int64_t>() < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(pooling_path, ": word_embedding_dimension must be a positive integer"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(pooling_path, ": word_embedding_dimension must be a positive integer"));
     }
     config.word_embedding_dimension = d.get<int64_t>();
   }

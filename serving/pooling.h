@@ -71,13 +71,11 @@ absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const std::string& checkpoin
 // A row whose mask is all zeros gives no NaN: zeros for the means, -1e9 everywhere for kMax (what
 // sentence-transformers returns). INVALID_ARGUMENT for rows < 0, seq < 1, dim < 1, null buffers or
 // mask values other than 0 and 1.
-absl::StatusOr<std::vector<std::vector<float>>> Pool(const float* hidden, int64_t rows, int64_t seq,
-                                                     int64_t dim, const int64_t* attention_mask,
-                                                     Pooling pooling, bool normalize);
+absl::StatusOr<std::vector<std::vector<float>>> Pool(const float* hidden, int64_t rows, int64_t seq, int64_t dim,
+                                                     const int64_t* attention_mask, Pooling pooling, bool normalize);
 // The same, checking that `hidden` holds rows * seq * dim values and `attention_mask` rows * seq.
-absl::StatusOr<std::vector<std::vector<float>>> Pool(absl::Span<const float> hidden, int64_t rows,
-                                                     int64_t seq, int64_t dim,
-                                                     absl::Span<const int64_t> attention_mask,
+absl::StatusOr<std::vector<std::vector<float>>> Pool(absl::Span<const float> hidden, int64_t rows, int64_t seq,
+                                                     int64_t dim, absl::Span<const int64_t> attention_mask,
                                                      Pooling pooling, bool normalize);
 
 // Cosine similarity as sentence-transformers' util.cos_sim: each vector divided by

@@ -18,10 +18,10 @@ using ::testing::HasSubstr;
 using Rows = std::vector<std::vector<float>>;
 
 // [3 rows, 4 positions, 3 dims]: torch.randint(-400, 400, (3, 4, 3), generator=manual_seed(0)) / 100.
-const std::vector<float> kHidden = {
-    -3.56f, -1.61f, 1.33f,  -2.40f, -2.37f, -0.21f, -1.73f, -2.97f, -1.03f, -3.17f, 1.01f,  0.66f,
-    -0.44f, 1.99f,  2.78f,  -0.24f, -3.44f, -1.32f, 3.94f,  -3.67f, -0.74f, 1.19f,  3.91f,  2.54f,
-    -3.76f, -1.59f, -3.31f, 1.69f,  3.49f,  2.80f,  2.81f,  -1.88f, 1.63f,  1.60f,  1.95f,  0.85f};
+const std::vector<float> kHidden = {-3.56f, -1.61f, 1.33f,  -2.40f, -2.37f, -0.21f, -1.73f, -2.97f, -1.03f,
+                                    -3.17f, 1.01f,  0.66f,  -0.44f, 1.99f,  2.78f,  -0.24f, -3.44f, -1.32f,
+                                    3.94f,  -3.67f, -0.74f, 1.19f,  3.91f,  2.54f,  -3.76f, -1.59f, -3.31f,
+                                    1.69f,  3.49f,  2.80f,  2.81f,  -1.88f, 1.63f,  1.60f,  1.95f,  0.85f};
 // The last row has no real token: sentence-transformers' clamps keep it free of NaN.
 const std::vector<int64_t> kMask = {1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0};
 
@@ -33,7 +33,8 @@ void ExpectRows(const Rows& got, const Rows& want, double tolerance = 2e-6) {
   for (size_t r = 0; r < want.size(); ++r) {
     ASSERT_EQ(got[r].size(), want[r].size()) << "row " << r;
     for (size_t d = 0; d < want[r].size(); ++d) {
-      EXPECT_NEAR(got[r][d], want[r][d], tolerance * std::max(1.0, std::fabs(static_cast<double>(want[r][d])))) << "row " << r << " dim " << d;
+      EXPECT_NEAR(got[r][d], want[r][d], tolerance * std::max(1.0, std::fabs(static_cast<double>(want[r][d]))))
+          << "row " << r << " dim " << d;
     }
   }
 }
@@ -47,9 +48,8 @@ Rows PoolOrDie(Pooling pooling, bool normalize) {
 TEST(Pool, MeanMatchesSentenceTransformers) {
   ExpectRows(PoolOrDie(Pooling::kMean, false),
              {{-2.56333327f, -2.3166666f, 0.0300000105f}, {-0.340000004f, -0.725000024f, 0.729999959f}, {0, 0, 0}});
-  ExpectRows(PoolOrDie(Pooling::kMean, true), {{-0.741873384f, -0.670483768f, 0.00868252665f},
-                                               {-0.313777477f, -0.669084311f, 0.673698664f},
-                                               {0, 0, 0}});
+  ExpectRows(PoolOrDie(Pooling::kMean, true),
+             {{-0.741873384f, -0.670483768f, 0.00868252665f}, {-0.313777477f, -0.669084311f, 0.673698664f}, {0, 0, 0}});
 }
 
 TEST(Pool, ClsIsTokenZeroWhateverTheMask) {
@@ -61,7 +61,8 @@ TEST(Pool, ClsIsTokenZeroWhateverTheMask) {
 }
 
 TEST(Pool, MaxGivesMaskedPositionsMinusOneBillion) {
-  ExpectRows(PoolOrDie(Pooling::kMax, false), {{-1.73f, -1.61f, 1.33f}, {-0.24f, 1.99f, 2.78f}, {-1e9f, -1e9f, -1e9f}}, 0);
+  ExpectRows(PoolOrDie(Pooling::kMax, false), {{-1.73f, -1.61f, 1.33f}, {-0.24f, 1.99f, 2.78f}, {-1e9f, -1e9f, -1e9f}},
+             0);
   ExpectRows(PoolOrDie(Pooling::kMax, true), {{-0.637950897f, -0.593699992f, 0.490447819f},
                                               {-0.0700268149f, 0.580639005f, 0.811143935f},
                                               {-0.577350259f, -0.577350259f, -0.577350259f}});
@@ -79,9 +80,8 @@ TEST(Pool, MaxLetsMinusOneBillionWinOverSmallerRealValues) {
 TEST(Pool, MeanSqrtLen) {
   ExpectRows(PoolOrDie(Pooling::kMeanSqrtLen, false),
              {{-4.43982363f, -4.01258421f, 0.0519615449f}, {-0.480832636f, -1.02530491f, 1.03237581f}, {0, 0, 0}});
-  ExpectRows(PoolOrDie(Pooling::kMeanSqrtLen, true), {{-0.741873384f, -0.670483708f, 0.00868252665f},
-                                                      {-0.313777506f, -0.66908437f, 0.673698664f},
-                                                      {0, 0, 0}});
+  ExpectRows(PoolOrDie(Pooling::kMeanSqrtLen, true),
+             {{-0.741873384f, -0.670483708f, 0.00868252665f}, {-0.313777506f, -0.66908437f, 0.673698664f}, {0, 0, 0}});
 }
 
 TEST(Pool, NoNanAnywhereForAnEmptyRow) {
@@ -158,14 +158,15 @@ class Checkpoint : public ::testing::Test {
         R"([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})";
     if (normalize) {
-      modules += R"(, {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})";
+      modules +=
+          R"(, {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})";
     }
     Write("modules.json", modules + extra + "]");
   }
   void WritePooling(const std::string& mode, const std::string& extra = "") {
     std::string config = R"({"word_embedding_dimension": 384)";
-    for (const char* m : {"cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
-                          "lasttoken"}) {
+    for (const char* m :
+         {"cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken"}) {
       config += std::string(", \"pooling_mode_") + m + "\": " + (mode == m ? "true" : "false");
     }
     Write("1_Pooling/config.json", config + extra + R"(, "include_prompt": true})");
@@ -258,7 +259,8 @@ TEST_F(Checkpoint, DenseAndOtherModulesAreRefused) {
 
 TEST_F(Checkpoint, MissingPoolingIsAnError) {
   Write("modules.json", R"([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}])");
-  EXPECT_THAT(ReadEmbeddingConfig(dir()).status().message(), HasSubstr("lists no sentence_transformers.models.Pooling"));
+  EXPECT_THAT(ReadEmbeddingConfig(dir()).status().message(),
+              HasSubstr("lists no sentence_transformers.models.Pooling"));
   WriteModules(false);  // lists 1_Pooling, which is not there
   EXPECT_THAT(ReadEmbeddingConfig(dir()).status().message(), HasSubstr("1_Pooling/config.json is missing"));
 }

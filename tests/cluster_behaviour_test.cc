@@ -173,7 +173,6 @@ class BehaviourCluster : public testing::Cluster {
     return static_cast<int>(workers_.size()) - 1;
   }
 
-
   static int Count(const std::string& text, const std::string& what) {
     int n = 0;
     for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -337,8 +336,7 @@ TEST_F(BehaviourCluster, CancelPendingAndLoadingJobs) {
   s = Cancel(loading.id(), &cancelled);
   ASSERT_TRUE(s.ok()) << s.error_message();
   EXPECT_EQ(cancelled.state(), v1::CANCELLED);
-  EXPECT_EQ(States(cancelled),
-            (std::vector<v1::JobState>{v1::PENDING, v1::PLANNED, v1::LOADING, v1::CANCELLED}));
+  EXPECT_EQ(States(cancelled), (std::vector<v1::JobState>{v1::PENDING, v1::PLANNED, v1::LOADING, v1::CANCELLED}));
   EXPECT_EQ(cancelled.failure_cause(), "");
   EXPECT_TRUE(PollFor(10, [&] { return HealthyIdle() == 4; })) << Workers().DebugString();
   for (const auto& w : ListedWorkers()) EXPECT_EQ(w.job_id(), "") << w.DebugString();
@@ -348,10 +346,13 @@ TEST_F(BehaviourCluster, CancelPendingAndLoadingJobs) {
   // which it logs once), notices the cancellation and drops what it read.
   Release("worker_load");
   for (size_t i = 0; i < workers_.size(); ++i) {
-    EXPECT_TRUE(PollFor(20, [&] {
-      return ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("job " + loading.id() + " rank") !=
-             std::string::npos;
-    })) << "worker " << i << " did not go on loading after the release";
+    EXPECT_TRUE(PollFor(
+        20,
+        [&] {
+          return ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i]))).find("job " + loading.id() + " rank") !=
+                 std::string::npos;
+        }))
+        << "worker " << i << " did not go on loading after the release";
   }
 
   // Cancelled while its loading is being set up: LOADING, its rank 0's worker stopped (SIGSTOP) so
@@ -394,11 +395,13 @@ TEST_F(BehaviourCluster, CancelPendingAndLoadingJobs) {
   for (size_t i = 0; i < workers_.size(); ++i) {
     const std::string log = ReadAll(WorkerLog(static_cast<size_t>(spawn_index_[i])));
     EXPECT_EQ(log.find("unloading job " + loading.id()), std::string::npos)
-        << "worker " << i << " kept a shard of the cancelled job until a heartbeat dropped it:\n" << log;
+        << "worker " << i << " kept a shard of the cancelled job until a heartbeat dropped it:\n"
+        << log;
     EXPECT_FALSE(Holds(i, loading.id())) << "worker " << i;
     // Never even asked to load it (a load logs the GEMM path it picks for a new shape, here 1 x 1).
     EXPECT_EQ(log.find("job " + setting_up.id() + " rank"), std::string::npos)
-        << "worker " << i << " was asked to load a job cancelled before its loads started:\n" << log;
+        << "worker " << i << " was asked to load a job cancelled before its loads started:\n"
+        << log;
     EXPECT_EQ(log.find("unloading job " + setting_up.id()), std::string::npos) << "worker " << i << ":\n" << log;
     EXPECT_FALSE(Holds(i, setting_up.id())) << "worker " << i;
   }

@@ -12,13 +12,13 @@
 #include <mutex>
 #include <thread>
 
+#include "absl/time/clock.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "checkpoint/safetensors.h"
-#include "absl/time/clock.h"
-#include "grpcpp/grpcpp.h"
 #include "common/grpc_auth.h"
 #include "common/grpc_tls.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/cluster_fixture.h"
@@ -101,7 +101,7 @@ TEST_F(Cluster, TextInputUsesTheCheckpointVocabulary) {
   ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
   v1::InferRequest infer;
   infer.set_job_id(job.id());
-  infer.mutable_text()->add_texts("w7 W8 w9!");   // "!" is unknown here
+  infer.mutable_text()->add_texts("w7 W8 w9!");  // "!" is unknown here
   infer.mutable_text()->add_texts("w10");
   v1::InferResponse response;
   grpc::Status status = stub_->Infer(Context().get(), infer, &response);
@@ -168,19 +168,21 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   EXPECT_EQ(jobs.jobs(0).state(), v1::FAILED);
   EXPECT_EQ(jobs.jobs(1).state(), v1::PENDING);
   EXPECT_TRUE(WaitForWorkers(3)) << ReadAll(data_dir_ + ".log") << ReadAll(WorkerLog(0)) << ReadAll(WorkerLog(1))
-                                << ReadAll(WorkerLog(2)) << ReadAll(WorkerLog(3)) << [&] {
-                                     std::string alive;
-                                     for (pid_t p : workers_) {  // survivors still running?
-                                       int status = 0;
-                                       const pid_t r = waitpid(p, &status, WNOHANG);
-                                       alive += "pid " + std::to_string(p) + (r == 0 ? " alive; " : " exited with " + std::to_string(status) + "; ");
-                                     }
-                                     return alive;
-                                   }() << [&] {
-                                     v1::ListWorkersResponse w;
-                                     stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &w);
-                                     return w.DebugString();
-                                   }();
+                                 << ReadAll(WorkerLog(2)) << ReadAll(WorkerLog(3)) <<
+      [&] {
+        std::string alive;
+        for (pid_t p : workers_) {  // survivors still running?
+          int status = 0;
+          const pid_t r = waitpid(p, &status, WNOHANG);
+          alive += "pid " + std::to_string(p) + (r == 0 ? " alive; " : " exited with " + std::to_string(status) + "; ");
+        }
+        return alive;
+      }()
+                                 << [&] {
+                                      v1::ListWorkersResponse w;
+                                      stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &w);
+                                      return w.DebugString();
+                                    }();
 }
 
 // A healthy worker that stalls for less than the threshold keeps its job: SIGSTOP for 1.6 s, more
@@ -447,7 +449,8 @@ TEST_F(Cluster, ConcurrentPlanAndInferLoadIsAnsweredCorrectlyWithFlatMemory) {
         for (int k = 0; k < got.values_size() && diff < 1e9f; ++k) {
           diff = std::max(diff, std::fabs(got.values(k) - alone[c].values(k)));
         }
-        if (diff > 1e-3f) fail("client " + std::to_string(c) + " got another answer (max diff " + std::to_string(diff) + ")");
+        if (diff > 1e-3f)
+          fail("client " + std::to_string(c) + " got another answer (max diff " + std::to_string(diff) + ")");
       } else {
         const int* size = sizes[(c + i) % 6];
         v1::PlanRequest request;
@@ -534,15 +537,15 @@ TEST_F(TlsCluster, JobsRunOverMutualTlsAndOthersAreRefused) {
   v1::Job job;
   ASSERT_NO_FATAL_FAILURE(SubmitUntilServing(&job));
   const std::string address = "127.0.0.1:" + std::to_string(port_);
-  for (const auto& [what, credentials] :
-       std::vector<std::pair<std::string, std::shared_ptr<grpc::ChannelCredentials>>>{
+  for (const auto& [what, credentials] : std::vector<std::pair<std::string, std::shared_ptr<grpc::ChannelCredentials>>>{
            {"plaintext", grpc::InsecureChannelCredentials()},
            {"another CA's client certificate", *common::ChannelCredentials(Client("client-other.pem"))},
            {"an expired client certificate", *common::ChannelCredentials(Client("client-expired.pem"))}}) {
     auto stranger = v1::Coordinator::NewStub(grpc::CreateChannel(address, credentials));
     v1::ListJobsResponse jobs;
     EXPECT_EQ(stranger->ListJobs(Context(5).get(), v1::ListJobsRequest(), &jobs).error_code(),
-              grpc::StatusCode::UNAVAILABLE) << what;
+              grpc::StatusCode::UNAVAILABLE)
+        << what;
   }
   // shardctl with the client files, and without them.
   const Cli ok = Shardctl({"jobs", "--server", address, "--tls-ca", certs_ + "/ca.pem", "--tls-cert",

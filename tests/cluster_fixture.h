@@ -106,18 +106,21 @@ class Cluster : public ::testing::Test {
   void StartCoordinator() {
     const std::string log = data_dir_ + ".log";
     std::ofstream(log, std::ios::trunc).close();
-    std::vector<std::string> args = {"server/bertshard-coordinator", "--listen=127.0.0.1:" + std::to_string(port_),
-                                     "--data_dir=" + data_dir_, "--heartbeat_interval=" + heartbeat_interval_,
-                                     "--collective_timeout_s=" + collective_timeout_s_, "--readopt_grace=6s",
+    std::vector<std::string> args = {"server/bertshard-coordinator",
+                                     "--listen=127.0.0.1:" + std::to_string(port_),
+                                     "--data_dir=" + data_dir_,
+                                     "--heartbeat_interval=" + heartbeat_interval_,
+                                     "--collective_timeout_s=" + collective_timeout_s_,
+                                     "--readopt_grace=6s",
                                      "--drain_timeout=" + drain_timeout_};
     args.insert(args.end(), tls_flags_.begin(), tls_flags_.end());
     coordinator_ = Spawn(args, log);
     const int port = WaitForPort(log);
     ASSERT_GT(port, 0) << ReadAll(log);
     port_ = port;
-    stub_ = v1::Coordinator::NewStub(grpc::CreateChannel(
-        "127.0.0.1:" + std::to_string(port_),
-        client_credentials_ != nullptr ? client_credentials_ : grpc::InsecureChannelCredentials()));
+    stub_ = v1::Coordinator::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
+                            client_credentials_ != nullptr ? client_credentials_ : grpc::InsecureChannelCredentials()));
   }
 
   void StopCoordinator() {
@@ -411,7 +414,6 @@ class Cluster : public ::testing::Test {
   std::vector<int> spawn_index_;  // which log each entry of workers_ writes
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
-
 
 }  // namespace bertshard::testing
 

@@ -37,7 +37,7 @@ using testing::WaitExit;
 
 enum class Fault { kKill, kStop };
 struct Row {
-  const char* name;   // the test's name
+  const char* name;  // the test's name
   Fault fault;
   const char* point;  // the pause point where the victim is caught
   bool coordinator;   // the coordinator is killed instead of a worker
@@ -66,7 +66,6 @@ class FaultMatrix : public Cluster, public ::testing::WithParamInterface<Row> {
     }
     EXPECT_TRUE(found) << "the job database lost " << final_job.id();
   }
-
 };
 
 TEST_P(FaultMatrix, Row) {

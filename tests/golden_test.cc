@@ -65,7 +65,8 @@ void SetModelConfig(const json& mc, v1::BertConfig* c) {
   c->set_num_hidden_layers(mc["num_hidden_layers"].get<int64_t>());
   if (mc.contains("hidden_act")) c->set_hidden_act(mc["hidden_act"].get<std::string>());
   if (mc.contains("tie_word_embeddings")) c->set_tie_word_embeddings(mc["tie_word_embeddings"].get<bool>());
-  if (mc.contains("max_position_embeddings")) c->set_max_position_embeddings(mc["max_position_embeddings"].get<int64_t>());
+  if (mc.contains("max_position_embeddings"))
+    c->set_max_position_embeddings(mc["max_position_embeddings"].get<int64_t>());
   if (mc.contains("type_vocab_size")) c->set_type_vocab_size(mc["type_vocab_size"].get<int64_t>());
   if (mc.contains("add_cross_attention")) c->set_add_cross_attention(mc["add_cross_attention"].get<bool>());
   if (mc.contains("is_decoder")) c->set_is_decoder(mc["is_decoder"].get<bool>());
@@ -83,11 +84,20 @@ json KwargsToJson(const google::protobuf::Struct& s) {
   json out = json::object();
   for (const auto& [key, value] : s.fields()) {
     switch (value.kind_case()) {
-      case google::protobuf::Value::kNullValue: out[key] = nullptr; break;
-      case google::protobuf::Value::kBoolValue: out[key] = value.bool_value(); break;
-      case google::protobuf::Value::kNumberValue: out[key] = static_cast<int64_t>(value.number_value()); break;
-      case google::protobuf::Value::kStringValue: out[key] = value.string_value(); break;
-      default: ADD_FAILURE() << "unexpected kwarg kind for " << key;
+      case google::protobuf::Value::kNullValue:
+        out[key] = nullptr;
+        break;
+      case google::protobuf::Value::kBoolValue:
+        out[key] = value.bool_value();
+        break;
+      case google::protobuf::Value::kNumberValue:
+        out[key] = static_cast<int64_t>(value.number_value());
+        break;
+      case google::protobuf::Value::kStringValue:
+        out[key] = value.string_value();
+        break;
+      default:
+        ADD_FAILURE() << "unexpected kwarg kind for " << key;
     }
   }
   return out;
@@ -189,9 +199,8 @@ TEST(GoldenBertPolicy, EveryCaseMatchesSeedWithContractDifferences) {
     bool seed_error = !c["error"].is_null();
     for (const auto& s : c["stages"]) seed_error |= !s["error"].is_null();
     // Contract differences 3 and 4: refused where the seed would run a broken model.
-    const bool refused_by_contract =
-        c["sp_mode"] == "ring_attn" ||
-        (c["tp"].get<int>() > 1 && c["model_config"].value("add_cross_attention", false));
+    const bool refused_by_contract = c["sp_mode"] == "ring_attn" ||
+                                     (c["tp"].get<int>() > 1 && c["model_config"].value("add_cross_attention", false));
     if (seed_error || refused_by_contract) {
       ASSERT_FALSE(plan.ok());
       EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
@@ -267,9 +276,9 @@ TEST(GoldenBertPolicy, EveryCaseMatchesSeedWithContractDifferences) {
     if (!c["pp"]["pp_style"].is_null()) {
       ASSERT_EQ(plan->stages_size(), static_cast<int>(expected.size()));
       for (int s = 0; s < plan->stages_size(); ++s) {
-        EXPECT_EQ(std::vector<std::string>(plan->stages(s).held_modules().begin(),
-                                           plan->stages(s).held_modules().end()),
-                  expected[static_cast<size_t>(s)])
+        EXPECT_EQ(
+            std::vector<std::string>(plan->stages(s).held_modules().begin(), plan->stages(s).held_modules().end()),
+            expected[static_cast<size_t>(s)])
             << "stage " << s;
       }
     }
@@ -427,10 +436,11 @@ TEST(GoldenStageLayouts, CustomLayerCountsWorkOrAreRefusedPerSlot) {
     request.mutable_config()->set_num_hidden_layers(c["num_layers"].get<int64_t>());
     request.mutable_parallel()->set_pp_size(c["num_stages"].get<int64_t>());
     request.mutable_parallel()->set_num_model_chunks(c["num_model_chunks"].get<int64_t>());
-    request.mutable_parallel()->set_pp_style(c["use_zbv"].get<bool>()       ? v1::ZBV
+    request.mutable_parallel()->set_pp_style(c["use_zbv"].get<bool>()             ? v1::ZBV
                                              : c["enable_interleave"].get<bool>() ? v1::INTERLEAVED
                                                                                   : v1::ONE_F_ONE_B);
-    for (const auto& n : c["num_layers_per_stage"]) request.mutable_parallel()->add_num_layers_per_stage(n.get<int64_t>());
+    for (const auto& n : c["num_layers_per_stage"])
+      request.mutable_parallel()->add_num_layers_per_stage(n.get<int64_t>());
     auto plan = planner::Plan(request);
     if (c["stages"][0]["stage_index_error"].is_null()) {
       ASSERT_TRUE(plan.ok()) << plan.status();
@@ -554,8 +564,7 @@ TEST(GoldenLayerShards, WholeModelSlicesMatchSharder) {
         if (vocab_tensor && g.dims[0].size() > 0) {
           // Difference 2: the word embedding pads with make_vocab_size_divisible_by like the
           // head (the seed pads it with 64). Recompute the expected slice with that multiple.
-          const bool padded = tp > 1 || absl::StrContains(tensor.name(), "cls.predictions") ||
-                              plan->tie_weight();
+          const bool padded = tp > 1 || absl::StrContains(tensor.name(), "cls.predictions") || plan->tie_weight();
           if (padded && m != 64) {
             const int64_t multiple = tp > 1 ? m * tp : m;
             const int64_t padded_rows = (vocab + multiple - 1) / multiple * multiple;
@@ -597,7 +606,8 @@ TEST(GoldenLayerShards, WholeModelSlicesMatchSharder) {
               EXPECT_GE(tensor.start(), vocab) << "dim " << d;
             }
           } else {
-            EXPECT_TRUE(whole) << "dim " << d << " is sliced by the seed but not by us: " << runs.dump() << " split_dim " << tensor.split_dim() << " rank " << rank.rank();
+            EXPECT_TRUE(whole) << "dim " << d << " is sliced by the seed but not by us: " << runs.dump()
+                               << " split_dim " << tensor.split_dim() << " rank " << rank.rank();
           }
         }
         ++tensors_checked;

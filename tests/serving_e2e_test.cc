@@ -73,14 +73,14 @@ const std::vector<std::string>& SmallVocab() {
   static const auto* vocab = [] {
     auto* v = new std::vector<std::string>{"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"};
     for (const char* w :
-         {"the",   "a",     "cat",   "dog",   "sat",  "on",    "mat",   "ran",   "to",    "park",  "is",    "was",
-          "big",   "small", "red",   "blue",  "green", "house", "tree",  "bird",  "sky",   "sun",   "moon",  "star",
-          "water", "fire",  "man",   "woman", "child", "book",  "read",  "write", "city",  "river", "road",  "car",
-          "train", "fast",  "slow",  "happy", "sad",   "good",  "bad",   "day",   "night", "where", "what",  "who",
-          "when",  "why",   "how",   "in",    "of",    "and",   "with",  "at",    "by",    "from",  "it",    "he",
-          "she",   "they",  "we",    "you",   "eat",   "food",  "apple", "bread", "milk",  "cold",  "hot",   "new",
-          "old",   "long",  "short", "high",  "low",   "one",   "two",   "three", "four",  "five",  "six",   "seven",
-          "eight", "nine",  "ten"}) {
+         {"the",   "a",     "cat",   "dog",   "sat",  "on",    "mat",   "ran",   "to",    "park",  "is",
+          "was",   "big",   "small", "red",   "blue", "green", "house", "tree",  "bird",  "sky",   "sun",
+          "moon",  "star",  "water", "fire",  "man",  "woman", "child", "book",  "read",  "write", "city",
+          "river", "road",  "car",   "train", "fast", "slow",  "happy", "sad",   "good",  "bad",   "day",
+          "night", "where", "what",  "who",   "when", "why",   "how",   "in",    "of",    "and",   "with",
+          "at",    "by",    "from",  "it",    "he",   "she",   "they",  "we",    "you",   "eat",   "food",
+          "apple", "bread", "milk",  "cold",  "hot",  "new",   "old",   "long",  "short", "high",  "low",
+          "one",   "two",   "three", "four",  "five", "six",   "seven", "eight", "nine",  "ten"}) {
       v->push_back(w);
     }
     for (int i = static_cast<int>(v->size()); i < 99; ++i) v->push_back("w" + std::to_string(i));
@@ -107,7 +107,8 @@ std::string Words(int from, int n) {
 std::string CopyWithSmallVocab(const std::string& name, const std::string& dir,
                                const std::function<void(nlohmann::json*)>& edit = nullptr) {
   fs::create_directories(dir);
-  fs::copy_file(kModels + name + "/model.safetensors", dir + "/model.safetensors", fs::copy_options::overwrite_existing);
+  fs::copy_file(kModels + name + "/model.safetensors", dir + "/model.safetensors",
+                fs::copy_options::overwrite_existing);
   nlohmann::json config = nlohmann::json::parse(ReadAll(kModels + name + "/config.json"));
   if (edit) edit(&config);
   std::ofstream(dir + "/config.json") << config.dump(2) << "\n";
@@ -234,14 +235,16 @@ enum class Pool { kMean, kCls, kMax, kMeanSqrtLen };
 
 // sentence-transformers' pooling (then Normalize), in double, from hidden states
 // [rows, seq, dim] and the attention mask of the tokens that produced them.
-std::vector<std::vector<double>> ReferencePool(const v1::NamedTensor& hidden, const v1::TokenInputs& tokens,
-                                               Pool pool, bool normalize) {
+std::vector<std::vector<double>> ReferencePool(const v1::NamedTensor& hidden, const v1::TokenInputs& tokens, Pool pool,
+                                               bool normalize) {
   const int64_t rows = hidden.shape(0), seq = hidden.shape(1), dim = hidden.shape(2);
   EXPECT_EQ(seq, tokens.seq());
   std::vector<std::vector<double>> out(static_cast<size_t>(rows), std::vector<double>(static_cast<size_t>(dim)));
   for (int64_t r = 0; r < rows; ++r) {
     std::vector<double>& v = out[static_cast<size_t>(r)];
-    auto h = [&](int64_t t, int64_t d) { return static_cast<double>(hidden.values(static_cast<int>((r * seq + t) * dim + d))); };
+    auto h = [&](int64_t t, int64_t d) {
+      return static_cast<double>(hidden.values(static_cast<int>((r * seq + t) * dim + d)));
+    };
     auto mask = [&](int64_t t) { return tokens.attention_mask(static_cast<int>(r * seq + t)) != 0; };
     double count = 0;
     for (int64_t t = 0; t < seq; ++t) count += mask(t) ? 1 : 0;
@@ -301,7 +304,8 @@ double MaxDiff(const v1::NamedTensor& a, const v1::NamedTensor& b) {
 std::vector<int32_t> Counts(const v1::TokenInputs& t) {
   std::vector<int32_t> counts(static_cast<size_t>(t.rows()), 0);
   for (int64_t r = 0; r < t.rows(); ++r) {
-    for (int64_t i = 0; i < t.seq(); ++i) counts[static_cast<size_t>(r)] += t.attention_mask(static_cast<int>(r * t.seq() + i)) != 0;
+    for (int64_t i = 0; i < t.seq(); ++i)
+      counts[static_cast<size_t>(r)] += t.attention_mask(static_cast<int>(r * t.seq() + i)) != 0;
   }
   return counts;
 }
@@ -319,7 +323,8 @@ std::vector<double> Softmax(const float* logits, int64_t n) {
 std::vector<int64_t> Ranked(const std::vector<double>& p) {
   std::vector<int64_t> ids(p.size());
   std::iota(ids.begin(), ids.end(), 0);
-  std::stable_sort(ids.begin(), ids.end(), [&p](int64_t a, int64_t b) { return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)]; });
+  std::stable_sort(ids.begin(), ids.end(),
+                   [&p](int64_t a, int64_t b) { return p[static_cast<size_t>(a)] > p[static_cast<size_t>(b)]; });
   return ids;
 }
 
@@ -410,7 +415,8 @@ class ServingTest : public ::testing::Test {
     return stub().Embed(Context().get(), request, response);
   }
 
-  static v1::EmbedRequest EmbedText(const std::vector<std::string>& texts, v1::Pooling pooling = v1::POOLING_UNSPECIFIED,
+  static v1::EmbedRequest EmbedText(const std::vector<std::string>& texts,
+                                    v1::Pooling pooling = v1::POOLING_UNSPECIFIED,
                                     v1::Normalize normalize = v1::NORMALIZE_UNSPECIFIED) {
     v1::EmbedRequest request;
     request.set_job_id(embed_job_);
@@ -427,12 +433,13 @@ class ServingTest : public ::testing::Test {
 };
 
 TEST_F(ServingTest, EmbedPoolsTheHiddenStatesOfInferAsAskedOrAsTheCheckpointSays) {
-  const std::vector<std::string> texts = {"The quick brown fox jumps over the lazy dog.", "Hello, world!", "embeddings"};
+  const std::vector<std::string> texts = {"The quick brown fox jumps over the lazy dog.", "Hello, world!",
+                                          "embeddings"};
   const v1::InferResponse infer = InferText(embed_job_, texts);
   const v1::NamedTensor* hidden = FindOutput(infer, "last_hidden_state");
   ASSERT_NE(hidden, nullptr) << infer.DebugString();
   EXPECT_EQ(Shape(*hidden), (std::vector<int64_t>{3, 12, 32}));  // [CLS] the quick ... dog . [SEP]: 12
-  EXPECT_EQ(infer.predictions_size(), 0);  // BertModel: no head
+  EXPECT_EQ(infer.predictions_size(), 0);                        // BertModel: no head
   // "hello" is 7592 in bert-base-uncased: the checkpoint's vocab.txt did the tokenising.
   ASSERT_GE(infer.tokens().input_ids_size(), 14);
   EXPECT_EQ(infer.tokens().input_ids(12), kBertCls);
@@ -503,8 +510,8 @@ TEST_F(ServingTest, EmbedTextPairsAndTokenRows) {
   v1::TokenInputs tokens;
   tokens.set_rows(2);
   tokens.set_seq(7);
-  for (int64_t id : {kBertCls, int64_t{1996}, int64_t{4937}, int64_t{2938}, kBertSep, int64_t{2182}, kBertSep,
-                     kBertCls, int64_t{7592}, kBertSep, int64_t{0}, int64_t{0}, int64_t{0}, int64_t{0}}) {
+  for (int64_t id : {kBertCls, int64_t{1996}, int64_t{4937}, int64_t{2938}, kBertSep, int64_t{2182}, kBertSep, kBertCls,
+                     int64_t{7592}, kBertSep, int64_t{0}, int64_t{0}, int64_t{0}, int64_t{0}}) {
     tokens.add_input_ids(id);
   }
   for (int64_t m : {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0}) tokens.add_attention_mask(m);
@@ -523,7 +530,9 @@ TEST_F(ServingTest, EmbedTextPairsAndTokenRows) {
     request.set_pooling(pooling);
     s = Embed(request, &embed);
     ASSERT_TRUE(s.ok()) << s.error_message();
-    const Pool reference = pooling == v1::POOLING_MEAN ? Pool::kMean : pooling == v1::POOLING_MAX ? Pool::kMax : Pool::kCls;
+    const Pool reference = pooling == v1::POOLING_MEAN  ? Pool::kMean
+                           : pooling == v1::POOLING_MAX ? Pool::kMax
+                                                        : Pool::kCls;
     EXPECT_LE(MaxDiff(embed, ReferencePool(*token_hidden, tokens, reference, true)), kTolerance);
     EXPECT_EQ(std::vector<int32_t>(embed.token_counts().begin(), embed.token_counts().end()),
               (std::vector<int32_t>{7, 3}));
@@ -549,7 +558,8 @@ TEST_F(ServingTest, EmbedTextPairsAndTokenRows) {
 }
 
 TEST_F(ServingTest, EmbedTruncatesOnlyWhenAsked) {
-  const std::string long_text = "one two three four five six seven eight nine ten eleven twelve";  // 14 with [CLS]/[SEP]
+  const std::string long_text =
+      "one two three four five six seven eight nine ten eleven twelve";  // 14 with [CLS]/[SEP]
   v1::EmbedResponse embed;
   grpc::Status s = Embed(EmbedText({"short", long_text}), &embed);
   ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
@@ -582,7 +592,8 @@ TEST_F(ServingTest, EmbedTruncatesOnlyWhenAsked) {
   const auto want = ReferencePool(*hidden, cut_out.tokens(), Pool::kMean, false);
   ASSERT_EQ(embed.embeddings_size(), 2);
   double diff = 0;
-  for (int d = 0; d < 32; ++d) diff = std::max(diff, std::fabs(embed.embeddings(1).values(d) - want[0][static_cast<size_t>(d)]));
+  for (int d = 0; d < 32; ++d)
+    diff = std::max(diff, std::fabs(embed.embeddings(1).values(d) - want[0][static_cast<size_t>(d)]));
   EXPECT_LE(diff, kTolerance);
 }
 
@@ -590,7 +601,8 @@ TEST_F(ServingTest, BadRequestsGetExactCodesAndClearMessages) {
   v1::EmbedResponse embed;
   auto expect = [](const grpc::Status& s, grpc::StatusCode code, std::vector<std::string> fragments) {
     EXPECT_EQ(s.error_code(), code) << s.error_message();
-    for (const auto& f : fragments) EXPECT_NE(s.error_message().find(f), std::string::npos) << "'" << f << "' not in: " << s.error_message();
+    for (const auto& f : fragments)
+      EXPECT_NE(s.error_message().find(f), std::string::npos) << "'" << f << "' not in: " << s.error_message();
   };
   expect(Embed(EmbedText({"fine", ""}), &embed), grpc::StatusCode::INVALID_ARGUMENT, {"text 1", "empty"});
   expect(Embed(EmbedText({" \t\n "}), &embed), grpc::StatusCode::INVALID_ARGUMENT, {"text 0", "empty"});
@@ -628,7 +640,8 @@ TEST_F(ServingTest, BadRequestsGetExactCodesAndClearMessages) {
   infer_unknown.set_job_id("job-that-does-not-exist");
   infer_unknown.mutable_text()->add_texts("the cat");
   v1::InferResponse infer;
-  expect(stub().Infer(Context().get(), infer_unknown, &infer), grpc::StatusCode::NOT_FOUND, {"job-that-does-not-exist"});
+  expect(stub().Infer(Context().get(), infer_unknown, &infer), grpc::StatusCode::NOT_FOUND,
+         {"job-that-does-not-exist"});
 
   // Infer's own checks.
   v1::InferRequest negative_k;
@@ -799,7 +812,9 @@ TEST_F(ServingTest, QuestionAnsweringSpanIsTheBestOneInTheContext) {
   ASSERT_EQ(Shape(*start), (std::vector<int64_t>{2, seq}));
   ASSERT_EQ(r.predictions_size(), 2);
   for (int64_t row = 0; row < 2; ++row) {
-    auto at = [&](const google::protobuf::RepeatedField<int64_t>& f, int64_t t) { return f.Get(static_cast<int>(row * seq + t)); };
+    auto at = [&](const google::protobuf::RepeatedField<int64_t>& f, int64_t t) {
+      return f.Get(static_cast<int>(row * seq + t));
+    };
     const v1::Prediction& p = r.predictions(static_cast<int>(row));
     ASSERT_TRUE(p.has_answer()) << "row " << row;
     const v1::AnswerSpan& a = p.answer();
@@ -820,8 +835,8 @@ TEST_F(ServingTest, QuestionAnsweringSpanIsTheBestOneInTheContext) {
     for (int64_t t = 0; t < seq; ++t) {
       const int64_t id = at(r.tokens().input_ids(), t);
       const bool real = at(r.tokens().attention_mask(), t) == 1;
-      candidate[t] = real && at(r.tokens().token_type_ids(), t) == 1 && id != SmallId("[SEP]") && id != SmallId("[PAD]") &&
-                     id != SmallId("[CLS]");
+      candidate[t] = real && at(r.tokens().token_type_ids(), t) == 1 && id != SmallId("[SEP]") &&
+                     id != SmallId("[PAD]") && id != SmallId("[CLS]");
       in_softmax[t] = candidate[t] || (real && id == SmallId("[CLS]"));
       s[t] = in_softmax[t] ? start->values(static_cast<int>(row * seq + t)) : -10000.0f;
       e[t] = in_softmax[t] ? end->values(static_cast<int>(row * seq + t)) : -10000.0f;
@@ -876,7 +891,8 @@ TEST_F(ServingTest, ShardctlEmbedInferAndJobs) {
   EXPECT_NE(table.out.find(row0), std::string::npos) << row0 << " not in\n" << table.out;
   EXPECT_NE(table.out.find(row1), std::string::npos) << row1 << " not in\n" << table.out;
 
-  Cli json = Shardctl({"embed", embed_job_, server, "--format", "json", "--pooling", "mean", "--normalize", "false", a, b});
+  Cli json =
+      Shardctl({"embed", embed_job_, server, "--format", "json", "--pooling", "mean", "--normalize", "false", a, b});
   ASSERT_EQ(json.exit_code, 0) << json.all();
   nlohmann::json j = nlohmann::json::parse(json.out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << json.out;
@@ -986,7 +1002,8 @@ class BatchingTest : public ::testing::Test {
   {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
 ])";
     fs::create_directories(dense_dir_ + "/1_Pooling");
-    std::ofstream(dense_dir_ + "/1_Pooling/config.json") << R"({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": true})";
+    std::ofstream(dense_dir_ + "/1_Pooling/config.json")
+        << R"({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": true})";
     cluster_ = new LocalCluster("batching", 4,
                                 {"--max_batch_delay_ms=200", "--max_batch_tokens=" + std::to_string(kMaxBatchTokens)});
     *error_ = cluster_->Start();
@@ -1115,7 +1132,8 @@ TEST_F(BatchingTest, ConcurrentRequestsMergeAndEachGetsExactlyItsOwnRows) {
       EXPECT_EQ(std::vector<int32_t>(c.embed_merged.token_counts().begin(), c.embed_merged.token_counts().end()),
                 std::vector<int32_t>(c.embed_alone.token_counts().begin(), c.embed_alone.token_counts().end()));
       EXPECT_EQ(c.embed_merged.pooling(), v1::POOLING_MAX);
-      const int32_t longest = *std::max_element(c.embed_alone.token_counts().begin(), c.embed_alone.token_counts().end());
+      const int32_t longest =
+          *std::max_element(c.embed_alone.token_counts().begin(), c.embed_alone.token_counts().end());
       ExpectSaneBatch(c.embed_merged.batch(), rows, longest, kCalls);
       merged += c.embed_merged.batch().requests() > 1;
       if (c.embed_merged.batch().requests() == kCalls) {

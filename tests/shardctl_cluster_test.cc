@@ -45,7 +45,6 @@ Cli ShardctlWithStdin(std::vector<std::string> args, const std::string& input) {
 
 std::vector<std::string> Lines(const std::string& text) { return absl::StrSplit(text, '\n', absl::SkipEmpty()); }
 
-
 // kModel's config with a sharded index whose second shard file was never copied.
 std::string CheckpointMissingAShard() {
   const std::string dir = TempDir() + "/missing_shard_model";
@@ -73,7 +72,8 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
 
   // submit --watch on a checkpoint missing a shard: the job fails on the workers, and the cause
   // names the missing file (checkpoint/checkpoint.cc). The watch exits 1.
-  Cli broken = Shardctl({"submit", server, "--checkpoint", CheckpointMissingAShard(), "--tp", "2", "--pp", "2", "--watch"});
+  Cli broken =
+      Shardctl({"submit", server, "--checkpoint", CheckpointMissingAShard(), "--tp", "2", "--pp", "2", "--watch"});
   EXPECT_EQ(broken.exit_code, 1) << broken.output;
   EXPECT_TRUE(absl::StrContains(broken.output, "FAILED: ")) << broken.output;
   EXPECT_TRUE(absl::StrContains(broken.output,
@@ -154,9 +154,12 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
 
   // plan --batch -: requests from stdin, planned by the coordinator, one JSON line each (an error
   // is a line too); blank lines are skipped.
-  const std::string batch = R"({"checkpoint": ")" + checkpoint + R"(", "parallel": {"tp_size": 2, "pp_size": 2}})" "\n"
+  const std::string batch = R"({"checkpoint": ")" + checkpoint +
+                            R"(", "parallel": {"tp_size": 2, "pp_size": 2}})"
                             "\n"
-                            R"({"variant": "BertModel", "parallel": {"tp_size": 5}})" "\n"
+                            "\n"
+                            R"({"variant": "BertModel", "parallel": {"tp_size": 5}})"
+                            "\n"
                             "not json\n";
   Cli planned = ShardctlWithStdin({"plan", server, "--output", "json", "--batch", "-"}, batch);
   ASSERT_EQ(planned.exit_code, 0) << planned.output;
@@ -174,7 +177,8 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
   // so the lines above did come from --server.
   Cli unreachable =
       ShardctlWithStdin({"plan", "--server", "127.0.0.1:1", "--timeout", "5", "--output", "json", "--batch", "-"},
-                        R"({"variant": "BertModel"})" "\n");
+                        R"({"variant": "BertModel"})"
+                        "\n");
   EXPECT_EQ(unreachable.exit_code, 0) << unreachable.output;
   EXPECT_EQ(json::parse(unreachable.output, nullptr, false)["error"]["code"], "UNAVAILABLE") << unreachable.output;
 
@@ -186,12 +190,18 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
     std::string message;
   };
   const std::vector<Case> cases = {
-      {{"infer", id, server, "--text", ""}, 2, "shardctl: INVALID_ARGUMENT: text 0 is empty (no tokens after cleaning)"},
+      {{"infer", id, server, "--text", ""},
+       2,
+       "shardctl: INVALID_ARGUMENT: text 0 is empty (no tokens after cleaning)"},
       {{"infer", id, server, "--text", " \t "}, 2, "text 0 is empty (no tokens after cleaning)"},
-      {{"infer", id, server, "--text", "w5", "--text-pair", "  "}, 2, "text_pairs 0 is empty (no tokens after cleaning)"},
+      {{"infer", id, server, "--text", "w5", "--text-pair", "  "},
+       2,
+       "text_pairs 0 is empty (no tokens after cleaning)"},
       // Refused by shardctl itself: a proto string must be UTF-8, and gRPC said only "INTERNAL: ".
       {{"infer", id, server, "--text", "w5 \xff"}, 2, "shardctl: INVALID_ARGUMENT: --text is not valid UTF-8 (byte 3)"},
-      {{"infer", id, server, "--text", "w5", "--text-pair", "\xed\xa0\x80"}, 2, "--text-pair is not valid UTF-8 (byte 0)"},
+      {{"infer", id, server, "--text", "w5", "--text-pair", "\xed\xa0\x80"},
+       2,
+       "--text-pair is not valid UTF-8 (byte 0)"},
       {{"embed", id, server, "w5", "w6 \xc0\xaf"}, 2, "text 1 is not valid UTF-8 (byte 3)"},
       {{"infer", id, server, "--text-pair", "w5"}, 2, "--text-pair needs --text (the pair's first text)"},
       {{"infer", id, server, "--input", tokens, "--text-pair", "w5"}, 2, "--text-pair needs --text"},
@@ -206,10 +216,12 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
       {{"submit", server, "--checkpoint", TempDir() + "/no_such_model"}, 2, "config.json"},
       {{"submit", server, "--checkpoint", checkpoint, "--bogus"}, 2, "unknown flag --bogus"},
       {{"submit", server, "--checkpoint", checkpoint, "--no-wait=maybe"}, 2, "--no-wait is a switch"},
-      {{"submit", server, "--checkpoint", checkpoint, "--backend", "mpi"}, 2,
+      {{"submit", server, "--checkpoint", checkpoint, "--backend", "mpi"},
+       2,
        "shardctl: INVALID_ARGUMENT: unknown backend 'mpi'; valid: gloo (CPU workers, the default), nccl"},
       {{"plan", server, "--batch", "-"}, 2, "--batch writes JSON lines: use it with --output json"},
-      {{"plan", server, "--output", "json", "--batch", "-", "--tp", "2"}, 2,
+      {{"plan", server, "--output", "json", "--batch", "-", "--tp", "2"},
+       2,
        "--batch takes each request from its file; --tp cannot be combined with it"},
       {{"plan", "--output", "json", "--batch", TempDir() + "/no_such_batch.jsonl"}, 2, "cannot read batch file"},
   };

@@ -37,13 +37,14 @@ TEST(ShardctlPlan, TableSummarisesStagesAndRanks) {
   EXPECT_TRUE(absl::StrContains(r.out, "bert.embeddings, bert.encoder.layer.0-5")) << r.out;
   EXPECT_TRUE(absl::StrContains(r.out, "bert.encoder.layer.6-11, cls")) << r.out;
   EXPECT_TRUE(absl::StrContains(r.out,
-      "tied across stages: stage 0 bert.embeddings.word_embeddings.weight <-> stage 1 "
-      "cls.predictions.decoder.weight")) << r.out;
+                                "tied across stages: stage 0 bert.embeddings.word_embeddings.weight <-> stage 1 "
+                                "cls.predictions.decoder.weight"))
+      << r.out;
 }
 
 TEST(ShardctlPlan, JsonUsesContractNamesAndNumbers) {
-  Result r = Shardctl({"plan", "--variant", "BertForMaskedLM", "--tp", "2", "--pp", "2", "--sp-mode",
-                       "ring", "--output", "json"});
+  Result r = Shardctl(
+      {"plan", "--variant", "BertForMaskedLM", "--tp", "2", "--pp", "2", "--sp-mode", "ring", "--output", "json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   json plan = json::parse(r.out);
   EXPECT_EQ(plan["shard_config"]["sp_mode"], "SPLIT_GATHER");
@@ -100,12 +101,18 @@ TEST(ShardctlPlan, CheckpointConfigFillsVariantAndConfig) {
 
 TEST(ShardctlPlan, BatchPrintsOneLinePerRequest) {
   const std::string path = TempDir() + "/batch.jsonl";
-  std::string lines = R"({"variant": "BERT_MODEL", "parallel": {"tp_size": 4}})" "\n"
-                      R"({"variant": "BertModel", "parallel": {"tp_size": 5}})" "\n"
+  std::string lines = R"({"variant": "BERT_MODEL", "parallel": {"tp_size": 4}})"
                       "\n"
-                      R"(not json)" "\n"
-                      R"({"variant": "BertForMaskedLM", "parallel": {"pp_size": 2, "pp_style": "zbv"}})" "\n";
-  for (int i = 0; i < 2000; ++i) lines += R"({"variant": "BertForPreTraining", "parallel": {"tp_size": 2, "pp_size": 2}})" "\n";
+                      R"({"variant": "BertModel", "parallel": {"tp_size": 5}})"
+                      "\n"
+                      "\n"
+                      R"(not json)"
+                      "\n"
+                      R"({"variant": "BertForMaskedLM", "parallel": {"pp_size": 2, "pp_style": "zbv"}})"
+                      "\n";
+  for (int i = 0; i < 2000; ++i)
+    lines += R"({"variant": "BertForPreTraining", "parallel": {"tp_size": 2, "pp_size": 2}})"
+             "\n";
   WriteFile(path, lines);
   Result r = Shardctl({"plan", "--batch", path, "--output", "json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -114,7 +121,8 @@ TEST(ShardctlPlan, BatchPrintsOneLinePerRequest) {
   EXPECT_EQ(json::parse(out[0])["shard_config"]["tensor_parallel_size"], 4);
   json error = json::parse(out[1]);
   EXPECT_EQ(error["error"]["code"], "INVALID_ARGUMENT");
-  EXPECT_TRUE(absl::StrContains(error["error"]["message"].get<std::string>(), "valid tp_size values: 1, 2, 3, 4, 6, 12"));
+  EXPECT_TRUE(
+      absl::StrContains(error["error"]["message"].get<std::string>(), "valid tp_size values: 1, 2, 3, 4, 6, 12"));
   EXPECT_EQ(json::parse(out[2])["error"]["code"], "INVALID_ARGUMENT");
   json zbv = json::parse(out[3]);  // ZBV defaults to its 2 chunks; the V ends on stage 0
   EXPECT_EQ(zbv["stages"][0]["is_last"], true);

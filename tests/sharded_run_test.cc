@@ -111,8 +111,9 @@ TEST_P(ShardedRun, EqualsUnshardedReference) {
   const std::string dir = std::string("tests/testdata/model/") + launch.model;
   const std::string output = TempDir() + "/" + Name(launch) + ".safetensors";
   const std::string report = TempDir() + "/" + Name(launch) + ".report.json";
-  std::vector<std::string> args = {"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json",
-                                   "--output", output, "--report", report, "--threads", "1", "--timeout", "120"};
+  std::vector<std::string> args = {"run",       "--local", "--checkpoint", dir,    "--input",   dir + "/input.json",
+                                   "--output",  output,    "--report",     report, "--threads", "1",
+                                   "--timeout", "120"};
   args.insert(args.end(), launch.flags.begin(), launch.flags.end());
   Result r = Shardctl(args);
   if (r.exit_code != 0 && absl::StrContains(r.err, "needs a LibTorch built with MKL-DNN")) {
@@ -190,7 +191,8 @@ INSTANTIATE_TEST_SUITE_P(
         // V: stage 1 runs two slots in a row, for each micro-batch in turn (slot-major).
         Launch{"masked_lm_untied", {"--tp", "2", "--pp", "2", "--pp-style", "zbv", "--micro-batches", "2"}},
         Launch{"next_sentence", {"--tp", "2", "--sp-mode", "split_gather"}},
-        Launch{"sequence_classification_f16", {"--tp", "2", "--pp", "2", "--sp-mode", "split_gather", "--micro-batches", "2"}},
+        Launch{"sequence_classification_f16",
+               {"--tp", "2", "--pp", "2", "--sp-mode", "split_gather", "--micro-batches", "2"}},
         Launch{"token_classification_bf16", {"--tp", "4", "--sp-mode", "split_gather"}},
         Launch{"multiple_choice", {"--tp", "2", "--pp", "2", "--pp-style", "interleaved", "--micro-batches", "2"}},
         Launch{"question_answering", {"--tp", "2", "--pp", "2", "--pp-style", "zbv", "--sp-mode", "ring"}},
@@ -204,8 +206,8 @@ INSTANTIATE_TEST_SUITE_P(
         Launch{"pretraining_tied",
                {"--tp", "2", "--pp", "2", "--sp-mode", "split_gather", "--micro-batches", "2", "--dtype", "bf16"},
                "pretraining_tied_bf16"},
-        Launch{"lm_head_decoder", {"--pp", "2", "--pp-style", "interleaved", "--chunks", "2", "--dtype", "bf16",
-                                   "--gemm", "onednn"},
+        Launch{"lm_head_decoder",
+               {"--pp", "2", "--pp-style", "interleaved", "--chunks", "2", "--dtype", "bf16", "--gemm", "onednn"},
                "lm_head_decoder_bf16_onednn"}),
     [](const ::testing::TestParamInfo<Launch>& info) { return std::string(Name(info.param)); });
 
@@ -237,12 +239,12 @@ TEST(ShardedRunErrors, BadInputIsRefusedBeforeAnyRankStarts) {
   }
   const std::string input = TempDir() + "/odd.json";
   std::ofstream(input) << R"({"input_ids": [[1, 2, 3]]})";
-  Result sp = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/x",
-                        "--tp", "2", "--sp-mode", "split_gather"});
+  Result sp = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/x", "--tp",
+                        "2", "--sp-mode", "split_gather"});
   EXPECT_EQ(sp.exit_code, 2);
   EXPECT_TRUE(absl::StrContains(sp.err, "multiple of tp_size 2")) << sp.err;
-  Result mb = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/x",
-                        "--micro-batches", "2"});
+  Result mb = Shardctl(
+      {"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/x", "--micro-batches", "2"});
   EXPECT_EQ(mb.exit_code, 2);
   EXPECT_TRUE(absl::StrContains(mb.err, "exceeds the batch size 1")) << mb.err;
 }
@@ -251,13 +253,13 @@ TEST(ShardedRunErrors, AFailingRankStopsTheOthers) {
   // The checkpoint has no pre-training heads: stage 1 fails to load, stage 0 would wait for it in
   // the rendezvous; the launcher must stop it and report the missing tensor, not hang.
   const std::string dir = "tests/testdata/model/bert_model";
-  Result r = Shardctl({"run", "--local", "--checkpoint", dir, "--variant", "BertForPreTraining", "--pp", "2",
-                       "--input", dir + "/input.json", "--output", TempDir() + "/fail.safetensors",
-                       "--timeout", "60"});
+  Result r = Shardctl({"run", "--local", "--checkpoint", dir, "--variant", "BertForPreTraining", "--pp", "2", "--input",
+                       dir + "/input.json", "--output", TempDir() + "/fail.safetensors", "--timeout", "60"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(absl::StrContains(r.err, "rank 1 failed")) << r.err;
   EXPECT_TRUE(absl::StrContains(r.err, "has no tensor bert.pooler.dense.weight") ||
-              absl::StrContains(r.err, "has no tensor cls.")) << r.err;
+              absl::StrContains(r.err, "has no tensor cls."))
+      << r.err;
 }
 
 // The NCCL backend is right on both kinds of machine. Where it can run (a --config=cuda build,
@@ -320,11 +322,13 @@ TEST(InitCheckpoint, WritesAModelTheRunnerLoads) {
   EXPECT_FALSE(tensors.count("cls.predictions.decoder.weight"));  // tied: stored once
   EXPECT_EQ(tensors.at("bert.embeddings.word_embeddings.weight").first, (std::vector<int64_t>{120, 32}));
   const std::string input = TempDir() + "/random_input.json";
-  std::ofstream(input) << R"({"input_ids": [[101, 7, 8, 119], [5, 6, 0, 0]], "attention_mask": [[1, 1, 1, 1], [1, 1, 0, 0]]})";
-  Result one = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/r1.safetensors"});
+  std::ofstream(input)
+      << R"({"input_ids": [[101, 7, 8, 119], [5, 6, 0, 0]], "attention_mask": [[1, 1, 1, 1], [1, 1, 0, 0]]})";
+  Result one =
+      Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/r1.safetensors"});
   ASSERT_EQ(one.exit_code, 0) << one.err;
-  Result two = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output", TempDir() + "/r2.safetensors",
-                         "--tp", "2", "--sp-mode", "split_gather"});
+  Result two = Shardctl({"run", "--local", "--checkpoint", dir, "--input", input, "--output",
+                         TempDir() + "/r2.safetensors", "--tp", "2", "--sp-mode", "split_gather"});
   ASSERT_EQ(two.exit_code, 0) << two.err;
   const auto a = ReadTensors(TempDir() + "/r1.safetensors").at("logits");
   const auto b = ReadTensors(TempDir() + "/r2.safetensors").at("logits");
@@ -332,7 +336,8 @@ TEST(InitCheckpoint, WritesAModelTheRunnerLoads) {
   float max_diff = 0;
   for (size_t i = 0; i < a.second.size(); ++i) max_diff = std::max(max_diff, std::fabs(a.second[i] - b.second[i]));
   EXPECT_LE(max_diff, 1e-5f);
-  Result bad = Shardctl({"init-checkpoint", "--variant", "BertModel", "--config", R"({"hidden_size": 30})", "--out", dir});
+  Result bad =
+      Shardctl({"init-checkpoint", "--variant", "BertModel", "--config", R"({"hidden_size": 30})", "--out", dir});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_TRUE(absl::StrContains(bad.err, "hidden_size 30 is not a multiple of num_attention_heads 12")) << bad.err;
 }

@@ -27,8 +27,8 @@ ABSL_FLAG(bool, tokenize_chinese_chars, true, "CJK ideographs become words of th
 
 namespace {
 
-using bertshard::tokenizer::Encoding;
 using bertshard::tokenizer::EncodeOptions;
+using bertshard::tokenizer::Encoding;
 using bertshard::tokenizer::WordPieceTokenizer;
 
 nlohmann::json Handle(const WordPieceTokenizer& tok, const nlohmann::json& in) {

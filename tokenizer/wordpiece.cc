@@ -162,7 +162,7 @@ void ReplaceAll(std::string* s, absl::string_view from, absl::string_view to) {
 // runs over the whole string before the next.
 void CleanUpPiece(std::string* s) {
   static constexpr std::pair<absl::string_view, absl::string_view> kRust[] = {
-      {" .", "."}, {" ?", "?"}, {" !", "!"}, {" ,", ","}, {" ' ", "'"}, {" n't", "n't"},
+      {" .", "."},   {" ?", "?"},           {" !", "!"},   {" ,", ","},     {" ' ", "'"},    {" n't", "n't"},
       {" 'm", "'m"}, {" do not", " don't"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"},
   };
   for (const auto& [from, to] : kRust) ReplaceAll(s, from, to);
@@ -181,8 +181,8 @@ void CleanUpText(std::string* s) {
 WordPieceTokenizer::WordPieceTokenizer(std::vector<std::string> tokens, const TokenizerOptions& options)
     : tokens_(std::move(tokens)), options_(options) {}
 
-absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVocab(
-    std::vector<std::string> tokens, const TokenizerOptions& options) {
+absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVocab(std::vector<std::string> tokens,
+                                                                                  const TokenizerOptions& options) {
   if (tokens.empty()) return absl::InvalidArgumentError("the vocabulary is empty");
   if (Nfd() == nullptr) return absl::InternalError("ICU's NFD normalisation data is not available");
   auto tok = std::unique_ptr<WordPieceTokenizer>(new WordPieceTokenizer(std::move(tokens), options));
@@ -210,8 +210,8 @@ absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVoca
   return tok;
 }
 
-absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVocabFile(
-    const std::string& path, const TokenizerOptions& options) {
+absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVocabFile(const std::string& path,
+                                                                                      const TokenizerOptions& options) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read vocabulary ", path));
   std::vector<std::string> tokens;
@@ -385,9 +385,9 @@ absl::StatusOr<Encoding> WordPieceTokenizer::Encode(absl::string_view text, std:
                                                      " (truncation can be requested to cut it to that length)"));
     }
     if (options.max_length < added) {
-      return absl::InvalidArgumentError(absl::StrCat("max_length ", options.max_length, " leaves no room for [CLS] and ",
-                                                     pair.has_value() ? "two [SEP]s" : "[SEP]", " (at least ",
-                                                     added, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_length ", options.max_length, " leaves no room for [CLS] and ",
+                       pair.has_value() ? "two [SEP]s" : "[SEP]", " (at least ", added, ")"));
     }
     const size_t room = static_cast<size_t>(options.max_length - added);
     if (!pair.has_value()) {
@@ -480,7 +480,8 @@ absl::StatusOr<TokenizerOptions> ReadTokenizerConfig(const std::string& director
     return absl::InvalidArgumentError(absl::StrCat(directory, "/tokenizer_config.json is not a JSON object"));
   }
   if (j.contains("do_lower_case") && j["do_lower_case"].is_boolean()) options.do_lower_case = j["do_lower_case"];
-  if (j.contains("strip_accents") && j["strip_accents"].is_boolean()) options.strip_accents = j["strip_accents"].get<bool>();
+  if (j.contains("strip_accents") && j["strip_accents"].is_boolean())
+    options.strip_accents = j["strip_accents"].get<bool>();
   if (j.contains("tokenize_chinese_chars") && j["tokenize_chinese_chars"].is_boolean()) {
     options.tokenize_chinese_chars = j["tokenize_chinese_chars"];
   }

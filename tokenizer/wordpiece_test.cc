@@ -97,8 +97,7 @@ TEST(WordPiece, KnownCasedTokenisations) {
             (Ids{101, 4403, 1175, 7059, 1910, 106, 102}));
   // Case and accents kept, "##" pieces with accents.
   const std::string text = "Hello, World! na\u00efve Caf\u00e9";
-  EXPECT_EQ(*RealCased().Tokenize(text),
-            (Pieces{"Hello", ",", "World", "!", "na", "##\u00ef", "##ve", "Caf\u00e9"}));
+  EXPECT_EQ(*RealCased().Tokenize(text), (Pieces{"Hello", ",", "World", "!", "na", "##\u00ef", "##ve", "Caf\u00e9"}));
   EXPECT_EQ(*RealCased().TokenIds(text), (Ids{8667, 117, 1291, 106, 9468, 28203, 2707, 21036}));
   EXPECT_EQ(RealCased().Decode(*RealCased().TokenIds(text)), text);
 }
@@ -149,7 +148,6 @@ TEST(WordPiece, CasedOptionsFromTokenizerConfig) {
   EXPECT_FALSE(ReadTokenizerConfig(dir).ok());
 }
 
-
 // Expected values below come from HF tokenizers 0.19.1 (BertWordPieceTokenizer on this vocabulary);
 // tokenizer_parity_test checks the same on every code point and a corpus.
 
@@ -181,7 +179,7 @@ TEST(WordPiece, ControlAndFormatCharactersAreDroppedNotSpaces) {
 }
 
 TEST(WordPiece, PunctuationCjkAndMarksFollowHfTables) {
-  EXPECT_EQ(*Uncased().TokenIds("a\u2014b"), (Ids{1037, 1517, 1038}));     // em dash splits
+  EXPECT_EQ(*Uncased().TokenIds("a\u2014b"), (Ids{1037, 1517, 1038}));    // em dash splits
   EXPECT_EQ(*Uncased().BasicTokenize("a\u2e55b"), (Pieces{"a\u2e55b"}));  // Ps only since Unicode 14
   EXPECT_EQ(*Uncased().TokenIds("...!!!?! (((x)))"),
             (Ids{1012, 1012, 1012, 999, 999, 999, 1029, 999, 1006, 1006, 1006, 1060, 1007, 1007, 1007}));
@@ -232,8 +230,8 @@ TEST(WordPiece, WordsOverTheMaximumLengthBecomeOneUnk) {
   EXPECT_EQ(*(*cased)->Tokenize(Repeat("\u00e9", 100)), accented);
   EXPECT_EQ(*(*cased)->Tokenize(Repeat("\u00e9", 101)), (Pieces{"[UNK]"}));
   // The limit is an option.
-  auto five = WordPieceTokenizer::FromVocab({"[UNK]", "[CLS]", "[SEP]", "a", "##a"},
-                                            TokenizerOptions{.max_chars_per_word = 5});
+  auto five =
+      WordPieceTokenizer::FromVocab({"[UNK]", "[CLS]", "[SEP]", "a", "##a"}, TokenizerOptions{.max_chars_per_word = 5});
   ASSERT_TRUE(five.ok()) << five.status();
   EXPECT_EQ(*(*five)->Tokenize("aaaaa aaaaaa"), (Pieces{"a", "##a", "##a", "##a", "##a", "[UNK]"}));
   // The real vocabulary, in an encoding: [CLS] [UNK] [SEP].
@@ -360,12 +358,11 @@ TEST(WordPiece, TruncatesPairsLongestFirstAsHf) {
 }
 
 TEST(WordPiece, DecodesAsHf) {
-  auto e = Uncased().Encode("Hello , world ! I don ' t know . It ' s 5 ' 6 \" quoted \" (x) [MASK] do not",
-                            std::nullopt);
+  auto e =
+      Uncased().Encode("Hello , world ! I don ' t know . It ' s 5 ' 6 \" quoted \" (x) [MASK] do not", std::nullopt);
   ASSERT_TRUE(e.ok());
   EXPECT_EQ(Uncased().Decode(e->input_ids), "hello, world! i don't know. it's 5'6 \" quoted \" ( x ) do not");
-  EXPECT_EQ(Uncased().Decode(*Uncased().TokenIds("you 're I 'm we 've it 's can n't")),
-            "you're i'm we've it's cann't");
+  EXPECT_EQ(Uncased().Decode(*Uncased().TokenIds("you 're I 'm we 've it 's can n't")), "you're i'm we've it's cann't");
   EXPECT_EQ(Uncased().Decode(*Uncased().TokenIds("a ' b ' c ' ' '")), "a'b'c'' '");  // str.replace: no overlaps
   EXPECT_EQ(Uncased().Decode(*Uncased().TokenIds("x . . . y ? ! ,")), "x... y?!,");
   // Special tokens ([UNK] too) and ids outside the vocabulary are skipped; "##" joins, except first.

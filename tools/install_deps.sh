@@ -20,7 +20,8 @@ PACKAGES=(
   libsqlite3-dev
   # The metrics endpoints: a small embeddable HTTP server (Prometheus text format written by hand).
   libcivetweb-dev
-  # Tests and benchmarks.
+  # Tests and benchmarks; clang-format checks the C++ style (tools/check_format.sh).
+  clang-format
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
   # A gRPC client we did not write (tests/python_client_test.sh).
   python3 python3-grpcio python3-grpc-tools python3-protobuf python3-pkg-resources

@@ -31,7 +31,15 @@ test_env=(--test_env=BERTSHARD_VENV="$venv" --test_env=BERTSHARD_HF_VENV="$hf_ve
 
 log=$(mktemp)
 status=0
-bazel test //... "${test_env[@]}" --test_output=errors --nocache_test_results 2>&1 | tee "$log" || status=$?
+# The C++ style (.clang-format), before anything is built: a formatting slip fails the run.
+started=$(date +%s)
+if bash tools/check_format.sh 2>&1 | tee -a "$log"; then
+  echo "//tools:check_format.sh  PASSED in $(( $(date +%s) - started ))s" | tee -a "$log"
+else
+  echo "//tools:check_format.sh  FAILED" | tee -a "$log"
+  status=1
+fi
+bazel test //... "${test_env[@]}" --test_output=errors --nocache_test_results 2>&1 | tee -a "$log" || status=$?
 # Compile and link the NCCL backend and run its tests (they skip the GPU parts without a GPU).
 if [ "$status" -eq 0 ] && [ -f "${CUDA_HOME:-/usr/local/cuda}/include/nccl.h" ]; then
   bazel test --config=cuda //worker:nccl_collectives_test "${test_env[@]}" --test_output=errors --nocache_test_results 2>&1 |

@@ -1,9 +1,9 @@
 #include "worker/gloo_collectives.h"
 
 #include <ATen/ATen.h>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-
 #include <utility>
 #include <vector>
 
@@ -34,9 +34,7 @@ at::Tensor Wire(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ?
 at::Tensor Unwire(const at::Tensor& t, at::ScalarType dtype) {
   return dtype == at::kBFloat16 ? t.view(at::kBFloat16) : t;
 }
-bool IsNarrowFloat(const at::Tensor& t) {
-  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
-}
+bool IsNarrowFloat(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
 
 }  // namespace
 
@@ -56,10 +54,10 @@ GlooCollectives::GlooCollectives(std::unique_ptr<Groups> groups) : groups_(std::
 GlooCollectives::~GlooCollectives() = default;
 
 absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const GlooOptions& o) {
-  if (o.world_size < 1 || o.tp_size < 1 || o.world_size % o.tp_size != 0 || o.rank < 0 ||
-      o.rank >= o.world_size || o.master_port <= 0 || o.master_port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("inconsistent process group: rank ", o.rank, " of ",
-                                                   o.world_size, ", tp ", o.tp_size, ", port ", o.master_port));
+  if (o.world_size < 1 || o.tp_size < 1 || o.world_size % o.tp_size != 0 || o.rank < 0 || o.rank >= o.world_size ||
+      o.master_port <= 0 || o.master_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("inconsistent process group: rank ", o.rank, " of ", o.world_size,
+                                                   ", tp ", o.tp_size, ", port ", o.master_port));
   }
   auto groups = std::make_unique<Groups>();
   groups->options = o;
@@ -84,12 +82,11 @@ absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const 
       return options;
     };
     groups->world = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("world", groups->store), o.rank, o.world_size,
-        make_options());
+        c10::make_intrusive<c10d::PrefixStore>("world", groups->store), o.rank, o.world_size, make_options());
     if (o.tp_size > 1 && !groups->shm) {
       groups->tp = c10::make_intrusive<c10d::ProcessGroupGloo>(
-          c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("tp", stage), groups->store),
-          groups->tp_rank, o.tp_size, make_options());
+          c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("tp", stage), groups->store), groups->tp_rank, o.tp_size,
+          make_options());
     }
   });
   if (!status.ok()) return status;

@@ -14,11 +14,10 @@
 #ifndef BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
 #define BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <chrono>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "absl/status/statusor.h"
 #include "model/collectives.h"

@@ -48,9 +48,14 @@ TEST_P(TpTransport, TensorParallelAndPipelineOpsOnFourRanks) {
   std::vector<std::string> failures(4);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
-                        .world_size = 4, .tp_size = 2, .timeout = std::chrono::milliseconds(30000),
-                        .shared_memory = shared_memory(), .store = rendezvous.StoreFor(rank)};
+    GlooOptions options{.master_addr = "127.0.0.1",
+                        .master_port = rendezvous.port(),
+                        .rank = rank,
+                        .world_size = 4,
+                        .tp_size = 2,
+                        .timeout = std::chrono::milliseconds(30000),
+                        .shared_memory = shared_memory(),
+                        .store = rendezvous.StoreFor(rank)};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
     if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
@@ -61,8 +66,7 @@ TEST_P(TpTransport, TensorParallelAndPipelineOpsOnFourRanks) {
     if (!t.equal(at::ones({2, 4}) * (stage == 0 ? 1 : 5))) fail("allreduce value");
     auto gathered = (*comm)->AllGather(at::full({1, 2}, rank, at::kFloat), 1);
     const float a = 2.f * stage, b = a + 1;  // the stage's two ranks, each contributing [r, r]
-    if (!gathered.ok() || !gathered->equal(at::tensor({a, a, b, b}).view({1, 4})))
-      fail("allgather");
+    if (!gathered.ok() || !gathered->equal(at::tensor({a, a, b, b}).view({1, 4}))) fail("allgather");
     // [1, 4] = [r, r, r, r] summed over the pair, split along dim 1: each gets 2 columns of the sum.
     auto scattered = (*comm)->ReduceScatter(at::full({1, 4}, rank, at::kFloat) + at::arange(4).view({1, 4}), 1);
     const float pair_sum = stage == 0 ? 1.f : 5.f;
@@ -92,9 +96,14 @@ TEST_P(TpTransport, Bf16TravelsExactlyAndSumsInFloat32) {
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
-                        .world_size = 3, .tp_size = 3, .timeout = std::chrono::milliseconds(30000),
-                        .shared_memory = shared_memory(), .store = rendezvous.StoreFor(rank)};
+    GlooOptions options{.master_addr = "127.0.0.1",
+                        .master_port = rendezvous.port(),
+                        .rank = rank,
+                        .world_size = 3,
+                        .tp_size = 3,
+                        .timeout = std::chrono::milliseconds(30000),
+                        .shared_memory = shared_memory(),
+                        .store = rendezvous.StoreFor(rank)};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
     if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
@@ -112,8 +121,7 @@ TEST_P(TpTransport, Bf16TravelsExactlyAndSumsInFloat32) {
     const float big = std::ldexp(1.f, 100);
     auto scattered = (*comm)->ReduceScatter(bf16({rank == 0 ? 256.f : 1.f, 1.f, big}).view({1, 3}), 1);
     const float want = std::vector<float>{258.f, 3.f, 3 * big}[static_cast<size_t>(rank)];
-    if (!scattered.ok() || scattered->scalar_type() != at::kBFloat16 ||
-        !scattered->equal(bf16({want}).view({1, 1})))
+    if (!scattered.ok() || scattered->scalar_type() != at::kBFloat16 || !scattered->equal(bf16({want}).view({1, 1})))
       fail("reduce-scatter");
     // A pipeline transfer, rank 0 to rank 2.
     if (rank == 0 && (!(*comm)->Send(bf16({3e38f, -1e-30f}), 2, 5).ok() || !(*comm)->WaitForSends().ok())) {
@@ -137,8 +145,12 @@ TEST(GlooCollectives, TpRanksWithoutACommonShmFallBackToGloo) {
   const std::string base = testing::TempDir() + "/gloo_shm_fallback_";
   std::vector<std::string> failures(2);
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
-                        .world_size = 2, .tp_size = 2, .timeout = std::chrono::milliseconds(30000),
+    GlooOptions options{.master_addr = "127.0.0.1",
+                        .master_port = rendezvous.port(),
+                        .rank = rank,
+                        .world_size = 2,
+                        .tp_size = 2,
+                        .timeout = std::chrono::milliseconds(30000),
                         .store = rendezvous.StoreFor(rank)};
     options.shm.dir = base + std::to_string(rank);
     mkdir(options.shm.dir.c_str(), 0700);
@@ -164,8 +176,12 @@ TEST(GlooCollectives, SendReturnsBeforeTheReceiverTakesIt) {
   std::vector<std::string> failures(2);
   const int64_t n = int64_t{16} << 20;  // floats
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
-                        .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(60000),
+    GlooOptions options{.master_addr = "127.0.0.1",
+                        .master_port = rendezvous.port(),
+                        .rank = rank,
+                        .world_size = 2,
+                        .tp_size = 1,
+                        .timeout = std::chrono::milliseconds(60000),
                         .store = rendezvous.StoreFor(rank)};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
@@ -196,8 +212,12 @@ TEST(GlooCollectives, BarrierWaitsForEveryRank) {
   std::atomic<int> arrived{0};
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = rank,
-                        .world_size = 3, .tp_size = 1, .timeout = std::chrono::milliseconds(30000),
+    GlooOptions options{.master_addr = "127.0.0.1",
+                        .master_port = rendezvous.port(),
+                        .rank = rank,
+                        .world_size = 3,
+                        .tp_size = 1,
+                        .timeout = std::chrono::milliseconds(30000),
                         .store = rendezvous.StoreFor(rank)};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
@@ -220,14 +240,22 @@ TEST(GlooCollectives, BarrierWithoutPeersTimesOutAsUnavailable) {
   const Rendezvous rendezvous;
   std::thread peer([&] {
     // Rank 1 joins the rendezvous, then never calls Barrier.
-    GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = 1,
-                        .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500)};
+    GlooOptions options{.master_addr = "127.0.0.1",
+                        .master_port = rendezvous.port(),
+                        .rank = 1,
+                        .world_size = 2,
+                        .tp_size = 1,
+                        .timeout = std::chrono::milliseconds(1500)};
     auto comm = GlooCollectives::Connect(options);
     ASSERT_TRUE(comm.ok()) << comm.status();
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   });
-  GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = 0,
-                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500),
+  GlooOptions options{.master_addr = "127.0.0.1",
+                      .master_port = rendezvous.port(),
+                      .rank = 0,
+                      .world_size = 2,
+                      .tp_size = 1,
+                      .timeout = std::chrono::milliseconds(1500),
                       .store = rendezvous.StoreFor(0)};
   auto comm = GlooCollectives::Connect(options);
   ASSERT_TRUE(comm.ok()) << comm.status();
@@ -240,8 +268,12 @@ TEST(GlooCollectives, BarrierWithoutPeersTimesOutAsUnavailable) {
 
 TEST(GlooCollectives, RendezvousWithoutPeersTimesOutAsUnavailable) {
   const Rendezvous rendezvous;
-  GlooOptions options{.master_addr = "127.0.0.1", .master_port = rendezvous.port(), .rank = 0,
-                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(1500),
+  GlooOptions options{.master_addr = "127.0.0.1",
+                      .master_port = rendezvous.port(),
+                      .rank = 0,
+                      .world_size = 2,
+                      .tp_size = 1,
+                      .timeout = std::chrono::milliseconds(1500),
                       .store = rendezvous.StoreFor(0)};
   auto comm = GlooCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();
@@ -254,13 +286,16 @@ TEST(GlooCollectives, RendezvousWithoutPeersTimesOutAsUnavailable) {
 // store's) fails at once as UNAVAILABLE, naming the port, rather than waiting for the timeout.
 TEST(GlooCollectives, HostingOnATakenPortFailsAtOnceAsUnavailable) {
   const Rendezvous taken;
-  GlooOptions options{.master_addr = "127.0.0.1", .master_port = taken.port(), .rank = 0,
-                      .world_size = 2, .tp_size = 1, .timeout = std::chrono::milliseconds(30000)};
+  GlooOptions options{.master_addr = "127.0.0.1",
+                      .master_port = taken.port(),
+                      .rank = 0,
+                      .world_size = 2,
+                      .tp_size = 1,
+                      .timeout = std::chrono::milliseconds(30000)};
   const auto start = std::chrono::steady_clock::now();
   auto comm = GlooCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();
-  EXPECT_NE(comm.status().message().find(absl::StrCat("127.0.0.1:", taken.port())), std::string::npos)
-      << comm.status();
+  EXPECT_NE(comm.status().message().find(absl::StrCat("127.0.0.1:", taken.port())), std::string::npos) << comm.status();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 

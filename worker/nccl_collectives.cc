@@ -217,8 +217,8 @@ struct NcclCollectives::State {
   // The events order NCCL against kComputeStream: were the caller to compute on another stream
   // (a CUDAStreamGuard), nothing would order them, silently. Cheap: a thread-local read.
   absl::Status ComputeStreamIsDefault() {
-    const c10::Stream current =
-        c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    const c10::Stream current = c10::impl::VirtualGuardImpl(c10::kCUDA)
+                                    .getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
     if (current.id() == 0) return absl::OkStatus();
     return Refuse(absl::InternalError(
         "the NCCL backend orders its calls against LibTorch's default CUDA stream, but another stream is current"));
@@ -256,7 +256,8 @@ struct NcclCollectives::State {
     try {
       if (rank == 0) {
         RETURN_IF_ERROR(Nccl(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId"));
-        store->set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
+        store->set(key,
+                   std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
       } else {
         const std::vector<uint8_t> bytes = store->get(key);
         if (bytes.size() != sizeof(id)) return absl::InternalError("bad NCCL unique id in the store");
@@ -333,7 +334,8 @@ absl::StatusOr<std::unique_ptr<NcclCollectives>> NcclCollectives::Connect(const 
   }
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(state->device), "cudaSetDevice"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
-  RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&state->compute_ready, cudaEventDisableTiming), "cudaEventCreate"));
+  RETURN_IF_ERROR(
+      CudaStatus(cudaEventCreateWithFlags(&state->compute_ready, cudaEventDisableTiming), "cudaEventCreate"));
   RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&state->comm_done, cudaEventDisableTiming), "cudaEventCreate"));
   ASSIGN_OR_RETURN(state->store, ConnectStore(o));
   // The object owns what exists so far, so that an error below releases it.
@@ -350,11 +352,11 @@ int NcclCollectives::tp_rank() const { return state_->tp_rank; }
 absl::Status NcclCollectives::AllReduceSum(at::Tensor& tensor) {
   ASSIGN_OR_RETURN(const ncclDataType_t type, state_->TypeOf(tensor));
   at::Tensor t = tensor.contiguous();
-  RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel all-reduce", /*compute_waits=*/true,
-                                  [&](cudaStream_t stream) {
-                                    return ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()),
-                                                         type, ncclSum, state_->tp, stream);
-                                  }));
+  RETURN_IF_ERROR(
+      state_->Enqueue(state_->tp, "tensor-parallel all-reduce", /*compute_waits=*/true, [&](cudaStream_t stream) {
+        return ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), type, ncclSum, state_->tp,
+                             stream);
+      }));
   if (!t.is_same(tensor)) tensor.copy_(t);
   return absl::OkStatus();
 }
@@ -365,11 +367,10 @@ absl::StatusOr<at::Tensor> NcclCollectives::AllGather(const at::Tensor& tensor, 
   std::vector<int64_t> shape = {tp_size()};
   shape.insert(shape.end(), in.sizes().begin(), in.sizes().end());
   at::Tensor out = at::empty(shape, in.options());
-  RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel all-gather", /*compute_waits=*/true,
-                                  [&](cudaStream_t stream) {
-                                    return ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()),
-                                                         type, state_->tp, stream);
-                                  }));
+  RETURN_IF_ERROR(
+      state_->Enqueue(state_->tp, "tensor-parallel all-gather", /*compute_waits=*/true, [&](cudaStream_t stream) {
+        return ncclAllGather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()), type, state_->tp, stream);
+      }));
   return at::cat(out.unbind(0), dim);
 }
 
@@ -381,12 +382,11 @@ absl::StatusOr<at::Tensor> NcclCollectives::ReduceScatter(const at::Tensor& tens
   // Chunk j (along dim) goes to TP rank j.
   const at::Tensor in = at::stack(tensor.chunk(tp_size(), dim), 0).contiguous();
   at::Tensor out = at::empty(in.sizes().slice(1), in.options());
-  RETURN_IF_ERROR(state_->Enqueue(state_->tp, "tensor-parallel reduce-scatter", /*compute_waits=*/true,
-                                  [&](cudaStream_t stream) {
-                                    return ncclReduceScatter(in.data_ptr(), out.data_ptr(),
-                                                             static_cast<size_t>(out.numel()), type, ncclSum,
-                                                             state_->tp, stream);
-                                  }));
+  RETURN_IF_ERROR(
+      state_->Enqueue(state_->tp, "tensor-parallel reduce-scatter", /*compute_waits=*/true, [&](cudaStream_t stream) {
+        return ncclReduceScatter(in.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()), type, ncclSum,
+                                 state_->tp, stream);
+      }));
   return out;
 }
 
@@ -413,11 +413,10 @@ absl::Status NcclCollectives::Send(const at::Tensor& tensor, int dst_rank, int /
 absl::Status NcclCollectives::Recv(at::Tensor& tensor, int src_rank, int /*tag*/) {
   ASSIGN_OR_RETURN(const ncclDataType_t type, state_->TypeOf(tensor));
   if (!tensor.is_contiguous()) return state_->Refuse(absl::InternalError("receive buffer must be contiguous"));
-  return state_->Enqueue(state_->world, absl::StrCat("receive from rank ", src_rank), /*compute_waits=*/true,
-                         [&](cudaStream_t stream) {
-                           return ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, src_rank,
-                                           state_->world, stream);
-                         });
+  return state_->Enqueue(
+      state_->world, absl::StrCat("receive from rank ", src_rank), /*compute_waits=*/true, [&](cudaStream_t stream) {
+        return ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, src_rank, state_->world, stream);
+      });
 }
 
 absl::Status NcclCollectives::WaitForSends() {

@@ -57,10 +57,14 @@ std::vector<std::string> OnEveryRank(int world, std::chrono::milliseconds timeou
   std::vector<std::thread> threads;
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
-      GlooOptions options{.master_addr = "127.0.0.1", .master_port = store->getPort(), .rank = rank,
-                          .world_size = world, .tp_size = world, .timeout = timeout,
-                          .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(store)
-                                             : c10::intrusive_ptr<c10d::Store>()};
+      GlooOptions options{
+          .master_addr = "127.0.0.1",
+          .master_port = store->getPort(),
+          .rank = rank,
+          .world_size = world,
+          .tp_size = world,
+          .timeout = timeout,
+          .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(store) : c10::intrusive_ptr<c10d::Store>()};
       auto comm = NcclCollectives::Connect(options);
       if (!comm.ok()) {
         failures[static_cast<size_t>(rank)] = absl::StrCat("connect: ", comm.status().ToString());
@@ -77,8 +81,13 @@ TEST(NcclCollectives, WithoutGpuConnectFailsCleanly) {
   if (NcclCollectives::DeviceForRank(0).ok()) GTEST_SKIP() << "a GPU is present";
   // Refused before the rendezvous, which is hosted here all the same (on a port the system picks).
   auto store = HostStore(std::chrono::seconds(2)).value();
-  GlooOptions options{.master_addr = "127.0.0.1", .master_port = store->getPort(), .rank = 0, .world_size = 1,
-                      .tp_size = 1, .timeout = std::chrono::milliseconds(2000), .store = store};
+  GlooOptions options{.master_addr = "127.0.0.1",
+                      .master_port = store->getPort(),
+                      .rank = 0,
+                      .world_size = 1,
+                      .tp_size = 1,
+                      .timeout = std::chrono::milliseconds(2000),
+                      .store = store};
   auto comm = NcclCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kFailedPrecondition) << comm.status();
 }
@@ -92,53 +101,53 @@ TEST(NcclCollectives, WithoutGpuConnectFailsCleanly) {
 TEST(NcclCollectives, EveryCollectiveInEveryDtypeOnEveryGpu) {
   REQUIRE_GPUS(1);
   const int n = gpus;
-  const auto failures = OnEveryRank(n, std::chrono::seconds(60), [n](int rank, NcclCollectives& comm,
-                                                                      std::string& failed) {
-    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-      const std::string in = absl::StrCat(" (", c10::toString(dtype), ")");
-      const auto cuda = at::TensorOptions().dtype(dtype).device(at::Device(at::kCUDA, rank));
-      const auto cpu = at::TensorOptions().dtype(at::kFloat);
-      // Small integers: exact in every dtype (up to 8 GPUs in bf16).
-      at::Tensor t = at::full({4}, rank + 1, cuda);
-      const absl::Status reduced = comm.AllReduceSum(t);
-      at::Tensor wide = at::full({3, 4}, rank + 1, cuda);
-      at::Tensor column = wide.select(1, 2);  // a strided view: summed in a copy, written back
-      const absl::Status reduced_strided = comm.AllReduceSum(column);
-      auto gathered = comm.AllGather(at::full({1, 2}, rank, cuda), 1);
-      // Element j of every rank's [1, 2n] row goes to rank j / 2, summed over the ranks.
-      auto scattered = comm.ReduceScatter(at::arange(2 * n, cuda).view({1, 2 * n}), 1);
-      // A chain 0 -> 1 -> ... -> n-1, each rank adding one: as the pipeline's stages pass on the
-      // hidden states. The send returns at once; its tensor is released only once sent.
-      at::Tensor got = at::full({5}, 0, cuda);
-      absl::Status chained = absl::OkStatus();
-      if (n > 1) {
-        if (rank > 0) chained.Update(comm.Recv(got, rank - 1, 0));
-        if (chained.ok() && rank < n - 1) chained.Update(comm.Send(got + 1, rank + 1, 0));
-        if (chained.ok()) chained.Update(comm.WaitForSends());
-      }
-      if (absl::Status synced = comm.Synchronize(); !synced.ok()) {
-        failed += absl::StrCat("synchronize", in, ": ", synced.ToString());
-        return;
-      }
-      const auto same = [&](const at::Tensor& got_tensor, const at::Tensor& want) {
-        return got_tensor.cpu().to(at::kFloat).equal(want);
-      };
-      if (!reduced.ok() || !same(t, at::full({4}, n * (n + 1) / 2, cpu))) failed += "all-reduce" + in + " ";
-      if (!reduced_strided.ok() || !same(wide.select(1, 2), at::full({3}, n * (n + 1) / 2, cpu)) ||
-          !same(wide.select(1, 0), at::full({3}, rank + 1, cpu))) {
-        failed += "strided all-reduce" + in + " ";
-      }
-      if (!gathered.ok() || !same(*gathered, at::arange(n, cpu).repeat_interleave(2).view({1, 2 * n}))) {
-        failed += "all-gather" + in + " ";
-      }
-      if (!scattered.ok() || !same(*scattered, at::tensor({2.f * n * rank, (2.f * rank + 1) * n}).view({1, 2}))) {
-        failed += "reduce-scatter" + in + " ";
-      }
-      if (!chained.ok() || (n > 1 && !same(got, at::full({5}, rank, cpu)))) {
-        failed += "chain" + in + ": " + chained.ToString() + " ";
-      }
-    }
-  });
+  const auto failures =
+      OnEveryRank(n, std::chrono::seconds(60), [n](int rank, NcclCollectives& comm, std::string& failed) {
+        for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+          const std::string in = absl::StrCat(" (", c10::toString(dtype), ")");
+          const auto cuda = at::TensorOptions().dtype(dtype).device(at::Device(at::kCUDA, rank));
+          const auto cpu = at::TensorOptions().dtype(at::kFloat);
+          // Small integers: exact in every dtype (up to 8 GPUs in bf16).
+          at::Tensor t = at::full({4}, rank + 1, cuda);
+          const absl::Status reduced = comm.AllReduceSum(t);
+          at::Tensor wide = at::full({3, 4}, rank + 1, cuda);
+          at::Tensor column = wide.select(1, 2);  // a strided view: summed in a copy, written back
+          const absl::Status reduced_strided = comm.AllReduceSum(column);
+          auto gathered = comm.AllGather(at::full({1, 2}, rank, cuda), 1);
+          // Element j of every rank's [1, 2n] row goes to rank j / 2, summed over the ranks.
+          auto scattered = comm.ReduceScatter(at::arange(2 * n, cuda).view({1, 2 * n}), 1);
+          // A chain 0 -> 1 -> ... -> n-1, each rank adding one: as the pipeline's stages pass on the
+          // hidden states. The send returns at once; its tensor is released only once sent.
+          at::Tensor got = at::full({5}, 0, cuda);
+          absl::Status chained = absl::OkStatus();
+          if (n > 1) {
+            if (rank > 0) chained.Update(comm.Recv(got, rank - 1, 0));
+            if (chained.ok() && rank < n - 1) chained.Update(comm.Send(got + 1, rank + 1, 0));
+            if (chained.ok()) chained.Update(comm.WaitForSends());
+          }
+          if (absl::Status synced = comm.Synchronize(); !synced.ok()) {
+            failed += absl::StrCat("synchronize", in, ": ", synced.ToString());
+            return;
+          }
+          const auto same = [&](const at::Tensor& got_tensor, const at::Tensor& want) {
+            return got_tensor.cpu().to(at::kFloat).equal(want);
+          };
+          if (!reduced.ok() || !same(t, at::full({4}, n * (n + 1) / 2, cpu))) failed += "all-reduce" + in + " ";
+          if (!reduced_strided.ok() || !same(wide.select(1, 2), at::full({3}, n * (n + 1) / 2, cpu)) ||
+              !same(wide.select(1, 0), at::full({3}, rank + 1, cpu))) {
+            failed += "strided all-reduce" + in + " ";
+          }
+          if (!gathered.ok() || !same(*gathered, at::arange(n, cpu).repeat_interleave(2).view({1, 2 * n}))) {
+            failed += "all-gather" + in + " ";
+          }
+          if (!scattered.ok() || !same(*scattered, at::tensor({2.f * n * rank, (2.f * rank + 1) * n}).view({1, 2}))) {
+            failed += "reduce-scatter" + in + " ";
+          }
+          if (!chained.ok() || (n > 1 && !same(got, at::full({5}, rank, cpu)))) {
+            failed += "chain" + in + ": " + chained.ToString() + " ";
+          }
+        }
+      });
   for (int rank = 0; rank < n; ++rank) EXPECT_EQ(failures[static_cast<size_t>(rank)], "") << "rank " << rank;
 }
 
@@ -151,21 +160,22 @@ TEST(NcclCollectives, EveryCollectiveInEveryDtypeOnEveryGpu) {
 TEST(NcclCollectives, CollectivesAreOrderedWithTheComputeAroundThem) {
   REQUIRE_GPUS(1);
   const int n = gpus;
-  const auto failures = OnEveryRank(n, std::chrono::seconds(60), [](int rank, NcclCollectives& comm,
-                                                                     std::string& failed) {
-    const auto cuda = at::TensorOptions().dtype(at::kFloat).device(at::Device(at::kCUDA, rank));
-    const at::Tensor a = at::full({4096, 4096}, 1.0 / 4096, cuda);
-    for (int round = 0; round < 6; ++round) {
-      const at::Tensor product = at::matmul(a, at::full({4096, 4096}, round + 1, cuda));  // every entry round + 1
-      auto gathered = comm.AllGather(product, 1);  // concatenated along dim 1 after the gather
-      if (absl::Status synced = comm.Synchronize(); !gathered.ok() || !synced.ok()) {
-        failed += absl::StrCat("round ", round, ": ", gathered.status().ToString(), " ", synced.ToString());
-        return;
-      }
-      const float low = gathered->min().item<float>(), high = gathered->max().item<float>();
-      if (low != round + 1 || high != round + 1) failed += absl::StrCat("round ", round, ": [", low, ", ", high, "] ");
-    }
-  });
+  const auto failures =
+      OnEveryRank(n, std::chrono::seconds(60), [](int rank, NcclCollectives& comm, std::string& failed) {
+        const auto cuda = at::TensorOptions().dtype(at::kFloat).device(at::Device(at::kCUDA, rank));
+        const at::Tensor a = at::full({4096, 4096}, 1.0 / 4096, cuda);
+        for (int round = 0; round < 6; ++round) {
+          const at::Tensor product = at::matmul(a, at::full({4096, 4096}, round + 1, cuda));  // every entry round + 1
+          auto gathered = comm.AllGather(product, 1);  // concatenated along dim 1 after the gather
+          if (absl::Status synced = comm.Synchronize(); !gathered.ok() || !synced.ok()) {
+            failed += absl::StrCat("round ", round, ": ", gathered.status().ToString(), " ", synced.ToString());
+            return;
+          }
+          const float low = gathered->min().item<float>(), high = gathered->max().item<float>();
+          if (low != round + 1 || high != round + 1)
+            failed += absl::StrCat("round ", round, ": [", low, ", ", high, "] ");
+        }
+      });
   for (int rank = 0; rank < n; ++rank) EXPECT_EQ(failures[static_cast<size_t>(rank)], "") << "rank " << rank;
 }
 
@@ -189,9 +199,13 @@ TEST(NcclCollectives, StuckGpuWorkFailsWithinTheTimeoutAndEndsTheGroup) {
     absl::Status status;
     if (n == 1) {
       cudaSetDevice(0);
-      cudaLaunchHostFunc(cudaStreamLegacy, [](void* flag) {
-        while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }, &release);
+      cudaLaunchHostFunc(
+          cudaStreamLegacy,
+          [](void* flag) {
+            while (!static_cast<std::atomic<bool>*>(flag)->load())
+              std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          },
+          &release);
       status = comm.Synchronize();
     } else if (rank == 0) {
       status = comm.Send(at::ones({1 << 20}, cuda), 1, 0);

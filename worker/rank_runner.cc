@@ -33,9 +33,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
+double Seconds(Clock::time_point since) { return std::chrono::duration<double>(Clock::now() - since).count(); }
 
 // {"rows": R, "seq": L, "choices": C, "input_ids": [R*L], "attention_mask": [...], "token_type_ids": [...]}
 absl::StatusOr<model::ModelInputs> ReadInputs(const std::string& path) {

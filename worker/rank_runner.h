@@ -17,7 +17,7 @@
 namespace bertshard::worker {
 
 struct RankOptions {
-  std::string plan_path;        // ShardPlan, binary protobuf
+  std::string plan_path;  // ShardPlan, binary protobuf
   int rank = -1;
   std::string master_addr = "127.0.0.1";
   // 0 (rank 0 only, with port_file): host the rendezvous on a port the system picks, bound before
@@ -27,16 +27,16 @@ struct RankOptions {
   // and before it loads its shard, for the launcher to start the other ranks with. The file appears
   // whole (renamed into place).
   std::string port_file;
-  std::string checkpoint;       // HF model directory
-  std::string inputs_path;      // normalised inputs written by shardctl (see run_command.h)
+  std::string checkpoint;   // HF model directory
+  std::string inputs_path;  // normalised inputs written by shardctl (see run_command.h)
   int micro_batches = 1;
-  std::string output_path;      // safetensors written by the head stage's TP rank 0
-  std::string report_path;      // JSON report of this rank
-  int threads = 1;              // LibTorch intra-op threads
-  int timeout_seconds = 120;    // rendezvous and collectives
+  std::string output_path;    // safetensors written by the head stage's TP rank 0
+  std::string report_path;    // JSON report of this rank
+  int threads = 1;            // LibTorch intra-op threads
+  int timeout_seconds = 120;  // rendezvous and collectives
   // Forwards to run (benchmarks), each started by all ranks together; the outputs are the last one's.
   int iterations = 1;
-  std::string backend = "gloo"; // "gloo" (CPU) or "nccl" (CUDA; a --config=cuda build)
+  std::string backend = "gloo";  // "gloo" (CPU) or "nccl" (CUDA; a --config=cuda build)
   // How the linears multiply on CPU; nullopt ("auto"): the faster on this machine, measured at
   // start with `threads` (model::PickGemmPathForPlan). CUDA ignores it.
   std::optional<model::GemmPath> gemm;

@@ -25,8 +25,7 @@ constexpr int kFailedHeartbeatsBeforeRegistering = 5;
 
 }  // namespace
 
-Registration::Registration(RegistrationOptions options)
-    : options_(std::move(options)), thread_([this] { Run(); }) {}
+Registration::Registration(RegistrationOptions options) : options_(std::move(options)), thread_([this] { Run(); }) {}
 
 Registration::~Registration() {
   {
@@ -53,10 +52,9 @@ void Registration::Run() {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  auto stub = v1::Coordinator::NewStub(
-      grpc::CreateCustomChannel(options_.coordinator,
-                                options_.credentials != nullptr ? options_.credentials : grpc::InsecureChannelCredentials(),
-                                args));
+  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel(
+      options_.coordinator, options_.credentials != nullptr ? options_.credentials : grpc::InsecureChannelCredentials(),
+      args));
   std::string worker_id;
   absl::Duration interval = absl::Seconds(1);
   int failed_heartbeats = 0;
@@ -114,7 +112,8 @@ void Registration::Run() {
       }
       // NOT_FOUND: the coordinator restarted. Long silence: it may have restarted, or declared us
       // dead; registering again tells it what we hold either way.
-      if (status.error_code() == grpc::StatusCode::NOT_FOUND || failed_heartbeats >= kFailedHeartbeatsBeforeRegistering) {
+      if (status.error_code() == grpc::StatusCode::NOT_FOUND ||
+          failed_heartbeats >= kFailedHeartbeatsBeforeRegistering) {
         worker_id.clear();
         failed_heartbeats = 0;
         ok = false;

@@ -28,8 +28,8 @@
 namespace bertshard::worker {
 
 struct RegistrationOptions {
-  std::string coordinator;  // host:port
-  std::string advertise;    // host:port where the coordinator reaches this worker
+  std::string coordinator;     // host:port
+  std::string advertise;       // host:port where the coordinator reaches this worker
   std::string device = "cpu";  // "cpu" or "cuda:N": what its jobs run on (--device)
   std::string gpu_bus_id;      // a GPU worker's PCI bus id (NcclCollectives::GpuBusId)
   // The shards held now; reported with every registration and heartbeat. None when unset.

@@ -13,13 +13,12 @@
 #ifndef BERTSHARD_WORKER_RENDEZVOUS_H_
 #define BERTSHARD_WORKER_RENDEZVOUS_H_
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
 #include <chrono>
 #include <map>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"

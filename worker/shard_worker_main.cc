@@ -13,11 +13,11 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/time/time.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_serving.h"
+#include "common/grpc_tls.h"
 #include "common/metrics.h"
 #include "common/metrics_endpoint.h"
-#include "common/grpc_auth.h"
-#include "common/grpc_tls.h"
 #include "common/model_root.h"
 #include "model/gemm.h"
 #include "worker/gpu_placement.h"
@@ -49,7 +49,8 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "the cluster's bearer token (file; else $BERTSHARD_TOKEN): every RPC to this worker needs it, and it "
           "is sent with registrations and heartbeats; unset: none");
 
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve TLS (with --tls_key); also the client certificate "
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve TLS (with --tls_key); also the client certificate "
           "presented to a coordinator that requires one");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_ca, "",
@@ -82,7 +83,8 @@ int main(int argc, char** argv) {
   const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
   // Refused here rather than by every load: this LibTorch will not grow MKL-DNN.
   const absl::Status gemm_usable =
-      !gemm.ok() ? gemm.status() : bertshard::model::GemmPathAvailable(gemm->value_or(bertshard::model::GemmPath::kBlas));
+      !gemm.ok() ? gemm.status()
+                 : bertshard::model::GemmPathAvailable(gemm->value_or(bertshard::model::GemmPath::kBlas));
   if (!gemm_usable.ok()) {
     std::fprintf(stderr, "shard-worker: %s\n", std::string(gemm_usable.message()).c_str());
     return 2;

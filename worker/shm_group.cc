@@ -109,8 +109,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
   }
   const int64_t slot_bytes = (options.segment_bytes - kHeaderBytes) / (2 * (size + 1)) / 64 * 64;
   if (slot_bytes < kMinSlotBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("shared-memory segment of ", options.segment_bytes,
-                                                   " bytes is too small for ", size, " ranks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shared-memory segment of ", options.segment_bytes, " bytes is too small for ", size, " ranks"));
   }
   const int64_t bytes = kHeaderBytes + 2 * (size + 1) * slot_bytes;
   void* base = MAP_FAILED;
@@ -144,7 +144,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
       // Unlinked once every rank has answered (mapped or not): nothing to clean up after a crash.
       std::vector<std::string> answers;
       if (why_not.empty()) store.set(prefix + "/mapped/0", Bytes("1"));
-      for (int r = why_not.empty() ? 1 : size; r < size; ++r) answers.push_back(String(store.get(absl::StrCat(prefix, "/mapped/", r))));
+      for (int r = why_not.empty() ? 1 : size; r < size; ++r)
+        answers.push_back(String(store.get(absl::StrCat(prefix, "/mapped/", r))));
       if (why_not.empty()) unlink(path.c_str());
       for (const std::string& a : answers) {
         if (a != "1" && why_not.empty()) why_not = "a peer could not map the segment";
@@ -186,8 +187,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
     if (base != MAP_FAILED) munmap(base, bytes);
     return std::unique_ptr<SharedMemoryGroup>();
   }
-  auto group = std::unique_ptr<SharedMemoryGroup>(
-      new SharedMemoryGroup(rank, size, base, bytes, slot_bytes, options.timeout));
+  auto group =
+      std::unique_ptr<SharedMemoryGroup>(new SharedMemoryGroup(rank, size, base, bytes, slot_bytes, options.timeout));
   group->header_->pid[rank] = getpid();
   group->header_->pid_namespace[rank] = PidNamespace();
   // Every rank's pid is in before anyone relies on it.
@@ -197,7 +198,12 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
 
 SharedMemoryGroup::SharedMemoryGroup(int rank, int size, void* base, int64_t bytes, int64_t slot_bytes,
                                      std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), base_(base), bytes_(bytes), slot_bytes_(slot_bytes), timeout_(timeout),
+    : rank_(rank),
+      size_(size),
+      base_(base),
+      bytes_(bytes),
+      slot_bytes_(slot_bytes),
+      timeout_(timeout),
       header_(static_cast<Header*>(base)) {}
 
 SharedMemoryGroup::~SharedMemoryGroup() { munmap(base_, bytes_); }
@@ -241,8 +247,8 @@ absl::Status SharedMemoryGroup::Barrier() {
     if (header_->broken.load()) return absl::UnavailableError("a tensor-parallel peer failed (shared memory)");
     const auto now = std::chrono::steady_clock::now();
     if (now - start > timeout_) {
-      return Fail(absl::UnavailableError(absl::StrCat("tensor-parallel peers did not arrive within ",
-                                                      timeout_.count(), " ms (shared memory)")));
+      return Fail(absl::UnavailableError(
+          absl::StrCat("tensor-parallel peers did not arrive within ", timeout_.count(), " ms (shared memory)")));
     }
     if (now >= next_check) {
       next_check = now + std::chrono::milliseconds(200);
@@ -268,8 +274,8 @@ absl::Status SharedMemoryGroup::CheckSameCall(int set) {
     const int64_t* theirs = header_->call[set][r];
     if (std::memcmp(theirs, mine, sizeof(header_->call[set][r])) != 0) {
       return Fail(absl::InternalError(absl::StrCat(
-          "tensor-parallel ranks ", rank_, " and ", r, " called different collectives (op ", mine[0], " vs ",
-          theirs[0], ", dtype ", mine[1], " vs ", theirs[1], ", ", mine[2], " vs ", theirs[2], " elements)")));
+          "tensor-parallel ranks ", rank_, " and ", r, " called different collectives (op ", mine[0], " vs ", theirs[0],
+          ", dtype ", mine[1], " vs ", theirs[1], ", ", mine[2], " vs ", theirs[2], " elements)")));
     }
   }
   return absl::OkStatus();

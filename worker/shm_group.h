@@ -29,12 +29,12 @@
 #define BERTSHARD_WORKER_SHM_GROUP_H_
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -71,11 +71,12 @@ class SharedMemoryGroup {
   absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor, int64_t dim);
   absl::StatusOr<at::Tensor> ReduceScatter(const at::Tensor& tensor, int64_t dim);
 
- // The segment's first page (public only so the .cc can check its size).
+  // The segment's first page (public only so the .cc can check its size).
   struct Header;
 
  private:
-  SharedMemoryGroup(int rank, int size, void* base, int64_t bytes, int64_t slot_bytes, std::chrono::milliseconds timeout);
+  SharedMemoryGroup(int rank, int size, void* base, int64_t bytes, int64_t slot_bytes,
+                    std::chrono::milliseconds timeout);
 
   // Returns once every rank has called it as often; UNAVAILABLE (and the group broken) on timeout,
   // a peer gone, or a peer's failure.

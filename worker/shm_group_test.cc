@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 #include <sys/wait.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
 #include <chrono>
@@ -13,6 +12,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -124,8 +124,8 @@ TEST(SharedMemoryGroup, CollectivesInPiecesEqualTheirDefinitions) {
     // All-gather along dim 0 (no copy after the transfer) and along a later dim.
     for (int64_t dim : {0, 1, -1}) {
       auto gathered = g->AllGather(Input(rank, {4, 30000, 3}), dim);
-      if (!gathered.ok() || !gathered->equal(at::cat({Input(0, {4, 30000, 3}), Input(1, {4, 30000, 3}),
-                                                      Input(2, {4, 30000, 3})}, dim)))
+      if (!gathered.ok() ||
+          !gathered->equal(at::cat({Input(0, {4, 30000, 3}), Input(1, {4, 30000, 3}), Input(2, {4, 30000, 3})}, dim)))
         *fail += absl::StrCat("all-gather dim ", dim, "; ");
     }
     // Reduce-scatter along dims 0 and 1: this rank's third of the sum.

@@ -9,8 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
-#include "common/grpc_auth.h"
 #include "common/fault_point.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
@@ -46,18 +46,18 @@ absl::StatusOr<JobMetrics> MetricsForJob(const WorkerMetrics* metrics, const std
 
 absl::StatusOr<WorkerMetrics> WorkerMetrics::Register(common::MetricsRegistry* registry) {
   WorkerMetrics metrics;
-  ASSIGN_OR_RETURN(metrics.loaded_bytes,
-                   registry->AddCounter("bertshard_worker_loaded_bytes_total",
-                                        "Parameter bytes (as fp32) loaded into shards, by job and rank.",
-                                        {"job", "rank"}));
+  ASSIGN_OR_RETURN(
+      metrics.loaded_bytes,
+      registry->AddCounter("bertshard_worker_loaded_bytes_total",
+                           "Parameter bytes (as fp32) loaded into shards, by job and rank.", {"job", "rank"}));
   // Seconds: a tiny test model's forward takes ~1 ms, BERT-large's on CPU tens of seconds.
-  ASSIGN_OR_RETURN(metrics.forward_seconds,
-                   registry->AddHistogram("bertshard_worker_forward_duration_seconds",
-                                          "Time of successful forwards of a shard (this rank's part, "
-                                          "collectives included), by job and rank.",
-                                          {"job", "rank"},
-                                          {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
-                                           30, 60, 120}));
+  ASSIGN_OR_RETURN(
+      metrics.forward_seconds,
+      registry->AddHistogram("bertshard_worker_forward_duration_seconds",
+                             "Time of successful forwards of a shard (this rank's part, "
+                             "collectives included), by job and rank.",
+                             {"job", "rank"},
+                             {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120}));
   ASSIGN_OR_RETURN(metrics.forward_rows,
                    registry->AddHistogram("bertshard_worker_forward_rows",
                                           "Rows (sequences) per successful forward: the batch size, by job and "
@@ -137,7 +137,7 @@ absl::StatusOr<common::MetricsRegistry::CollectorHandle> WorkerService::ExportLo
 }
 
 model::GemmPath WorkerService::GemmPathFor(const v1::ShardPlan& plan, int rank, const std::string& job_id,
-                                          int threads) {
+                                           int threads) {
   if (options_.gemm.has_value()) return *options_.gemm;
   const auto key = std::make_tuple(threads, plan.config().hidden_size(), plan.config().intermediate_size(),
                                    plan.shard_config().tensor_parallel_size());
@@ -147,10 +147,11 @@ model::GemmPath WorkerService::GemmPathFor(const v1::ShardPlan& plan, int rank, 
   }
   // Measured outside the lock (~0.1-0.3 s); two first loads of one shape may both measure.
   const model::GemmChoice choice = model::PickGemmPathForPlan(plan);
-  std::fprintf(stderr,
-               "shard-worker: job %s rank %d: --gemm=auto picked %s (blas %.1f, onednn %.1f GFLOP/s; %d LibTorch threads)\n",
-               job_id.c_str(), rank, std::string(model::GemmPathName(choice.path)).c_str(), choice.blas_gflops,
-               choice.onednn_gflops, threads);
+  std::fprintf(
+      stderr,
+      "shard-worker: job %s rank %d: --gemm=auto picked %s (blas %.1f, onednn %.1f GFLOP/s; %d LibTorch threads)\n",
+      job_id.c_str(), rank, std::string(model::GemmPathName(choice.path)).c_str(), choice.blas_gflops,
+      choice.onednn_gflops, threads);
   absl::MutexLock lock(&gemm_mu_);
   return gemm_choices_.emplace(key, choice).first->second.path;
 }
@@ -175,13 +176,15 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   const std::string backend = request->backend().empty() ? "gloo" : request->backend();
   if (backend != (on_gpu ? "nccl" : "gloo")) {
     return {grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("backend '", backend, "' is not served by this worker: it serves ",
-                         on_gpu ? absl::StrCat("nccl on cuda:", options_.gpu) : "gloo on the CPU",
-                         on_gpu ? " (shard-worker --device=cpu serves gloo)" : " (shard-worker --device=cuda:N serves nccl)")};
+            absl::StrCat(
+                "backend '", backend, "' is not served by this worker: it serves ",
+                on_gpu ? absl::StrCat("nccl on cuda:", options_.gpu) : "gloo on the CPU",
+                on_gpu ? " (shard-worker --device=cpu serves gloo)" : " (shard-worker --device=cuda:N serves nccl)")};
   }
 #ifndef BERTSHARD_WITH_NCCL
   if (options_.gpu >= 0) {
-    return {grpc::StatusCode::FAILED_PRECONDITION, "this shard-worker was built without NCCL: bazel build --config=cuda"};
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            "this shard-worker was built without NCCL: bazel build --config=cuda"};
   }
 #endif
   {
@@ -300,13 +303,13 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
   }
   absl::MutexLock lock(&job->mu);
   if (!job->broken.empty()) {
-    return {grpc::StatusCode::FAILED_PRECONDITION, absl::StrCat("job ", request->job_id(), " failed earlier (",
-                                                                job->broken, "); unload it")};
+    return {grpc::StatusCode::FAILED_PRECONDITION,
+            absl::StrCat("job ", request->job_id(), " failed earlier (", job->broken, "); unload it")};
   }
   if (request->sequence() != job->next_sequence) {
     return {grpc::StatusCode::FAILED_PRECONDITION,
-            absl::StrCat("forward ", request->sequence(), " of job ", request->job_id(), " arrived out of order; next is ",
-                         job->next_sequence)};
+            absl::StrCat("forward ", request->sequence(), " of job ", request->job_id(),
+                         " arrived out of order; next is ", job->next_sequence)};
   }
   if (context->IsCancelled()) return {grpc::StatusCode::CANCELLED, "cancelled before the forward"};
   // Fault tests stop a worker here: its forward is under way (the job's lock held, the sequence

@@ -23,8 +23,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "bertshard/v1/worker.grpc.pb.h"
-#include "common/model_root.h"
 #include "common/metrics.h"
+#include "common/model_root.h"
 #include "model/gemm.h"
 
 namespace bertshard::worker {

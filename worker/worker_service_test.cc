@@ -16,8 +16,8 @@
 #include <thread>
 
 #include "checkpoint/safetensors.h"
-#include "grpcpp/grpcpp.h"
 #include "common/grpc_auth.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
@@ -41,7 +41,8 @@ RunningWorker StartWorker(WorkerServiceOptions options = {}) {
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(w.service.get());
   w.server = builder.BuildAndStart();
-  w.stub = v1::Worker::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  w.stub =
+      v1::Worker::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
   return w;
 }
 
@@ -71,9 +72,11 @@ v1::TokenInputs Inputs() {
   t.set_rows(static_cast<int64_t>(j["input_ids"].size()));
   t.set_seq(static_cast<int64_t>(j["input_ids"][0].size()));
   for (const char* key : {"input_ids", "attention_mask", "token_type_ids"}) {
-    auto* field = std::string(key) == "input_ids" ? t.mutable_input_ids()
-                  : std::string(key) == "attention_mask" ? t.mutable_attention_mask() : t.mutable_token_type_ids();
-    for (const auto& row : j[key]) for (const auto& v : row) field->Add(v.get<int64_t>());
+    auto* field = std::string(key) == "input_ids"        ? t.mutable_input_ids()
+                  : std::string(key) == "attention_mask" ? t.mutable_attention_mask()
+                                                         : t.mutable_token_type_ids();
+    for (const auto& row : j[key])
+      for (const auto& v : row) field->Add(v.get<int64_t>());
   }
   return t;
 }
@@ -250,7 +253,7 @@ INSTANTIATE_TEST_SUITE_P(Gemm, WorkerServicePaths,
                          [](const ::testing::TestParamInfo<Path>& info) {
                            if (info.param.dtype == v1::BF16) return std::string("auto_bf16");
                            return info.param.gemm.has_value() ? std::string(model::GemmPathName(*info.param.gemm))
-                                                         : std::string("auto");
+                                                              : std::string("auto");
                          });
 
 // A one-rank load of kModel (job "j") from `checkpoint` on the rendezvous port `port`, and the
@@ -364,7 +367,8 @@ TEST(WorkerService, LoadsOnlyCheckpointsUnderItsModelRoot) {
   s = read_all("evil");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(s.error_message().find("config.json is a symbolic link that leads outside the model root"),
-            std::string::npos) << s.error_message();
+            std::string::npos)
+      << s.error_message();
   EXPECT_EQ(s.error_message().find("root:"), std::string::npos) << s.error_message();
   s = read_all("model");  // relative to the root
   EXPECT_TRUE(s.ok()) << s.error_message();
