@@ -59,8 +59,15 @@ absl::Status InitCheckpoint(v1::ModelVariant variant, const v1::BertConfig& conf
   return absl::OkStatus();
 }
 
-const std::set<std::string>& InitCheckpointValueFlags() {
-  static const auto* flags = new std::set<std::string>{"variant", "config", "seed", "out", "vocab"};
+const std::vector<Flag>& InitCheckpointFlags() {
+  static const auto* flags = [] {
+    auto* f = new std::vector<Flag>(SelectFlags(PlanRequestFlags(), {"variant", "config"}));
+    f->push_back({"seed", "N", "the random initialisation's seed (default 0)"});
+    f->push_back({"out", "DIR", "the model directory to write (created if missing)"});
+    f->push_back(
+        {"vocab", "FILE", "a WordPiece vocab.txt to ship with the model (text inference); it sets\nvocab_size"});
+    return f;
+  }();
   return *flags;
 }
 
