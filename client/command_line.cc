@@ -71,7 +71,7 @@ std::string FormatFlagHelp(const std::vector<Flag>& flags) {
     std::string names = absl::StrCat("  --", f.name, f.value_name.empty() ? "" : " ", f.value_name);
     for (const std::string& alias : f.aliases) absl::StrAppend(&names, ", --", alias);
     const std::string indent(kColumn, ' ');
-    if (names.size() + 1 > kColumn) {
+    if (names.size() + 2 > kColumn) {  // at least two spaces between a flag and its help
       absl::StrAppend(&text, names, "\n", indent);
     } else {
       absl::StrAppend(&text, names, std::string(kColumn - names.size(), ' '));

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "client/cluster_commands.h"
 #include "client/coordinator_connection.h"
 #include "client/init_checkpoint.h"
@@ -27,6 +28,25 @@ std::string FirstSentence(const std::string& text) {
     if (text[i] == '.' && (i + 1 == text.size() || text[i + 1] == ' ' || text[i + 1] == '\n')) return text.substr(0, i);
   }
   return text;
+}
+
+// `text` with its paragraphs' lines broken at spaces to at most `width` columns.
+std::string Wrap(const std::string& text, size_t width = 100) {
+  std::string wrapped;
+  size_t column = 0;
+  for (absl::string_view word : absl::StrSplit(text, ' ')) {
+    if (column > 0 && column + 1 + word.size() > width) {
+      wrapped.push_back('\n');
+      column = 0;
+    } else if (column > 0) {
+      wrapped.push_back(' ');
+      ++column;
+    }
+    absl::StrAppend(&wrapped, word);
+    const size_t newline = word.rfind('\n');
+    column = newline == absl::string_view::npos ? column + word.size() : word.size() - newline - 1;
+  }
+  return wrapped;
 }
 
 std::string Overview() {
@@ -116,7 +136,7 @@ const std::vector<Subcommand>& Subcommands() {
 }
 
 std::string SubcommandHelp(const Subcommand& command) {
-  return absl::StrCat("usage: shardctl ", command.usage, "\n\n", command.description, "\n\nFlags:\n",
+  return absl::StrCat("usage: shardctl ", command.usage, "\n\n", Wrap(command.description), "\n\nFlags:\n",
                       FormatFlagHelp(*command.flags), "  --help                    print this help and exit\n");
 }
 

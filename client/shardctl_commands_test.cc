@@ -73,6 +73,7 @@ TEST(Shardctl, SubcommandHelpIsThatCommandsUsageAndFlagsOnly) {
     EXPECT_EQ(r.exit_code, 0) << c.name;
     EXPECT_EQ(r.out, SubcommandHelp(c)) << c.name;
     EXPECT_LT(std::count(r.out.begin(), r.out.end(), '\n'), 60) << c.name << ":\n" << r.out;
+    for (absl::string_view line : absl::StrSplit(r.out, '\n')) EXPECT_LE(line.size(), 110u) << c.name << ": " << line;
   }
 }
 
