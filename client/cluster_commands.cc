@@ -175,19 +175,17 @@ absl::Status WorkersCommand(const CommandLine& cl, std::FILE* out) {
 }
 
 const std::vector<Flag>& SubmitFlags() {
-  static const auto* flags = [] {
-    auto* f = new std::vector<Flag>(PlanRequestFlags());
-    f->insert(f->end(), ConnectionFlags().begin(), ConnectionFlags().end());
-    const std::vector<Flag> own = {
-        {"backend", "gloo|nccl", "nccl: GPU workers (shard-worker --device=cuda:N), one rank per GPU (default gloo)"},
-        {"watch", "", "then print its states until it settles: READY exits 0, FAILED 1 with the cause"},
-        {"no-wait", "",
-         "refuse the job (FAILED_PRECONDITION, exit 1) instead of queueing it PENDING when\n"
-         "too few workers are idle; submit never waits for loading without --watch"},
-    };
-    f->insert(f->end(), own.begin(), own.end());
-    return f;
-  }();
+  static const auto* flags = new std::vector<Flag>(
+      JoinFlags({PlanRequestFlags(),
+                 ConnectionFlags(),
+                 {
+                     {"backend", "gloo|nccl",
+                      "nccl: GPU workers (shard-worker --device=cuda:N), one rank per GPU (default gloo)"},
+                     {"watch", "", "then print its states until it settles: READY exits 0, FAILED 1 with the cause"},
+                     {"no-wait", "",
+                      "refuse the job (FAILED_PRECONDITION, exit 1) instead of queueing it PENDING when\n"
+                      "too few workers are idle; submit never waits for loading without --watch"},
+                 }}));
   return *flags;
 }
 

@@ -81,6 +81,12 @@ std::string FormatFlagHelp(const std::vector<Flag>& flags) {
   return text;
 }
 
+std::vector<Flag> JoinFlags(std::initializer_list<std::vector<Flag>> parts) {
+  std::vector<Flag> flags;
+  for (const std::vector<Flag>& part : parts) flags.insert(flags.end(), part.begin(), part.end());
+  return flags;
+}
+
 std::vector<Flag> SelectFlags(std::vector<Flag> flags, const std::set<std::string>& names) {
   flags.erase(std::remove_if(flags.begin(), flags.end(), [&](const Flag& f) { return names.count(f.name) == 0; }),
               flags.end());

@@ -22,6 +22,7 @@
 #ifndef BERTSHARD_CLIENT_COMMAND_LINE_H_
 #define BERTSHARD_CLIENT_COMMAND_LINE_H_
 
+#include <initializer_list>
 #include <map>
 #include <set>
 #include <string>
@@ -52,6 +53,9 @@ absl::StatusOr<CommandLine> ParseCommandLine(const std::vector<std::string>& arg
 
 // The flags' help: one entry per flag, "  --name VALUE, --alias" then the help in a column.
 std::string FormatFlagHelp(const std::vector<Flag>& flags);
+
+// The flags of each part, in order (a subcommand's flags from shared groups and its own).
+std::vector<Flag> JoinFlags(std::initializer_list<std::vector<Flag>> parts);
 
 // The flags of `flags` named in `names`, in their order there.
 std::vector<Flag> SelectFlags(std::vector<Flag> flags, const std::set<std::string>& names);

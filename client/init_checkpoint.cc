@@ -60,14 +60,12 @@ absl::Status InitCheckpoint(v1::ModelVariant variant, const v1::BertConfig& conf
 }
 
 const std::vector<Flag>& InitCheckpointFlags() {
-  static const auto* flags = [] {
-    auto* f = new std::vector<Flag>(SelectFlags(PlanRequestFlags(), {"variant", "config"}));
-    f->push_back({"seed", "N", "the random initialisation's seed (default 0)"});
-    f->push_back({"out", "DIR", "the model directory to write (created if missing)"});
-    f->push_back(
-        {"vocab", "FILE", "a WordPiece vocab.txt to ship with the model (text inference); it sets\nvocab_size"});
-    return f;
-  }();
+  static const auto* flags = new std::vector<Flag>(JoinFlags({
+      SelectFlags(PlanRequestFlags(), {"variant", "config"}),
+      {{"seed", "N", "the random initialisation's seed (default 0)"},
+       {"out", "DIR", "the model directory to write (created if missing)"},
+       {"vocab", "FILE", "a WordPiece vocab.txt to ship with the model (text inference); it sets\nvocab_size"}},
+  }));
   return *flags;
 }
 

@@ -196,19 +196,16 @@ const std::vector<Flag>& PlanRequestFlags() {
 }
 
 const std::vector<Flag>& PlanFlags() {
-  static const auto* flags = [] {
-    auto* f = new std::vector<Flag>{
-        {"request", "FILE", "PlanRequest JSON (same as the positional REQUEST.json)"},
-    };
-    f->insert(f->end(), PlanRequestFlags().begin(), PlanRequestFlags().end());
-    f->push_back({"local", "", "plan in this process (the default without --server)"});
-    f->insert(f->end(), ConnectionFlags().begin(), ConnectionFlags().end());
-    f->push_back({"output", "table|json|dot", "readable summary (default), contract JSON, Graphviz diagram"});
-    f->push_back({"batch", "FILE.jsonl",
-                  "with --output json: one request per line ('-' for stdin), one JSON line per\n"
-                  "request: the plan or {\"error\": {\"code\", \"message\"}}"});
-    return f;
-  }();
+  static const auto* flags = new std::vector<Flag>(JoinFlags({
+      {{"request", "FILE", "PlanRequest JSON (same as the positional REQUEST.json)"}},
+      PlanRequestFlags(),
+      {{"local", "", "plan in this process (the default without --server)"}},
+      ConnectionFlags(),
+      {{"output", "table|json|dot", "readable summary (default), contract JSON, Graphviz diagram"},
+       {"batch", "FILE.jsonl",
+        "with --output json: one request per line ('-' for stdin), one JSON line per\n"
+        "request: the plan or {\"error\": {\"code\", \"message\"}}"}},
+  }));
   return *flags;
 }
 

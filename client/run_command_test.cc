@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "client/captured_run.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 
@@ -69,25 +70,8 @@ TEST(ParseRunInputs, ChecksTheTokensAgainstThePlan) {
   EXPECT_TRUE(absl::StrContains(flat.status().message(), "[batch, choices, seq]")) << flat.status();
 }
 
-struct Ran {
-  int exit_code;
-  std::string out, err;
-};
-
-std::string Contents(std::FILE* f) {
-  std::rewind(f);
-  std::string text;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), f)) > 0;) text.append(buffer, n);
-  std::fclose(f);
-  return text;
-}
-
-Ran RunWith(const CommandLine& cl) {
-  std::FILE* out = std::tmpfile();
-  std::FILE* err = std::tmpfile();
-  const int code = RunRunCommand(cl, out, err);
-  return {code, Contents(out), Contents(err)};
+CapturedRun RunWith(const CommandLine& cl) {
+  return CaptureRun([&](std::FILE* out, std::FILE* err) { return RunRunCommand(cl, out, err); });
 }
 
 // Each of these is refused before any rank process starts (exit 2, or 1 for a missing binary).
@@ -124,7 +108,7 @@ TEST(RunRunCommand, RefusesBadFlagsBeforeStartingRanks) {
       {command({{"rank-binary", "/nonexistent/shard-rank"}}), 1, "rank binary /nonexistent/shard-rank not found"},
   };
   for (const auto& c : cases) {
-    const Ran r = RunWith(c.cl);
+    const CapturedRun r = RunWith(c.cl);
     EXPECT_EQ(r.exit_code, c.exit_code) << c.message << ": " << r.err;
     EXPECT_TRUE(absl::StrContains(r.err, c.message)) << r.err;
     EXPECT_TRUE(r.out.empty()) << r.out;

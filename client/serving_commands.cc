@@ -309,37 +309,31 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
 }
 
 const std::vector<Flag>& InferFlags() {
-  static const auto* flags = [] {
-    auto* f = new std::vector<Flag>(ConnectionFlags());
-    const std::vector<Flag> own = {
-        {"text", "TEXT", "the text to run (tokenized by the coordinator with the checkpoint's vocab)"},
-        {"text-pair", "TEXT", "the pair's second segment (with --text)"},
-        {"input", "FILE.json", "token ids instead of text, in `shardctl run`'s input format"},
-        {"output", "FILE.safetensors", "write the raw output tensors"},
-        {"top-k", "K", "masked LM heads: predictions per [MASK] (default 5)"},
-        {"truncate", "", "cut text longer than the model's maximum length instead of refusing it"},
-        {"micro-batches", "M", "> 1: run this request alone as that many pipeline micro-batches"},
-    };
-    f->insert(f->end(), own.begin(), own.end());
-    return f;
-  }();
+  static const auto* flags = new std::vector<Flag>(
+      JoinFlags({ConnectionFlags(),
+                 {
+                     {"text", "TEXT", "the text to run (tokenized by the coordinator with the checkpoint's vocab)"},
+                     {"text-pair", "TEXT", "the pair's second segment (with --text)"},
+                     {"input", "FILE.json", "token ids instead of text, in `shardctl run`'s input format"},
+                     {"output", "FILE.safetensors", "write the raw output tensors"},
+                     {"top-k", "K", "masked LM heads: predictions per [MASK] (default 5)"},
+                     {"truncate", "", "cut text longer than the model's maximum length instead of refusing it"},
+                     {"micro-batches", "M", "> 1: run this request alone as that many pipeline micro-batches"},
+                 }}));
   return *flags;
 }
 
 const std::vector<Flag>& EmbedFlags() {
-  static const auto* flags = [] {
-    auto* f = new std::vector<Flag>(ConnectionFlags());
-    const std::vector<Flag> own = {
-        {"file", "FILE|-", "texts, one per line ('-' for stdin), after those given as arguments"},
-        {"input", "FILE.json", "token ids instead of texts, in `shardctl run`'s input format"},
-        {"pooling", "mean|cls|max|mean_sqrt_len", "override the checkpoint's sentence-transformers pooling"},
-        {"normalize", "true|false", "override whether vectors are L2-normalised"},
-        {"truncate", "", "cut texts longer than the model's maximum length instead of refusing them"},
-        {"format", "table|json", "a table ending with the cosine-similarity matrix (default), or the response"},
-    };
-    f->insert(f->end(), own.begin(), own.end());
-    return f;
-  }();
+  static const auto* flags = new std::vector<Flag>(JoinFlags(
+      {ConnectionFlags(),
+       {
+           {"file", "FILE|-", "texts, one per line ('-' for stdin), after those given as arguments"},
+           {"input", "FILE.json", "token ids instead of texts, in `shardctl run`'s input format"},
+           {"pooling", "mean|cls|max|mean_sqrt_len", "override the checkpoint's sentence-transformers pooling"},
+           {"normalize", "true|false", "override whether vectors are L2-normalised"},
+           {"truncate", "", "cut texts longer than the model's maximum length instead of refusing them"},
+           {"format", "table|json", "a table ending with the cosine-similarity matrix (default), or the response"},
+       }}));
   return *flags;
 }
 

@@ -120,7 +120,7 @@ const std::vector<Subcommand>& Subcommands() {
       {"workers", "workers [flags]",
        absl::StrCat("List the workers: address, device, health, free memory, job and rank.", kCoordinatorNote),
        &ConnectionFlags(), &OnCoordinator<WorkersCommand>},
-      {"infer", "infer ID --text \"...\" [--text-pair \"...\"] | --input FILE.json [--output FILE.safetensors] [flags]",
+      {"infer", "infer ID --text \"...\" [--text-pair \"...\"] | --input FILE.json [--output FILE.safetensors]",
        absl::StrCat("Run a READY job on a text or token ids. Prints the input_ids the model ran on (and "
                     "token_type_ids for a pair), the head's predictions (top-k tokens per [MASK], labels with "
                     "scores, the answer span) and the outputs' shapes; --output writes the raw tensors.",

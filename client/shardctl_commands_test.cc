@@ -6,31 +6,15 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
+#include "client/captured_run.h"
 #include "client/version.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::client {
 namespace {
 
-struct Ran {
-  int exit_code;
-  std::string out, err;
-};
-
-std::string Contents(std::FILE* f) {
-  std::rewind(f);
-  std::string text;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), f)) > 0;) text.append(buffer, n);
-  std::fclose(f);
-  return text;
-}
-
-Ran Shardctl(const std::vector<std::string>& args) {
-  std::FILE* out = std::tmpfile();
-  std::FILE* err = std::tmpfile();
-  const int code = RunShardctl(args, out, err);
-  return {code, Contents(out), Contents(err)};
+CapturedRun Shardctl(const std::vector<std::string>& args) {
+  return CaptureRun([&](std::FILE* out, std::FILE* err) { return RunShardctl(args, out, err); });
 }
 
 const Subcommand& Find(const std::string& name) {
@@ -51,7 +35,7 @@ TEST(Shardctl, TheSubcommandsAreAllThere) {
 TEST(Shardctl, SubcommandHelpIsThatCommandsUsageAndFlagsOnly) {
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"submit", "--help"}, {"help", "submit"}, {"submit", "--checkpoint", "x", "--help"}}) {
-    const Ran r = Shardctl(args);
+    const CapturedRun r = Shardctl(args);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     EXPECT_TRUE(r.err.empty()) << r.err;
     EXPECT_TRUE(absl::StartsWith(r.out, "usage: shardctl submit --checkpoint DIR")) << r.out;
@@ -69,7 +53,7 @@ TEST(Shardctl, SubcommandHelpIsThatCommandsUsageAndFlagsOnly) {
     EXPECT_EQ(entries, Find("submit").flags->size() + 1) << r.out;
   }
   for (const Subcommand& c : Subcommands()) {
-    const Ran r = Shardctl({c.name, "--help"});
+    const CapturedRun r = Shardctl({c.name, "--help"});
     EXPECT_EQ(r.exit_code, 0) << c.name;
     EXPECT_EQ(r.out, SubcommandHelp(c)) << c.name;
     EXPECT_LT(std::count(r.out.begin(), r.out.end(), '\n'), 60) << c.name << ":\n" << r.out;
@@ -78,7 +62,7 @@ TEST(Shardctl, SubcommandHelpIsThatCommandsUsageAndFlagsOnly) {
 }
 
 TEST(Shardctl, TopLevelHelpListsEveryCommandOnce) {
-  const Ran r = Shardctl({"--help"});
+  const CapturedRun r = Shardctl({"--help"});
   EXPECT_EQ(r.exit_code, 0);
   for (const Subcommand& c : Subcommands()) {
     EXPECT_TRUE(absl::StrContains(r.out, "\n  " + c.name + " ")) << c.name << " missing from\n" << r.out;
@@ -86,14 +70,14 @@ TEST(Shardctl, TopLevelHelpListsEveryCommandOnce) {
   EXPECT_FALSE(absl::StrContains(r.out, "--layers-per-stage")) << "flags belong to each command's help";
   EXPECT_EQ(Shardctl({"help"}).out, r.out);
   EXPECT_EQ(Shardctl({"-h"}).out, r.out);
-  const Ran bare = Shardctl({});
+  const CapturedRun bare = Shardctl({});
   EXPECT_EQ(bare.exit_code, 2);
   EXPECT_EQ(bare.err, r.out);
   EXPECT_TRUE(bare.out.empty());
 }
 
 TEST(Shardctl, VersionIsTheOneConstant) {
-  const Ran r = Shardctl({"--version"});
+  const CapturedRun r = Shardctl({"--version"});
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_EQ(r.out, std::string("shardctl ") + kShardctlVersion + "\n");
   EXPECT_TRUE(r.err.empty());
@@ -101,7 +85,7 @@ TEST(Shardctl, VersionIsTheOneConstant) {
 
 TEST(Shardctl, AnUnknownCommandListsTheRealOnes) {
   for (const std::vector<std::string>& args : {std::vector<std::string>{"frobnicate"}, {"help", "frobnicate"}}) {
-    const Ran r = Shardctl(args);
+    const CapturedRun r = Shardctl(args);
     EXPECT_EQ(r.exit_code, 2);
     EXPECT_TRUE(r.out.empty());
     EXPECT_EQ(r.err,
@@ -111,14 +95,14 @@ TEST(Shardctl, AnUnknownCommandListsTheRealOnes) {
 }
 
 TEST(Shardctl, ABadFlagPointsAtThatCommandsHelp) {
-  const Ran r = Shardctl({"jobs", "--pooling", "mean"});
+  const CapturedRun r = Shardctl({"jobs", "--pooling", "mean"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(absl::StartsWith(r.err, "shardctl: unknown flag --pooling; known flags: --server")) << r.err;
   EXPECT_TRUE(absl::EndsWith(r.err, "(see shardctl jobs --help)\n")) << r.err;
 }
 
 TEST(Shardctl, AnUnreachableCoordinatorIsNamed) {
-  const Ran r = Shardctl({"jobs", "--server", "127.0.0.1:1", "--timeout", "5"});
+  const CapturedRun r = Shardctl({"jobs", "--server", "127.0.0.1:1", "--timeout", "5"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(absl::StartsWith(r.err,
                                "shardctl: UNAVAILABLE: coordinator at 127.0.0.1:1 (--server) could not be "
@@ -126,14 +110,14 @@ TEST(Shardctl, AnUnreachableCoordinatorIsNamed) {
       << r.err;
   EXPECT_TRUE(absl::EndsWith(r.err, "Give its address with --server HOST:PORT or $BERTSHARD_SERVER\n")) << r.err;
   // plan asks a coordinator only with --server: its hint names that alone.
-  const Ran plan = Shardctl({"plan", "--variant", "BertModel", "--server", "127.0.0.1:1", "--timeout", "5"});
+  const CapturedRun plan = Shardctl({"plan", "--variant", "BertModel", "--server", "127.0.0.1:1", "--timeout", "5"});
   EXPECT_EQ(plan.exit_code, 1);
   EXPECT_TRUE(absl::EndsWith(plan.err, "Give its address with --server HOST:PORT\n")) << plan.err;
 }
 
 TEST(Shardctl, TheServersTlsSpellingsWork) {
   // A CA that is not there: refused as the dashed spelling is, before any call.
-  const Ran r = Shardctl({"jobs", "--server", "127.0.0.1:1", "--tls_ca", "/nonexistent/ca.pem"});
+  const CapturedRun r = Shardctl({"jobs", "--server", "127.0.0.1:1", "--tls_ca", "/nonexistent/ca.pem"});
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_TRUE(absl::StrContains(r.err, "/nonexistent/ca.pem")) << r.err;
   EXPECT_EQ(Shardctl({"jobs", "--server", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"}).err, r.err);
