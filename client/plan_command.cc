@@ -310,6 +310,10 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
       return ReportError(err, absl::InvalidArgumentError("--timeout needs a positive number of seconds"));
     }
   }
+  // Checked with --local too, as they always were: a flag that names a file that cannot be used
+  // is a mistake either way.
+  if (absl::Status token = ClientToken(cl).status(); !token.ok()) return ReportError(err, token);
+  if (absl::Status tls = ClientCredentials(cl).status(); !tls.ok()) return ReportError(err, tls);
   absl::StatusOr<PlanFn> plan_fn = v.count("server") ? RemotePlanner(cl) : absl::StatusOr<PlanFn>(LocalPlanner());
   if (!plan_fn.ok()) return ReportError(err, plan_fn.status());
   if (auto it = v.find("batch"); it != v.end()) {
