@@ -59,8 +59,13 @@ absl::Status InitCheckpoint(v1::ModelVariant variant, const v1::BertConfig& conf
   return absl::OkStatus();
 }
 
-const std::set<std::string>& InitCheckpointValueFlags() {
-  static const auto* flags = new std::set<std::string>{"variant", "config", "seed", "out", "vocab"};
+const std::vector<Flag>& InitCheckpointFlags() {
+  static const auto* flags = new std::vector<Flag>(JoinFlags({
+      SelectFlags(PlanRequestFlags(), {"variant", "config"}),
+      {{"seed", "N", "the random initialisation's seed (default 0)"},
+       {"out", "DIR", "the model directory to write (created if missing)"},
+       {"vocab", "FILE", "a WordPiece vocab.txt to ship with the model (text inference); it sets\nvocab_size"}},
+  }));
   return *flags;
 }
 

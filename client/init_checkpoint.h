@@ -13,8 +13,8 @@
 
 #include <cstdint>
 #include <cstdio>
-#include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "bertshard/v1/plan.pb.h"
@@ -27,7 +27,8 @@ namespace bertshard::client {
 absl::Status InitCheckpoint(v1::ModelVariant variant, const v1::BertConfig& config, uint64_t seed,
                             const std::string& directory);
 
-const std::set<std::string>& InitCheckpointValueFlags();
+// --variant and --config (as for plan), --seed, --out, --vocab.
+const std::vector<Flag>& InitCheckpointFlags();
 int RunInitCheckpointCommand(const CommandLine& command_line, std::FILE* out, std::FILE* err);
 
 }  // namespace bertshard::client

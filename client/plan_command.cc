@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <cctype>
-#include <chrono>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -15,15 +14,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
+#include "client/coordinator_connection.h"
 #include "common/file.h"
-#include "common/grpc_auth.h"
-#include "common/grpc_status.h"
-#include "common/grpc_tls.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
 #include "google/protobuf/arena.h"
 #include "google/protobuf/struct.pb.h"
-#include "grpcpp/grpcpp.h"
 #include "planner/model_config.h"
 #include "planner/plan_format.h"
 #include "planner/planner.h"
@@ -107,25 +103,15 @@ PlanFn LocalPlanner() {
   return [](const v1::PlanRequest& r, v1::ShardPlan* plan) { return planner::PlanInto(r, plan); };
 }
 
-PlanFn RemotePlanner(const std::string& address, std::chrono::milliseconds timeout, const std::string& token,
-                     std::shared_ptr<grpc::ChannelCredentials> credentials) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(256 << 20);
-  auto channel = grpc::CreateCustomChannel(address, credentials, args);
-  std::shared_ptr<v1::Coordinator::Stub> stub = v1::Coordinator::NewStub(channel);
-  return [stub, address, timeout, token](const v1::PlanRequest& r, v1::ShardPlan* plan) -> absl::Status {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + timeout);
-    common::AttachToken(&context, token);
-    grpc::Status status = stub->Plan(&context, r, plan);
-    if (!status.ok()) {
-      absl::Status s = common::FromGrpcStatus(status);
-      if (s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded) {
-        return absl::Status(s.code(), absl::StrCat("coordinator at ", address, ": ", s.message()));
-      }
-      return s;
-    }
-    return absl::OkStatus();
+// Plans on the coordinator at --server. (`plan` reads no $BERTSHARD_SERVER: without --server it
+// plans here.)
+absl::StatusOr<PlanFn> RemotePlanner(const CommandLine& cl) {
+  ASSIGN_OR_RETURN(
+      CoordinatorConnection connection,
+      CoordinatorConnection::Open(cl, {cl.values.at("server"), "--server", "--server HOST:PORT"}, 256 << 20));
+  auto shared = std::make_shared<CoordinatorConnection>(std::move(connection));
+  return [shared](const v1::PlanRequest& r, v1::ShardPlan* plan) -> absl::Status {
+    return shared->Check(shared->stub()->Plan(shared->Context(30).get(), r, plan));
   };
 }
 
@@ -181,17 +167,45 @@ int ReportError(std::FILE* err, const absl::Status& status) {
   }
 }
 
-const std::set<std::string>& PlanValueFlags() {
-  static const auto* flags = new std::set<std::string>{
-      "request", "variant",          "config",     "checkpoint",     "tp",       "pp",     "pp-style",
-      "chunks",  "layers-per-stage", "sp-mode",    "vocab-multiple", "dtype",    "server", "output",
-      "batch",   "timeout",          "token-file", "tls-ca",         "tls-cert", "tls-key"};
+const std::vector<Flag>& PlanRequestFlags() {
+  static const auto* flags = new std::vector<Flag>{
+      {"variant", "NAME",
+       "BertModel, BertForPreTraining, BertLMHeadModel, BertForMaskedLM,\n"
+       "BertForNextSentencePrediction, BertForSequenceClassification,\n"
+       "BertForTokenClassification, BertForMultipleChoice, BertForQuestionAnswering\n"
+       "(or BERT_FOR_MASKED_LM style names)"},
+      {"config", "FILE|JSON", "HuggingFace config.json fields (a file, or inline JSON)"},
+      {"checkpoint", "DIR", "HuggingFace model directory; its config.json fills config and variant"},
+      {"tp", "N", "tensor parallel size (1: off)"},
+      {"pp", "N", "pipeline stages (1: no pipeline)"},
+      {"pp-style", "S", "1f1b (default), interleaved, zbv"},
+      {"chunks", "N", "model chunks per stage (interleaved: > 1; zbv: 2)"},
+      {"layers-per-stage", "A,B,..", "explicit layer count per pipeline slot (stages x chunks)"},
+      {"sp-mode", "M", "none, split_gather, ring (all_to_all, ring_attn are refused)"},
+      {"vocab-multiple", "N", "make_vocab_size_divisible_by (default 64)"},
+      {"dtype", "D",
+       "fp32 (default), bf16 or fp16: the dtype ranks hold weights and compute in\n"
+       "(converted at load from any float checkpoint; outputs stay float32; param bytes\n"
+       "follow it). fp16 needs CUDA: a CPU rank refuses it"},
+      {"fused-norm", "", "enable_fused_normalization"},
+      {"jit-fused", "", "enable_jit_fused"},
+      {"all-optimization", "", "enable_all_optimization"},
+      {"fp8", "", "fp8_communication"},
+  };
   return *flags;
 }
 
-const std::set<std::string>& PlanSwitchFlags() {
-  static const auto* flags =
-      new std::set<std::string>{"local", "fused-norm", "jit-fused", "all-optimization", "fp8", "help"};
+const std::vector<Flag>& PlanFlags() {
+  static const auto* flags = new std::vector<Flag>(JoinFlags({
+      {{"request", "FILE", "PlanRequest JSON (same as the positional REQUEST.json)"}},
+      PlanRequestFlags(),
+      {{"local", "", "plan in this process (the default without --server)"}},
+      ConnectionFlags(),
+      {{"output", "table|json|dot", "readable summary (default), contract JSON, Graphviz diagram"},
+       {"batch", "FILE.jsonl",
+        "with --output json: one request per line ('-' for stdin), one JSON line per\n"
+        "request: the plan or {\"error\": {\"code\", \"message\"}}"}},
+  }));
   return *flags;
 }
 
@@ -296,13 +310,12 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
       return ReportError(err, absl::InvalidArgumentError("--timeout needs a positive number of seconds"));
     }
   }
-  const absl::StatusOr<std::string> token = ClientToken(cl);
-  if (!token.ok()) return ReportError(err, token.status());
-  const auto credentials = ClientCredentials(cl);
-  if (!credentials.ok()) return ReportError(err, credentials.status());
-  const PlanFn plan_fn = v.count("server")
-                             ? RemotePlanner(v.at("server"), std::chrono::seconds(timeout_s), *token, *credentials)
-                             : LocalPlanner();
+  // Checked with --local too, as they always were: a flag that names a file that cannot be used
+  // is a mistake either way.
+  if (absl::Status token = ClientToken(cl).status(); !token.ok()) return ReportError(err, token);
+  if (absl::Status tls = ClientCredentials(cl).status(); !tls.ok()) return ReportError(err, tls);
+  absl::StatusOr<PlanFn> plan_fn = v.count("server") ? RemotePlanner(cl) : absl::StatusOr<PlanFn>(LocalPlanner());
+  if (!plan_fn.ok()) return ReportError(err, plan_fn.status());
   if (auto it = v.find("batch"); it != v.end()) {
     if (output != "json") {
       return ReportError(err, absl::InvalidArgumentError("--batch writes JSON lines: use it with --output json"));
@@ -314,7 +327,7 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
                                                                         flag, " cannot be combined with it")));
       }
     }
-    return RunBatch(it->second, plan_fn, out, err);
+    return RunBatch(it->second, *plan_fn, out, err);
   }
 
   v1::PlanRequest request;
@@ -341,7 +354,7 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
     return ReportError(err, s);
   }
   auto plan = std::make_unique<v1::ShardPlan>();
-  if (absl::Status status = plan_fn(request, plan.get()); !status.ok()) {
+  if (absl::Status status = (*plan_fn)(request, plan.get()); !status.ok()) {
     return ReportError(err, status);
   }
   std::string text;
@@ -355,21 +368,6 @@ int RunPlanCommand(const CommandLine& cl, std::FILE* out, std::FILE* err) {
   }
   std::fwrite(text.data(), 1, text.size(), out);
   return std::fflush(out) == 0 ? kExitOk : kExitFailure;
-}
-
-absl::StatusOr<std::string> ClientToken(const CommandLine& cl) {
-  const auto it = cl.values.find("token-file");
-  return common::LoadToken(it == cl.values.end() ? "" : it->second, "BERTSHARD_TOKEN");
-}
-
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(const CommandLine& cl) {
-  const auto flag = [&](const char* name, const char* env) {
-    if (auto it = cl.values.find(name); it != cl.values.end()) return it->second;
-    const char* value = std::getenv(env);
-    return std::string(value == nullptr ? "" : value);
-  };
-  return common::ChannelCredentials({flag("tls-cert", "BERTSHARD_TLS_CERT"), flag("tls-key", "BERTSHARD_TLS_KEY"),
-                                     flag("tls-ca", "BERTSHARD_TLS_CA")});
 }
 
 }  // namespace bertshard::client

@@ -9,30 +9,32 @@
 #define BERTSHARD_CLIENT_PLAN_COMMAND_H_
 
 #include <cstdio>
-#include <memory>
-#include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "bertshard/v1/plan.pb.h"
 #include "client/command_line.h"
-#include "grpcpp/security/credentials.h"
 
 namespace bertshard::client {
 
 // Exit statuses of shardctl.
 inline constexpr int kExitOk = 0;
-inline constexpr int kExitFailure = 1;       // the coordinator could not be reached, I/O errors
+inline constexpr int kExitFailure = 1;       // anything else: the coordinator could not be reached,
+                                             // a job failed, refusals (FAILED_PRECONDITION, ...), I/O
 inline constexpr int kExitInvalidInput = 2;  // invalid request or command line
 inline constexpr int kExitNotFound = 3;      // an unknown job
 
 // Prints "shardctl: CODE: message" to `err` and returns the exit status for `status`.
 int ReportError(std::FILE* err, const absl::Status& status);
 
-// Flags `shardctl plan` takes.
-const std::set<std::string>& PlanValueFlags();
-const std::set<std::string>& PlanSwitchFlags();
+// The flags that build a PlanRequest (ApplyPlanFlags reads them), which plan, submit, run and
+// init-checkpoint share.
+const std::vector<Flag>& PlanRequestFlags();
+// Everything `shardctl plan` takes: those, the request file, --local, the connection flags,
+// --output and --batch.
+const std::vector<Flag>& PlanFlags();
 
 // Parses a PlanRequest in the contract's JSON. Besides the enum names it accepts the HF class
 // name for `variant` (BertForMaskedLM) and lower-case pp_style / sp_mode ("zbv",
@@ -46,15 +48,6 @@ absl::Status ApplyPlanFlags(const CommandLine& command_line, v1::PlanRequest* re
 
 // Runs `shardctl plan` with parsed arguments (positional[0] is "plan"); returns the exit status.
 int RunPlanCommand(const CommandLine& command_line, std::FILE* out, std::FILE* err);
-
-// The bearer token the coordinator calls carry (common/grpc_auth.h): --token-file, else
-// $BERTSHARD_TOKEN, else none. INVALID_ARGUMENT when the file cannot be read or is empty.
-absl::StatusOr<std::string> ClientToken(const CommandLine& cl);
-
-// The channel credentials of coordinator calls (common/grpc_tls.h): --tls-ca, --tls-cert and
-// --tls-key, else $BERTSHARD_TLS_CA, $BERTSHARD_TLS_CERT and $BERTSHARD_TLS_KEY; plaintext when
-// none is set. INVALID_ARGUMENT for unreadable or non-PEM files, or a certificate without its key.
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ClientCredentials(const CommandLine& cl);
 
 }  // namespace bertshard::client
 

@@ -47,7 +47,7 @@ TEST(PlanFlags, FlagsOverrideTheRequest) {
   auto cl = ParseCommandLine({"plan", "--variant", "BertModel", "--tp", "4", "--pp-style", "interleaved", "--chunks",
                               "2", "--layers-per-stage", "1, 2,3,6", "--sp-mode", "ring", "--config",
                               R"({"num_hidden_layers": 12, "hidden_act": "relu"})", "--fp8"},
-                             PlanValueFlags(), PlanSwitchFlags());
+                             PlanFlags());
   ASSERT_TRUE(cl.ok()) << cl.status();
   v1::PlanRequest request;
   request.set_variant(v1::BERT_FOR_MASKED_LM);
@@ -63,8 +63,7 @@ TEST(PlanFlags, FlagsOverrideTheRequest) {
 }
 
 TEST(PlanFlags, DtypeFromTheFlagOrTheRequest) {
-  auto cl =
-      ParseCommandLine({"plan", "--variant", "BertModel", "--dtype", "bfloat16"}, PlanValueFlags(), PlanSwitchFlags());
+  auto cl = ParseCommandLine({"plan", "--variant", "BertModel", "--dtype", "bfloat16"}, PlanFlags());
   ASSERT_TRUE(cl.ok()) << cl.status();
   v1::PlanRequest request;
   ASSERT_TRUE(ApplyPlanFlags(*cl, &request).ok());
@@ -87,7 +86,7 @@ TEST(PlanFlags, RejectsNonIntegersAndUnknownStyles) {
                                                          {"plan", "--config", "{not json"},
                                                          {"plan", "--layers-per-stage", "1,,2"},
                                                          {"plan", "--dtype", "fp8"}}) {
-    auto cl = ParseCommandLine(args, PlanValueFlags(), PlanSwitchFlags());
+    auto cl = ParseCommandLine(args, PlanFlags());
     ASSERT_TRUE(cl.ok());
     v1::PlanRequest request;
     EXPECT_EQ(ApplyPlanFlags(*cl, &request).code(), absl::StatusCode::kInvalidArgument) << args[2];

@@ -384,22 +384,29 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
 
 }  // namespace
 
-const std::set<std::string>& RunValueFlags() {
-  static const auto* flags = [] {
-    auto* f = new std::set<std::string>(PlanValueFlags());
-    for (const char* drop : {"request", "server", "output", "batch", "token-file", "tls-ca", "tls-cert", "tls-key"}) {
-      f->erase(drop);
-    }
-    for (const char* add : {"input", "output", "micro-batches", "backend", "threads", "rank-binary", "timeout",
-                            "report", "iterations", "gemm", "tp-transport"}) {
-      f->insert(add);
-    }
-    return f;
-  }();
+const std::vector<Flag>& RunFlags() {
+  static const auto* flags = new std::vector<Flag>(JoinFlags(
+      {PlanRequestFlags(),
+       {
+           {"local", "", "ranks on this machine (required: on workers it is `shardctl submit`)"},
+           {"input", "FILE.json", "token ids: {\"input_ids\": [[...]], \"attention_mask\", \"token_type_ids\"}"},
+           {"output", "FILE.safetensors", "where the head stage writes the outputs (float32, HF names)"},
+           {"micro-batches", "M", "pipeline micro-batches (default 1)"},
+           {"threads", "T", "LibTorch threads per rank (default: the cores shared out)"},
+           {"gemm", "auto|blas|onednn",
+            "CPU matrix products: OpenBLAS via at::linear, or oneDNN with weights prepacked at\n"
+            "load; auto, the default, times both in each rank and takes the faster"},
+           {"tp-transport", "auto|gloo",
+            "tensor-parallel collectives: auto, the default, goes through shared memory\n"
+            "between ranks that share a host; gloo always uses Gloo's TCP"},
+           {"backend", "gloo|nccl", "the ranks' collectives (default gloo)"},
+           {"timeout", "SECONDS", "deadline of the whole run (default 600)"},
+           {"iterations", "N", "forwards to time (1..1000, default 1)"},
+           {"report", "FILE", "also write the per-rank figures as JSON"},
+           {"rank-binary", "PATH", "the shard-rank binary (default $BERTSHARD_RANK_BINARY, else beside shardctl)"},
+       }}));
   return *flags;
 }
-
-const std::set<std::string>& RunSwitchFlags() { return PlanSwitchFlags(); }
 
 absl::StatusOr<RunInputs> ParseTokenJson(const std::string& text, int depth) {
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);

@@ -15,8 +15,8 @@
 #define BERTSHARD_CLIENT_RUN_COMMAND_H_
 
 #include <cstdio>
-#include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "bertshard/v1/plan.pb.h"
@@ -24,8 +24,8 @@
 
 namespace bertshard::client {
 
-const std::set<std::string>& RunValueFlags();
-const std::set<std::string>& RunSwitchFlags();
+// The request flags (PlanRequestFlags) and run's own.
+const std::vector<Flag>& RunFlags();
 
 // Validated inputs, flattened row-major to [rows, seq] (rows = batch x choices).
 struct RunInputs {
