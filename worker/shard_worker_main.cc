@@ -20,10 +20,8 @@
 #include "common/metrics_endpoint.h"
 #include "common/model_root.h"
 #include "model/gemm.h"
+#include "worker/collectives_backend.h"
 #include "worker/gpu_placement.h"
-#ifdef BERTSHARD_WITH_NCCL
-#include "worker/nccl_collectives.h"
-#endif
 #include "worker/registration.h"
 #include "worker/worker_service.h"
 
@@ -97,20 +95,12 @@ int main(int argc, char** argv) {
   std::string gpu_bus_id;  // reported to the coordinator, which places one rank per GPU by it
   if (*gpu >= 0) {
     // Refused at start, not at a job's load: a GPU worker this build or host cannot serve.
-#ifdef BERTSHARD_WITH_NCCL
-    const absl::Status visible = bertshard::worker::NcclCollectives::RequireGpu(*gpu);
-    const absl::StatusOr<std::string> bus_id =
-        visible.ok() ? bertshard::worker::NcclCollectives::GpuBusId(*gpu) : absl::StatusOr<std::string>(visible);
+    const auto bus_id = bertshard::worker::WorkerGpuBusId(absl::GetFlag(FLAGS_device), *gpu);
     if (!bus_id.ok()) {
-      std::fprintf(stderr, "shard-worker: --device: %s\n", std::string(bus_id.status().message()).c_str());
+      std::fprintf(stderr, "shard-worker: %s\n", std::string(bus_id.status().message()).c_str());
       return 2;
     }
     gpu_bus_id = *bus_id;
-#else
-    std::fprintf(stderr, "shard-worker: --device=%s needs a build with NCCL: bazel build --config=cuda\n",
-                 absl::GetFlag(FLAGS_device).c_str());
-    return 2;
-#endif
   }
   bertshard::common::InstallShutdownHandlers();
   // Declared before the service, so they outlive it; the endpoint is stopped before the service goes.
