@@ -9,6 +9,7 @@
 namespace bertshard::worker {
 
 absl::StatusOr<LoadedShard> LoadAndConnect(const v1::ShardPlan& plan, int rank, const ShardLoadOptions& options) {
+  RETURN_IF_ERROR(CheckBackend(options.collectives.backend));  // before anything is read
   ASSIGN_OR_RETURN(const std::string directory, options.model_root.Resolve(options.checkpoint));
   auto checkpoint = checkpoint::Checkpoint::Open(directory);
   if (!checkpoint.ok()) {

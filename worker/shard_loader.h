@@ -14,9 +14,9 @@
 //                                                                   .master_port = 29500}}}));
 //   ASSIGN_OR_RETURN(auto outputs, loaded.shard->Forward(inputs, 1, loaded.collectives.comm.get()));
 //
-// Errors: a checkpoint outside the model root, or one that is not there, is INVALID_ARGUMENT (the
-// request's fault); the load's errors as BertShard::Load's (CANCELLED when `progress` says stop);
-// the backend's as ConnectCollectives's (UNAVAILABLE when peers do not arrive in time).
+// Errors: a backend this build cannot connect is refused first (CheckBackend); a checkpoint outside the model root, or
+// one that is not there, is INVALID_ARGUMENT (the request's fault); the load's errors as BertShard::Load's (CANCELLED
+// when `progress` says stop); the backend's as ConnectCollectives's (UNAVAILABLE when peers do not arrive in time).
 //
 // Thread safety: thread-safe; each call loads a shard of its own (LibTorch's thread count is the
 // caller's to set, worker/math_threads.h).
