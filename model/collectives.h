@@ -1,8 +1,10 @@
 // File: model/collectives.h
 // -----------------------------------------------------------------------------
 // The communication a rank of a sharded BERT needs: collectives over its stage's tensor-parallel
-// group and point-to-point transfers of activations between pipeline stages. The worker implements
-// it over c10d process groups (Gloo on CPU); SingleRankCollectives serves an unsharded model.
+// group and point-to-point transfers of activations between pipeline stages. This is bertshard's
+// own interface, not a c10d one: the worker implements it with Gloo process groups and shared
+// memory on CPU, and with NCCL communicators on CUDA (worker/collectives_backend.h picks one by
+// backend name); SingleRankCollectives serves an unsharded model.
 //
 // Every method returns a Status instead of throwing. After an error the group is unusable (a
 // failed collective can desynchronise the ranks): callers end the rank.

@@ -54,35 +54,36 @@ GlooCollectives::GlooCollectives(std::unique_ptr<Groups> groups) : groups_(std::
 GlooCollectives::~GlooCollectives() = default;
 
 absl::StatusOr<std::unique_ptr<GlooCollectives>> GlooCollectives::Connect(const GlooOptions& o) {
-  if (o.world_size < 1 || o.tp_size < 1 || o.world_size % o.tp_size != 0 || o.rank < 0 || o.rank >= o.world_size ||
-      o.master_port <= 0 || o.master_port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("inconsistent process group: rank ", o.rank, " of ", o.world_size,
-                                                   ", tp ", o.tp_size, ", port ", o.master_port));
+  const RendezvousOptions& r = o.rendezvous;
+  if (r.world_size < 1 || o.tp_size < 1 || r.world_size % o.tp_size != 0 || r.rank < 0 || r.rank >= r.world_size ||
+      r.master_port <= 0 || r.master_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("inconsistent process group: rank ", r.rank, " of ", r.world_size,
+                                                   ", tp ", o.tp_size, ", port ", r.master_port));
   }
   auto groups = std::make_unique<Groups>();
   groups->options = o;
-  groups->tp_rank = o.rank % o.tp_size;
-  auto store = ConnectStore(o);
+  groups->tp_rank = r.rank % o.tp_size;
+  auto store = ConnectStore(r);
   if (!store.ok()) return store.status();
   groups->store = *store;
-  const int stage = o.rank / o.tp_size;
+  const int stage = r.rank / o.tp_size;
   if (o.tp_size > 1 && o.shared_memory) {
     ShmOptions shm = o.shm;
-    shm.timeout = o.timeout;
+    shm.timeout = r.timeout;
     auto group = SharedMemoryGroup::Join(**store, absl::StrCat("shm/tp", stage), groups->tp_rank, o.tp_size, shm);
     if (!group.ok()) return group.status();
     groups->shm = std::move(*group);  // null: not one host, Gloo it is
   }
   absl::Status status = Guard("rendezvous", [&]() {
     auto make_options = [&]() {
-      auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
+      auto options = c10d::ProcessGroupGloo::Options::create(r.timeout);
       options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname(o.bind_host.empty() ? o.master_addr : o.bind_host));
+          c10d::ProcessGroupGloo::createDeviceForHostname(o.bind_host.empty() ? r.master_addr : o.bind_host));
       options->threads = 1;
       return options;
     };
     groups->world = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("world", groups->store), o.rank, o.world_size, make_options());
+        c10::make_intrusive<c10d::PrefixStore>("world", groups->store), r.rank, r.world_size, make_options());
     if (o.tp_size > 1 && !groups->shm) {
       groups->tp = c10::make_intrusive<c10d::ProcessGroupGloo>(
           c10::make_intrusive<c10d::PrefixStore>(absl::StrCat("tp", stage), groups->store), groups->tp_rank, o.tp_size,
@@ -175,7 +176,8 @@ absl::Status GlooCollectives::Recv(at::Tensor& tensor, int src_rank, int tag) {
 }
 
 absl::Status GlooCollectives::Barrier() {
-  return StoreBarrier(*groups_->store, absl::StrCat("barrier/", groups_->barriers++), groups_->options.world_size);
+  return StoreBarrier(*groups_->store, absl::StrCat("barrier/", groups_->barriers++),
+                      groups_->options.rendezvous.world_size);
 }
 
 }  // namespace bertshard::worker

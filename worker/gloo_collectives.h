@@ -14,39 +14,28 @@
 #ifndef BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
 #define BERTSHARD_WORKER_GLOO_COLLECTIVES_H_
 
-#include <chrono>
 #include <memory>
 #include <string>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "absl/status/statusor.h"
 #include "model/collectives.h"
+#include "worker/rendezvous.h"
 #include "worker/shm_group.h"
 
 namespace bertshard::worker {
 
 struct GlooOptions {
-  std::string master_addr = "127.0.0.1";
-  // The address this rank's Gloo transport binds to: one of this host's own names or addresses
-  // (a worker's advertised host). Empty: master_addr, which is only right when every rank shares
-  // rank 0's host (loopback); on other hosts that name is not local and binding to it fails.
-  std::string bind_host;
-  int master_port = 0;  // with `store`: the port it serves (the other ranks' master_port)
-  int rank = 0;
-  int world_size = 1;
+  RendezvousOptions rendezvous;
   int tp_size = 1;  // ranks stage*tp .. stage*tp+tp-1 form a stage's TP group
-  // Rendezvous and every collective give up after this long (no hangs).
-  std::chrono::milliseconds timeout{120000};
+  // The address this rank's Gloo transport binds to: one of this host's own names or addresses
+  // (a worker's advertised host). Empty: rendezvous.master_addr, which is only right when every
+  // rank shares rank 0's host (loopback); on other hosts that name is not local and binding to it
+  // fails.
+  std::string bind_host;
   // Tensor-parallel collectives through shared memory where a stage's ranks share a host (and its
   // /dev/shm); Gloo where they do not, or when false. See worker/shm_group.h.
   bool shared_memory = true;
-  ShmOptions shm;  // its timeout is `timeout`
-  // A rendezvous store made beforehand, used instead of hosting one (rank 0) or connecting to
-  // master_addr:master_port; its timeout is set to `timeout`. This is how torchrun's agent hosts
-  // the store before it starts the ranks: rank 0 is handed a store already bound to a port the
-  // system picked (worker/rendezvous.h: HostStore, ReservedStores), and the others connect to that
-  // port -- rather than rank 0 binding a port chosen earlier, which may have been taken meanwhile.
-  c10::intrusive_ptr<c10d::Store> store;
+  ShmOptions shm;  // its timeout is rendezvous.timeout
 };
 
 class GlooCollectives final : public model::Collectives {

@@ -24,7 +24,7 @@ class Rendezvous {
  public:
   Rendezvous() : store_(HostStore(std::chrono::seconds(30)).value()) {}
   int port() const { return store_->getPort(); }
-  // GlooOptions::store for `rank`: the hosted store for rank 0, none for the others.
+  // RendezvousOptions::store for `rank`: the hosted store for rank 0, none for the others.
   c10::intrusive_ptr<c10d::Store> StoreFor(int rank) const {
     return rank == 0 ? c10::intrusive_ptr<c10d::Store>(store_) : c10::intrusive_ptr<c10d::Store>();
   }
@@ -48,14 +48,14 @@ TEST_P(TpTransport, TensorParallelAndPipelineOpsOnFourRanks) {
   std::vector<std::string> failures(4);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
-    GlooOptions options{.master_addr = "127.0.0.1",
-                        .master_port = rendezvous.port(),
-                        .rank = rank,
-                        .world_size = 4,
+    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                       .master_port = rendezvous.port(),
+                                       .rank = rank,
+                                       .world_size = 4,
+                                       .timeout = std::chrono::milliseconds(30000),
+                                       .store = rendezvous.StoreFor(rank)},
                         .tp_size = 2,
-                        .timeout = std::chrono::milliseconds(30000),
-                        .shared_memory = shared_memory(),
-                        .store = rendezvous.StoreFor(rank)};
+                        .shared_memory = shared_memory()};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
     if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
@@ -96,14 +96,14 @@ TEST_P(TpTransport, Bf16TravelsExactlyAndSumsInFloat32) {
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
-    GlooOptions options{.master_addr = "127.0.0.1",
-                        .master_port = rendezvous.port(),
-                        .rank = rank,
-                        .world_size = 3,
+    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                       .master_port = rendezvous.port(),
+                                       .rank = rank,
+                                       .world_size = 3,
+                                       .timeout = std::chrono::milliseconds(30000),
+                                       .store = rendezvous.StoreFor(rank)},
                         .tp_size = 3,
-                        .timeout = std::chrono::milliseconds(30000),
-                        .shared_memory = shared_memory(),
-                        .store = rendezvous.StoreFor(rank)};
+                        .shared_memory = shared_memory()};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
     if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
@@ -145,13 +145,13 @@ TEST(GlooCollectives, TpRanksWithoutACommonShmFallBackToGloo) {
   const std::string base = testing::TempDir() + "/gloo_shm_fallback_";
   std::vector<std::string> failures(2);
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1",
-                        .master_port = rendezvous.port(),
-                        .rank = rank,
-                        .world_size = 2,
-                        .tp_size = 2,
-                        .timeout = std::chrono::milliseconds(30000),
-                        .store = rendezvous.StoreFor(rank)};
+    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                       .master_port = rendezvous.port(),
+                                       .rank = rank,
+                                       .world_size = 2,
+                                       .timeout = std::chrono::milliseconds(30000),
+                                       .store = rendezvous.StoreFor(rank)},
+                        .tp_size = 2};
     options.shm.dir = base + std::to_string(rank);
     mkdir(options.shm.dir.c_str(), 0700);
     auto comm = GlooCollectives::Connect(options);
@@ -176,13 +176,13 @@ TEST(GlooCollectives, SendReturnsBeforeTheReceiverTakesIt) {
   std::vector<std::string> failures(2);
   const int64_t n = int64_t{16} << 20;  // floats
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1",
-                        .master_port = rendezvous.port(),
-                        .rank = rank,
-                        .world_size = 2,
-                        .tp_size = 1,
-                        .timeout = std::chrono::milliseconds(60000),
-                        .store = rendezvous.StoreFor(rank)};
+    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                       .master_port = rendezvous.port(),
+                                       .rank = rank,
+                                       .world_size = 2,
+                                       .timeout = std::chrono::milliseconds(60000),
+                                       .store = rendezvous.StoreFor(rank)},
+                        .tp_size = 1};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
     if (rank == 0) {
@@ -212,13 +212,13 @@ TEST(GlooCollectives, BarrierWaitsForEveryRank) {
   std::atomic<int> arrived{0};
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
-    GlooOptions options{.master_addr = "127.0.0.1",
-                        .master_port = rendezvous.port(),
-                        .rank = rank,
-                        .world_size = 3,
-                        .tp_size = 1,
-                        .timeout = std::chrono::milliseconds(30000),
-                        .store = rendezvous.StoreFor(rank)};
+    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                       .master_port = rendezvous.port(),
+                                       .rank = rank,
+                                       .world_size = 3,
+                                       .timeout = std::chrono::milliseconds(30000),
+                                       .store = rendezvous.StoreFor(rank)},
+                        .tp_size = 1};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
     for (int round = 1; round <= 2; ++round) {
@@ -240,23 +240,23 @@ TEST(GlooCollectives, BarrierWithoutPeersTimesOutAsUnavailable) {
   const Rendezvous rendezvous;
   std::thread peer([&] {
     // Rank 1 joins the rendezvous, then never calls Barrier.
-    GlooOptions options{.master_addr = "127.0.0.1",
-                        .master_port = rendezvous.port(),
-                        .rank = 1,
-                        .world_size = 2,
-                        .tp_size = 1,
-                        .timeout = std::chrono::milliseconds(1500)};
+    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                       .master_port = rendezvous.port(),
+                                       .rank = 1,
+                                       .world_size = 2,
+                                       .timeout = std::chrono::milliseconds(1500)},
+                        .tp_size = 1};
     auto comm = GlooCollectives::Connect(options);
     ASSERT_TRUE(comm.ok()) << comm.status();
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   });
-  GlooOptions options{.master_addr = "127.0.0.1",
-                      .master_port = rendezvous.port(),
-                      .rank = 0,
-                      .world_size = 2,
-                      .tp_size = 1,
-                      .timeout = std::chrono::milliseconds(1500),
-                      .store = rendezvous.StoreFor(0)};
+  GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                     .master_port = rendezvous.port(),
+                                     .rank = 0,
+                                     .world_size = 2,
+                                     .timeout = std::chrono::milliseconds(1500),
+                                     .store = rendezvous.StoreFor(0)},
+                      .tp_size = 1};
   auto comm = GlooCollectives::Connect(options);
   ASSERT_TRUE(comm.ok()) << comm.status();
   const auto start = std::chrono::steady_clock::now();
@@ -268,16 +268,16 @@ TEST(GlooCollectives, BarrierWithoutPeersTimesOutAsUnavailable) {
 
 TEST(GlooCollectives, RendezvousWithoutPeersTimesOutAsUnavailable) {
   const Rendezvous rendezvous;
-  GlooOptions options{.master_addr = "127.0.0.1",
-                      .master_port = rendezvous.port(),
-                      .rank = 0,
-                      .world_size = 2,
-                      .tp_size = 1,
-                      .timeout = std::chrono::milliseconds(1500),
-                      .store = rendezvous.StoreFor(0)};
+  GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                     .master_port = rendezvous.port(),
+                                     .rank = 0,
+                                     .world_size = 2,
+                                     .timeout = std::chrono::milliseconds(1500),
+                                     .store = rendezvous.StoreFor(0)},
+                      .tp_size = 1};
   auto comm = GlooCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();
-  options.world_size = 3;
+  options.rendezvous.world_size = 3;
   options.tp_size = 2;
   EXPECT_EQ(GlooCollectives::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
@@ -286,12 +286,12 @@ TEST(GlooCollectives, RendezvousWithoutPeersTimesOutAsUnavailable) {
 // store's) fails at once as UNAVAILABLE, naming the port, rather than waiting for the timeout.
 TEST(GlooCollectives, HostingOnATakenPortFailsAtOnceAsUnavailable) {
   const Rendezvous taken;
-  GlooOptions options{.master_addr = "127.0.0.1",
-                      .master_port = taken.port(),
-                      .rank = 0,
-                      .world_size = 2,
-                      .tp_size = 1,
-                      .timeout = std::chrono::milliseconds(30000)};
+  GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                     .master_port = taken.port(),
+                                     .rank = 0,
+                                     .world_size = 2,
+                                     .timeout = std::chrono::milliseconds(30000)},
+                      .tp_size = 1};
   const auto start = std::chrono::steady_clock::now();
   auto comm = GlooCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();

@@ -51,7 +51,7 @@ absl::StatusOr<ncclDataType_t> NcclType(const at::Tensor& t) {
 }  // namespace
 
 struct NcclCollectives::State {
-  GlooOptions options;
+  NcclOptions options;
   int device = 0;
   int tp_rank = 0;
   cudaStream_t stream = nullptr;        // communication: every NCCL call
@@ -143,7 +143,7 @@ struct NcclCollectives::State {
   // the next call waits until it has (ncclCommGetAsyncError no longer ncclInProgress). This is
   // the host's part only; the GPU work itself is not waited for.
   absl::Status WaitQueued(ncclComm_t comm, absl::string_view what) {
-    const auto deadline = Clock::now() + options.timeout;
+    const auto deadline = Clock::now() + options.rendezvous.timeout;
     for (int polls = 0;; ++polls) {
       ncclResult_t async = ncclSuccess;
       const ncclResult_t asked = ncclCommGetAsyncError(comm, &async);
@@ -168,14 +168,15 @@ struct NcclCollectives::State {
   // Waits, within the timeout, for `event` to complete, watching NCCL's background errors; a
   // peer gone mid-collective leaves the event pending for ever, so the deadline aborts the group.
   absl::Status WaitEvent(cudaEvent_t event, absl::string_view what) {
-    const auto deadline = Clock::now() + options.timeout;
+    const auto deadline = Clock::now() + options.rendezvous.timeout;
     for (int polls = 0;; ++polls) {
       const cudaError_t e = cudaEventQuery(event);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return Cuda(e, what);
       RETURN_IF_ERROR(AsyncErrors(what));
       if (Clock::now() > deadline) {
-        return Fail(absl::StrCat(what, " timed out after ", absl::FormatDuration(absl::FromChrono(options.timeout)),
+        return Fail(absl::StrCat(what, " timed out after ",
+                                 absl::FormatDuration(absl::FromChrono(options.rendezvous.timeout)),
                                  " (a peer is gone or stuck?)"));
       }
       Pause(polls);
@@ -319,30 +320,31 @@ NcclCollectives::~NcclCollectives() {
   if (s.stream != nullptr) cudaStreamDestroy(s.stream);
 }
 
-absl::StatusOr<std::unique_ptr<NcclCollectives>> NcclCollectives::Connect(const GlooOptions& o, int gpu) {
-  if (o.world_size < 1 || o.tp_size < 1 || o.world_size % o.tp_size != 0 || o.rank < 0 || o.rank >= o.world_size) {
+absl::StatusOr<std::unique_ptr<NcclCollectives>> NcclCollectives::Connect(const NcclOptions& o) {
+  const RendezvousOptions& r = o.rendezvous;
+  if (r.world_size < 1 || o.tp_size < 1 || r.world_size % o.tp_size != 0 || r.rank < 0 || r.rank >= r.world_size) {
     return absl::InvalidArgumentError("inconsistent NCCL process group sizes");
   }
   auto state = std::make_unique<State>();
   state->options = o;
-  state->tp_rank = o.rank % o.tp_size;
-  if (gpu >= 0) {
-    RETURN_IF_ERROR(RequireGpu(gpu));
-    state->device = gpu;
+  state->tp_rank = r.rank % o.tp_size;
+  if (o.gpu >= 0) {
+    RETURN_IF_ERROR(RequireGpu(o.gpu));
+    state->device = o.gpu;
   } else {
-    ASSIGN_OR_RETURN(state->device, DeviceForRank(o.rank));
+    ASSIGN_OR_RETURN(state->device, DeviceForRank(r.rank));
   }
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(state->device), "cudaSetDevice"));
   RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking), "cudaStreamCreate"));
   RETURN_IF_ERROR(
       CudaStatus(cudaEventCreateWithFlags(&state->compute_ready, cudaEventDisableTiming), "cudaEventCreate"));
   RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&state->comm_done, cudaEventDisableTiming), "cudaEventCreate"));
-  ASSIGN_OR_RETURN(state->store, ConnectStore(o));
+  ASSIGN_OR_RETURN(state->store, ConnectStore(r));
   // The object owns what exists so far, so that an error below releases it.
   std::unique_ptr<NcclCollectives> comm(new NcclCollectives(std::move(state)));
   State& s = *comm->state_;
-  ASSIGN_OR_RETURN(s.world, s.InitComm("nccl/world", o.world_size, o.rank));
-  ASSIGN_OR_RETURN(s.tp, s.InitComm(absl::StrCat("nccl/tp", o.rank / o.tp_size), o.tp_size, s.tp_rank));
+  ASSIGN_OR_RETURN(s.world, s.InitComm("nccl/world", r.world_size, r.rank));
+  ASSIGN_OR_RETURN(s.tp, s.InitComm(absl::StrCat("nccl/tp", r.rank / o.tp_size), o.tp_size, s.tp_rank));
   return comm;
 }
 
@@ -442,7 +444,8 @@ absl::Status NcclCollectives::Synchronize() {
 
 absl::Status NcclCollectives::Barrier() {
   // Through the rendezvous store: needs no device buffer, and waits with the store's timeout.
-  return StoreBarrier(*state_->store, absl::StrCat("barrier/", state_->barriers++), state_->options.world_size);
+  return StoreBarrier(*state_->store, absl::StrCat("barrier/", state_->barriers++),
+                      state_->options.rendezvous.world_size);
 }
 
 }  // namespace bertshard::worker

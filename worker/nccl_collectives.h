@@ -34,9 +34,16 @@
 
 #include "absl/status/statusor.h"
 #include "model/collectives.h"
-#include "worker/gloo_collectives.h"
+#include "worker/rendezvous.h"
 
 namespace bertshard::worker {
+
+struct NcclOptions {
+  RendezvousOptions rendezvous;  // its timeout also bounds every host wait on the GPU's work
+  int tp_size = 1;               // ranks stage*tp .. stage*tp+tp-1 form a stage's TP group
+  // The GPU this rank uses (a worker's --device), or -1: the rank's (DeviceForRank).
+  int gpu = -1;
+};
 
 class NcclCollectives final : public model::Collectives {
  public:
@@ -50,10 +57,10 @@ class NcclCollectives final : public model::Collectives {
   // CUDA_VISIBLE_DEVICES numbers them (a worker reports it to the coordinator).
   static absl::StatusOr<std::string> GpuBusId(int gpu);
 
-  // Rendezvous as in GlooOptions; builds the world and TP communicators on GPU `gpu` (a worker's
-  // --device), or -1: the rank's (DeviceForRank). FAILED_PRECONDITION without a GPU, UNAVAILABLE
-  // when peers do not arrive or NCCL fails.
-  static absl::StatusOr<std::unique_ptr<NcclCollectives>> Connect(const GlooOptions& options, int gpu = -1);
+  // Joins the rendezvous (worker/rendezvous.h) and builds the world and TP communicators on
+  // options.gpu. FAILED_PRECONDITION without a GPU, UNAVAILABLE when peers do not arrive or NCCL
+  // fails.
+  static absl::StatusOr<std::unique_ptr<NcclCollectives>> Connect(const NcclOptions& options);
   ~NcclCollectives() override;
 
   int tp_size() const override;

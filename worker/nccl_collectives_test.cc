@@ -57,14 +57,14 @@ std::vector<std::string> OnEveryRank(int world, std::chrono::milliseconds timeou
   std::vector<std::thread> threads;
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
-      GlooOptions options{
-          .master_addr = "127.0.0.1",
-          .master_port = store->getPort(),
-          .rank = rank,
-          .world_size = world,
-          .tp_size = world,
-          .timeout = timeout,
-          .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(store) : c10::intrusive_ptr<c10d::Store>()};
+      NcclOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                         .master_port = store->getPort(),
+                                         .rank = rank,
+                                         .world_size = world,
+                                         .timeout = timeout,
+                                         .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(store)
+                                                            : c10::intrusive_ptr<c10d::Store>()},
+                          .tp_size = world};
       auto comm = NcclCollectives::Connect(options);
       if (!comm.ok()) {
         failures[static_cast<size_t>(rank)] = absl::StrCat("connect: ", comm.status().ToString());
@@ -81,13 +81,13 @@ TEST(NcclCollectives, WithoutGpuConnectFailsCleanly) {
   if (NcclCollectives::DeviceForRank(0).ok()) GTEST_SKIP() << "a GPU is present";
   // Refused before the rendezvous, which is hosted here all the same (on a port the system picks).
   auto store = HostStore(std::chrono::seconds(2)).value();
-  GlooOptions options{.master_addr = "127.0.0.1",
-                      .master_port = store->getPort(),
-                      .rank = 0,
-                      .world_size = 1,
-                      .tp_size = 1,
-                      .timeout = std::chrono::milliseconds(2000),
-                      .store = store};
+  NcclOptions options{.rendezvous = {.master_addr = "127.0.0.1",
+                                     .master_port = store->getPort(),
+                                     .rank = 0,
+                                     .world_size = 1,
+                                     .timeout = std::chrono::milliseconds(2000),
+                                     .store = store},
+                      .tp_size = 1};
   auto comm = NcclCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kFailedPrecondition) << comm.status();
 }

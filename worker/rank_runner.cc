@@ -11,7 +11,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "bertshard/v1/plan.pb.h"
-#include "checkpoint/checkpoint.h"
 #include "checkpoint/safetensors.h"
 #include "common/file.h"
 #include "common/status_macros.h"
@@ -19,14 +18,10 @@
 #include "model/gemm.h"
 #include "nlohmann/json.hpp"
 #include "planner/model_config.h"
-#include "worker/gloo_collectives.h"
+#include "worker/collectives_backend.h"
 #include "worker/math_threads.h"
 #include "worker/rendezvous.h"
-#ifdef BERTSHARD_WITH_NCCL
-#include <ATen/Context.h>
-
-#include "worker/nccl_collectives.h"
-#endif
+#include "worker/shard_loader.h"
 
 namespace bertshard::worker {
 namespace {
@@ -99,76 +94,54 @@ absl::Status RunRank(const RankOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(o.plan_path, " is not a ShardPlan"));
   }
   ASSIGN_OR_RETURN(model::ModelInputs inputs, ReadInputs(o.inputs_path));
-  c10::Device device(c10::kCPU);
+  RETURN_IF_ERROR(CheckBackend(o.backend));
+  ShardLoadOptions options;
+  options.checkpoint = o.checkpoint;
+  options.collectives.backend = o.backend;
+  options.collectives.shared_memory = o.shared_memory;
   if (o.backend == "nccl") {
-#ifdef BERTSHARD_WITH_NCCL
-    if (!at::hasCUDA()) {
-      return absl::FailedPreconditionError(
-          "the nccl backend needs a CUDA-enabled LibTorch (build with BERTSHARD_LIBTORCH set; see README)");
-    }
     // `shardctl run --local`: every rank on this host, so each needs a GPU of its own.
-    ASSIGN_OR_RETURN(int gpu, NcclCollectives::DeviceForRank(o.rank, /*ranks_on_host=*/plan.world_size()));
-    device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(gpu));
-#else
-    return absl::FailedPreconditionError("this shard-rank was built without NCCL: bazel build --config=cuda");
-#endif
-  } else if (o.backend != "gloo") {
-    return absl::InvalidArgumentError(absl::StrCat("unknown backend ", o.backend, "; valid: gloo, nccl"));
+    ASSIGN_OR_RETURN(options.collectives.gpu, GpuForLocalRank(o.rank, /*ranks_on_host=*/plan.world_size()));
+    options.load.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(options.collectives.gpu));
   }
   // Hosted first, before the load, so that the launcher can start the other ranks (which need the
   // port) while this one loads.
-  c10::intrusive_ptr<c10d::Store> hosted_store;
-  int master_port = o.master_port;
-  if (master_port == 0) {
+  RendezvousOptions& rendezvous = options.collectives.rendezvous;
+  rendezvous.master_addr = o.master_addr;
+  rendezvous.master_port = o.master_port;
+  rendezvous.timeout = std::chrono::seconds(o.timeout_seconds);
+  if (o.master_port == 0) {
     if (o.rank != 0 || o.port_file.empty()) {
       return absl::InvalidArgumentError("master_port 0 (a port the system picks) is for rank 0, with a port file");
     }
-    ASSIGN_OR_RETURN(auto store, HostStore(std::chrono::seconds(o.timeout_seconds)));
-    master_port = store->getPort();
-    RETURN_IF_ERROR(WritePortFile(o.port_file, master_port));
-    hosted_store = std::move(store);
+    ASSIGN_OR_RETURN(auto store, HostStore(rendezvous.timeout));
+    rendezvous.master_port = store->getPort();
+    RETURN_IF_ERROR(WritePortFile(o.port_file, rendezvous.master_port));
+    rendezvous.store = std::move(store);
   }
-  model::BertShard::LoadOptions load;
-  load.device = device;
   std::optional<model::GemmChoice> measured;
   double pick_seconds = 0;
   if (o.gemm.has_value()) {
-    load.gemm = *o.gemm;
-  } else if (device.is_cpu()) {
+    options.load.gemm = *o.gemm;
+  } else if (options.load.device.is_cpu()) {
     // The threads are set: the figures are those of the forwards.
     const auto pick_start = Clock::now();
     measured = model::PickGemmPathForPlan(plan);
     pick_seconds = Seconds(pick_start);
-    load.gemm = measured->path;
+    options.load.gemm = measured->path;
   }
-  ASSIGN_OR_RETURN(auto ckpt, checkpoint::Checkpoint::Open(o.checkpoint));
-  ASSIGN_OR_RETURN(auto shard, model::BertShard::Load(plan, o.rank, *ckpt, load));
-  SetMathThreads(o.threads, shard->gemm_path() == model::GemmPath::kBlas);
-  // Without the pick, so that load times compare with runs that name their path.
-  const double load_seconds = Seconds(start) - pick_seconds;
-
-  const auto connect_start = Clock::now();
-  GlooOptions gloo;
-  gloo.master_addr = o.master_addr;
-  gloo.master_port = master_port;
-  gloo.store = hosted_store;
-  gloo.rank = o.rank;
-  gloo.world_size = plan.world_size();
-  gloo.tp_size = std::max(1, plan.shard_config().tensor_parallel_size());
-  gloo.timeout = std::chrono::seconds(o.timeout_seconds);
-  gloo.shared_memory = o.shared_memory;
-  std::unique_ptr<model::Collectives> comm;
-  std::string tp_transport = o.backend;  // NCCL picks its own transport
-  if (o.backend == "nccl") {
-#ifdef BERTSHARD_WITH_NCCL
-    ASSIGN_OR_RETURN(comm, NcclCollectives::Connect(gloo));
-#endif
-  } else {
-    ASSIGN_OR_RETURN(auto gloo_comm, GlooCollectives::Connect(gloo));
-    tp_transport = gloo_comm->tp_transport();
-    comm = std::move(gloo_comm);
-  }
+  double load_seconds = 0;
+  Clock::time_point connect_start;
+  options.loaded = [&](const model::BertShard& shard) {
+    SetMathThreads(o.threads, shard.gemm_path() == model::GemmPath::kBlas);
+    // Without the pick, so that load times compare with runs that name their path.
+    load_seconds = Seconds(start) - pick_seconds;
+    connect_start = Clock::now();
+  };
+  ASSIGN_OR_RETURN(LoadedShard loaded, LoadAndConnect(plan, o.rank, options));
   const double connect_seconds = Seconds(connect_start);
+  const std::unique_ptr<model::BertShard>& shard = loaded.shard;
+  const std::unique_ptr<model::Collectives>& comm = loaded.collectives.comm;
 
   std::map<std::string, at::Tensor> outputs;
   std::vector<double> forward_seconds;
@@ -195,13 +168,13 @@ absl::Status RunRank(const RankOptions& o) {
       {"forward_seconds", forward_seconds.back()},
       {"forward_seconds_all", forward_seconds},
       {"peak_rss_bytes", PeakRssBytes()},
-      {"checkpoint_bytes_read", ckpt->bytes_read()},
+      {"checkpoint_bytes_read", loaded.checkpoint_bytes_read},
       {"param_bytes", shard->param_bytes()},
       {"padding_bytes", shard->padding_bytes()},
       {"wrote_outputs", writes_outputs},
       {"gemm", std::string(model::GemmPathName(shard->gemm_path()))},
       {"dtype", planner::DtypeName(plan.dtype())},
-      {"tp_transport", tp_transport},
+      {"tp_transport", loaded.collectives.tp_transport},
   };
   if (measured.has_value()) {
     nlohmann::json gflops = {{"blas", measured->blas_gflops}};

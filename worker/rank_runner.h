@@ -1,8 +1,9 @@
 // File: worker/rank_runner.h
 // -----------------------------------------------------------------------------
-// One rank process of `shardctl run --local`: loads its shard of the checkpoint as its plan says,
-// joins the Gloo groups, runs one forward over the inputs, and writes the outputs (the head
-// stage's TP rank 0) and a report of what it cost (timings, peak RSS, checkpoint bytes read).
+// One rank process of `shardctl run --local`: loads its shard of the checkpoint as its plan says
+// and joins its backend's groups (worker/shard_loader.h, as a worker's rank does), runs one forward
+// over the inputs, and writes the outputs (the head stage's TP rank 0) and a report of what it cost
+// (timings, peak RSS, checkpoint bytes read).
 //
 // Thread safety: not thread-safe (one run per process).
 #ifndef BERTSHARD_WORKER_RANK_RUNNER_H_

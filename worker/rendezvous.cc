@@ -8,7 +8,7 @@
 
 namespace bertshard::worker {
 
-absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const GlooOptions& o) {
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const RendezvousOptions& o) {
   if (o.store) {
     // Made before the job's timeout was known (ReservePort): every wait through it must give up
     // after this job's timeout, as on a store made here.

@@ -1,7 +1,13 @@
 // File: worker/rendezvous.h
 // -----------------------------------------------------------------------------
-// The TCPStore rendezvous every backend starts from: rank 0 hosts the store (MASTER_ADDR/
-// MASTER_PORT style), the others connect to master_addr:master_port, all with the options' timeout.
+// The TCPStore rendezvous every backend (Gloo, NCCL: worker/collectives_backend.h) starts from:
+// rank 0 hosts the store (MASTER_ADDR/MASTER_PORT style), the others connect to
+// master_addr:master_port, all with the options' timeout.
+//
+// Example:
+//   ASSIGN_OR_RETURN(auto store, ConnectStore({.master_addr = "10.0.0.7", .master_port = 29500,
+//                                              .rank = 1, .world_size = 4}));
+//   RETURN_IF_ERROR(StoreBarrier(*store, "loaded", 4));
 //
 // A store is best hosted on port 0 -- the system picks a free port and binds it in one step -- and
 // its port then handed to the other ranks (HostStore; WorkerService::ReservePort keeps such stores
@@ -23,17 +29,32 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "worker/gloo_collectives.h"
 
 namespace bertshard::worker {
+
+// Where and how one rank meets the others of its world: the part every backend shares.
+struct RendezvousOptions {
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // with `store`: the port it serves (the other ranks' master_port)
+  int rank = 0;
+  int world_size = 1;
+  // Rendezvous and every collective give up after this long (no hangs).
+  std::chrono::milliseconds timeout{120000};
+  // A rendezvous store made beforehand, used instead of hosting one (rank 0) or connecting to
+  // master_addr:master_port; its timeout is set to `timeout`. This is how torchrun's agent hosts
+  // the store before it starts the ranks: rank 0 is handed a store already bound to a port the
+  // system picked (HostStore, ReservedStores), and the others connect to that port -- rather than
+  // rank 0 binding a port chosen earlier, which may have been taken meanwhile.
+  c10::intrusive_ptr<c10d::Store> store;
+};
 
 // options.store, with its timeout set to options.timeout, where there is one; otherwise rank 0
 // hosts a store on master_port and the others connect to master_addr:master_port. UNAVAILABLE if
 // the store cannot be hosted (the port is taken) or reached in time.
-absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const GlooOptions& options);
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const RendezvousOptions& options);
 
 // A store hosted on every interface of this host, on a port the system picks (getPort() says
-// which). For rank 0, through GlooOptions::store; the other ranks connect to the port. UNAVAILABLE
+// which). For rank 0, through RendezvousOptions::store; the other ranks connect to the port. UNAVAILABLE
 // if no port can be bound.
 absl::StatusOr<c10::intrusive_ptr<c10d::TCPStore>> HostStore(std::chrono::milliseconds timeout);
 

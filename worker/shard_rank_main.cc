@@ -6,6 +6,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "model/gemm_flag.h"
 #include "worker/rank_runner.h"
 
@@ -34,9 +37,12 @@ ABSL_FLAG(std::string, tp_transport, "auto",
           "tensor-parallel collectives: auto (shared memory where a stage's ranks share a host, else "
           "Gloo) or gloo");
 
-int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  bertshard::worker::RankOptions options;
+namespace bertshard::worker {
+namespace {
+
+// The flags' values, checked: INVALID_ARGUMENT naming the bad one.
+absl::StatusOr<RankOptions> RankOptionsFromFlags() {
+  RankOptions options;
   options.plan_path = absl::GetFlag(FLAGS_plan);
   options.rank = absl::GetFlag(FLAGS_rank);
   options.master_addr = absl::GetFlag(FLAGS_master_addr);
@@ -53,19 +59,27 @@ int main(int argc, char** argv) {
   options.backend = absl::GetFlag(FLAGS_backend);
   const std::string tp_transport = absl::GetFlag(FLAGS_tp_transport);
   if (tp_transport != "auto" && tp_transport != "gloo") {
-    std::fprintf(stderr, "shard_rank: --tp_transport must be auto or gloo, not %s\n", tp_transport.c_str());
-    return 2;
+    return absl::InvalidArgumentError(absl::StrCat("--tp_transport must be auto or gloo, not ", tp_transport));
   }
   options.shared_memory = tp_transport == "auto";
-  const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
-  if (!gemm.ok()) {
-    std::fprintf(stderr, "shard-rank %d: %s\n", options.rank, std::string(gemm.status().message()).c_str());
+  ASSIGN_OR_RETURN(options.gemm, model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm)));
+  return options;
+}
+
+}  // namespace
+}  // namespace bertshard::worker
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const absl::StatusOr<bertshard::worker::RankOptions> options = bertshard::worker::RankOptionsFromFlags();
+  if (!options.ok()) {
+    std::fprintf(stderr, "shard-rank %d: %s\n", absl::GetFlag(FLAGS_rank),
+                 std::string(options.status().message()).c_str());
     return 2;
   }
-  options.gemm = *gemm;
-  const absl::Status status = bertshard::worker::RunRank(options);
+  const absl::Status status = bertshard::worker::RunRank(*options);
   if (!status.ok()) {
-    std::fprintf(stderr, "shard-rank %d: %s\n", options.rank, status.ToString().c_str());
+    std::fprintf(stderr, "shard-rank %d: %s\n", options->rank, status.ToString().c_str());
     return 1;
   }
   return 0;

@@ -1,32 +1,36 @@
-// shard-worker: the worker daemon. Serves the Worker API (LoadShard, Forward, Unload) with
-// health and reflection; the coordinator drives it.
+// shard-worker: the worker daemon. Serves the Worker API (ReservePort, LoadShard, Forward,
+// Unload) with health and reflection, and optionally Prometheus metrics; registers with the
+// coordinator, which drives it, and heartbeats to it.
 //
-//   shard-worker --listen=0.0.0.0:50061 --threads=2
+//   shard-worker --listen=0.0.0.0:50061 --coordinator=coord:50051 --threads=2
 //
-// SIGTERM or SIGINT: health goes NOT_SERVING, in-flight calls get --drain_timeout, then exit 0.
-// A bad flag value exits 2.
+// SIGTERM or SIGINT: it leaves the coordinator's pool, health goes NOT_SERVING, in-flight calls get
+// --drain_timeout, then exit 0. A bad flag value exits 2.
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "common/grpc_auth.h"
 #include "common/grpc_serving.h"
-#include "common/grpc_tls.h"
 #include "common/metrics.h"
 #include "common/metrics_endpoint.h"
 #include "common/model_root.h"
+#include "common/server_flags.h"
 #include "model/gemm.h"
+#include "model/gemm_flag.h"
+#include "worker/collectives_backend.h"
 #include "worker/gpu_placement.h"
-#ifdef BERTSHARD_WITH_NCCL
-#include "worker/nccl_collectives.h"
-#endif
 #include "worker/registration.h"
 #include "worker/worker_service.h"
 
+// --auth_token_file and --tls_cert, --tls_key, --tls_ca: common/server_flags.h.
 ABSL_FLAG(std::string, listen, "0.0.0.0:50061", "host:port to serve on (port 0: any free port)");
 ABSL_FLAG(std::string, device, "cpu",
           "what this worker's jobs run on: cpu (Gloo) or cuda:N (NCCL on GPU N; a --config=cuda build). Reported "
@@ -40,86 +44,85 @@ ABSL_FLAG(std::string, metrics_listen, "",
 ABSL_FLAG(std::string, gemm, "auto",
           "CPU matrix products of loaded shards: blas (at::linear), onednn (MKL-DNN, weights prepacked at "
           "load), or auto (time both for each job's shape and threads at its load, take the faster)");
-
 ABSL_FLAG(std::string, model_root, "",
           "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; "
           "symbolic links leading out are refused); empty: any path this worker can read");
 
-ABSL_FLAG(std::string, auth_token_file, "",
-          "the cluster's bearer token (file; else $BERTSHARD_TOKEN): every RPC to this worker needs it, and it "
-          "is sent with registrations and heartbeats; unset: none");
+namespace bertshard::worker {
+namespace {
 
-ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate chain: serve TLS (with --tls_key); also the client certificate "
-          "presented to a coordinator that requires one");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
-ABSL_FLAG(std::string, tls_ca, "",
-          "PEM CA: callers (the coordinator) must present a certificate it signed (mutual TLS), and the "
-          "coordinator is reached over TLS and verified against it");
+// What the flags ask the worker to serve.
+struct ServeOptions {
+  WorkerServiceOptions service;  // its metrics are set at start
+  std::string listen;
+  std::string metrics_listen;
+  std::string coordinator;  // empty: serve unregistered
+  std::string advertise;    // empty: 127.0.0.1:<the port served>
+  std::string device;
+  std::string gpu_bus_id;
+  std::shared_ptr<grpc::ServerCredentials> server_credentials;
+  std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials;
+  absl::Duration drain;
+};
 
-int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  const auto model_root = bertshard::common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root));
+// The flags' values, checked: INVALID_ARGUMENT (or FAILED_PRECONDITION for a device this build or
+// host cannot serve) naming the bad one.
+absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
+  ServeOptions serve;
+  const auto model_root = common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root));
   if (!model_root.ok()) {
-    std::fprintf(stderr, "shard-worker: --model_root: %s\n", std::string(model_root.status().message()).c_str());
-    return 2;
+    return absl::InvalidArgumentError(absl::StrCat("--model_root: ", model_root.status().message()));
   }
-  const auto token = bertshard::common::LoadToken(absl::GetFlag(FLAGS_auth_token_file), "BERTSHARD_TOKEN");
-  if (!token.ok()) {
-    std::fprintf(stderr, "shard-worker: %s\n", std::string(token.status().message()).c_str());
-    return 2;
-  }
-  const bertshard::common::TlsFiles tls{absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
-                                        absl::GetFlag(FLAGS_tls_ca)};
-  const auto server_credentials = bertshard::common::ServerCredentials(tls);
-  // The coordinator is dialled over TLS exactly when a CA says how to verify it.
-  const auto coordinator_credentials =
-      bertshard::common::ChannelCredentials(tls.ca.empty() ? bertshard::common::TlsFiles{} : tls);
-  if (!server_credentials.ok() || !coordinator_credentials.ok()) {
-    const absl::Status bad = !server_credentials.ok() ? server_credentials.status() : coordinator_credentials.status();
-    std::fprintf(stderr, "shard-worker: %s\n", std::string(bad.message()).c_str());
-    return 2;
-  }
-  const auto gemm = bertshard::model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
+  absl::StatusOr<common::ServerSecurity> security = common::LoadServerSecurity(common::SecurityFlags());
+  if (!security.ok()) return security.status();
+  const auto gemm = model::ParseGemmFlag(absl::GetFlag(FLAGS_gemm));
+  if (!gemm.ok()) return gemm.status();
   // Refused here rather than by every load: this LibTorch will not grow MKL-DNN.
-  const absl::Status gemm_usable =
-      !gemm.ok() ? gemm.status()
-                 : bertshard::model::GemmPathAvailable(gemm->value_or(bertshard::model::GemmPath::kBlas));
-  if (!gemm_usable.ok()) {
-    std::fprintf(stderr, "shard-worker: %s\n", std::string(gemm_usable.message()).c_str());
-    return 2;
+  if (absl::Status usable = model::GemmPathAvailable(gemm->value_or(model::GemmPath::kBlas)); !usable.ok()) {
+    return usable;
   }
-  const auto gpu = bertshard::worker::ParseWorkerDevice(absl::GetFlag(FLAGS_device));
-  if (!gpu.ok()) {
-    std::fprintf(stderr, "shard-worker: %s\n", std::string(gpu.status().message()).c_str());
-    return 2;
-  }
-  std::string gpu_bus_id;  // reported to the coordinator, which places one rank per GPU by it
+  serve.device = absl::GetFlag(FLAGS_device);
+  const auto gpu = ParseWorkerDevice(serve.device);
+  if (!gpu.ok()) return gpu.status();
   if (*gpu >= 0) {
-    // Refused at start, not at a job's load: a GPU worker this build or host cannot serve.
-#ifdef BERTSHARD_WITH_NCCL
-    const absl::Status visible = bertshard::worker::NcclCollectives::RequireGpu(*gpu);
-    const absl::StatusOr<std::string> bus_id =
-        visible.ok() ? bertshard::worker::NcclCollectives::GpuBusId(*gpu) : absl::StatusOr<std::string>(visible);
-    if (!bus_id.ok()) {
-      std::fprintf(stderr, "shard-worker: --device: %s\n", std::string(bus_id.status().message()).c_str());
-      return 2;
-    }
-    gpu_bus_id = *bus_id;
-#else
-    std::fprintf(stderr, "shard-worker: --device=%s needs a build with NCCL: bazel build --config=cuda\n",
-                 absl::GetFlag(FLAGS_device).c_str());
-    return 2;
-#endif
+    // Refused at start, not at a job's load: a GPU worker this build or host cannot serve. The bus
+    // id is reported to the coordinator, which places one rank per GPU by it.
+    absl::StatusOr<std::string> bus_id = WorkerGpuBusId(serve.device, *gpu);
+    if (!bus_id.ok()) return bus_id.status();
+    serve.gpu_bus_id = *bus_id;
   }
-  bertshard::common::InstallShutdownHandlers();
+  serve.advertise = absl::GetFlag(FLAGS_advertise);
+  // Ranks on other hosts reach this one at its advertised host: bind the collectives' transport there.
+  std::string bind_host = serve.advertise.substr(0, serve.advertise.rfind(':'));
+  if (bind_host.size() > 2 && bind_host.front() == '[' && bind_host.back() == ']') {
+    bind_host = bind_host.substr(1, bind_host.size() - 2);
+  }
+  serve.service = {.default_threads = absl::GetFlag(FLAGS_threads),
+                   .bind_host = bind_host,
+                   .gemm = *gemm,
+                   .model_root = *model_root,
+                   .token = security->token,
+                   .gpu = *gpu};
+  serve.listen = absl::GetFlag(FLAGS_listen);
+  serve.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  serve.coordinator = absl::GetFlag(FLAGS_coordinator);
+  serve.server_credentials = security->server_credentials;
+  serve.coordinator_credentials = security->peer_credentials;
+  serve.drain = absl::GetFlag(FLAGS_drain_timeout);
+  return serve;
+}
+
+// Serves until SIGTERM/SIGINT, then leaves the pool and drains. The exit code: 0, or 1 when it
+// cannot start.
+int RunServer(ServeOptions serve) {
+  common::InstallShutdownHandlers();
   // Declared before the service, so they outlive it; the endpoint is stopped before the service goes.
-  bertshard::common::MetricsRegistry metrics;
-  std::optional<bertshard::worker::WorkerMetrics> worker_metrics;
-  std::unique_ptr<bertshard::common::MetricsEndpoint> metrics_endpoint;
-  if (const std::string address = absl::GetFlag(FLAGS_metrics_listen); !address.empty()) {
-    auto registered = bertshard::worker::WorkerMetrics::Register(&metrics);
-    auto endpoint = bertshard::common::MetricsEndpoint::Start(address, &metrics);
+  common::MetricsRegistry metrics;
+  std::optional<WorkerMetrics> worker_metrics;
+  std::unique_ptr<common::MetricsEndpoint> metrics_endpoint;
+  if (!serve.metrics_listen.empty()) {
+    auto registered = WorkerMetrics::Register(&metrics);
+    auto endpoint = common::MetricsEndpoint::Start(serve.metrics_listen, &metrics);
     if (!registered.ok() || !endpoint.ok()) {
       const absl::Status error = !registered.ok() ? registered.status() : endpoint.status();
       std::fprintf(stderr, "shard-worker: --metrics_listen: %s\n", error.ToString().c_str());
@@ -127,21 +130,10 @@ int main(int argc, char** argv) {
     }
     worker_metrics = *registered;
     metrics_endpoint = *std::move(endpoint);
+    serve.service.metrics = &*worker_metrics;
   }
-  // Ranks on other hosts reach this one at its advertised host: bind the collectives' transport there.
-  std::string bind_host = absl::GetFlag(FLAGS_advertise);
-  bind_host = bind_host.substr(0, bind_host.rfind(':'));
-  if (bind_host.size() > 2 && bind_host.front() == '[' && bind_host.back() == ']') {
-    bind_host = bind_host.substr(1, bind_host.size() - 2);
-  }
-  bertshard::worker::WorkerService service({.default_threads = absl::GetFlag(FLAGS_threads),
-                                            .bind_host = bind_host,
-                                            .metrics = worker_metrics ? &*worker_metrics : nullptr,
-                                            .gemm = *gemm,
-                                            .model_root = *model_root,
-                                            .token = *token,
-                                            .gpu = *gpu});
-  bertshard::common::MetricsRegistry::CollectorHandle shards_loaded;
+  WorkerService service(serve.service);
+  common::MetricsRegistry::CollectorHandle shards_loaded;
   if (metrics_endpoint != nullptr) {
     auto handle = service.ExportLoadedShards(&metrics);
     if (!handle.ok()) {
@@ -151,8 +143,8 @@ int main(int argc, char** argv) {
     shards_loaded = *std::move(handle);
   }
   // Shard loads and forward outputs can be large.
-  auto started = bertshard::common::StartServer(absl::GetFlag(FLAGS_listen), {&service}, 1 << 30,
-                                                metrics_endpoint != nullptr ? &metrics : nullptr, *server_credentials);
+  auto started = common::StartServer(serve.listen, {&service}, 1 << 30,
+                                     metrics_endpoint != nullptr ? &metrics : nullptr, serve.server_credentials);
   if (!started.ok()) {
     std::fprintf(stderr, "shard-worker: %s\n", started.status().ToString().c_str());
     return 1;
@@ -160,28 +152,40 @@ int main(int argc, char** argv) {
   std::printf("shard-worker listening on port %d\n", started->port);
   if (metrics_endpoint != nullptr) std::printf("metrics listening on port %d\n", metrics_endpoint->port());
   std::fflush(stdout);
-  const absl::Duration drain = absl::GetFlag(FLAGS_drain_timeout);
-  std::unique_ptr<bertshard::worker::Registration> registration;
-  if (!absl::GetFlag(FLAGS_coordinator).empty()) {
-    std::string advertise = absl::GetFlag(FLAGS_advertise);
-    if (advertise.empty()) advertise = "127.0.0.1:" + std::to_string(started->port);
-    registration = std::make_unique<bertshard::worker::Registration>(bertshard::worker::RegistrationOptions{
-        .coordinator = absl::GetFlag(FLAGS_coordinator),
-        .advertise = advertise,
-        .device = absl::GetFlag(FLAGS_device),
-        .gpu_bus_id = gpu_bus_id,
-        .held_shards = [&service] { return service.HeldShards(); },
-        .unload = [&service](const std::string& job_id) { service.UnloadJob(job_id); },
-        .token = *token,
-        .credentials = *coordinator_credentials});
+  std::unique_ptr<Registration> registration;
+  if (!serve.coordinator.empty()) {
+    const std::string advertise =
+        serve.advertise.empty() ? "127.0.0.1:" + std::to_string(started->port) : serve.advertise;
+    registration = std::make_unique<Registration>(
+        RegistrationOptions{.coordinator = serve.coordinator,
+                            .advertise = advertise,
+                            .device = serve.device,
+                            .gpu_bus_id = serve.gpu_bus_id,
+                            .held_shards = [&service] { return service.HeldShards(); },
+                            .unload = [&service](const std::string& job_id) { service.UnloadJob(job_id); },
+                            .token = serve.service.token,
+                            .credentials = serve.coordinator_credentials});
   }
-  std::thread waiter([&started, &registration, drain]() {
-    bertshard::common::WaitForShutdownSignal("shard-worker");
+  std::thread waiter([&started, &registration, drain = serve.drain]() {
+    common::WaitForShutdownSignal("shard-worker");
     registration.reset();  // leave the pool first (the coordinator fails our jobs), then drain
-    bertshard::common::DrainAndShutdown(started->server.get(), drain);
+    common::DrainAndShutdown(started->server.get(), drain);
   });
   started->server->Wait();
   waiter.join();
   metrics_endpoint.reset();  // stop serving scrapes before the service goes
   return 0;
+}
+
+}  // namespace
+}  // namespace bertshard::worker
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  absl::StatusOr<bertshard::worker::ServeOptions> serve = bertshard::worker::ServeOptionsFromFlags();
+  if (!serve.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", std::string(serve.status().message()).c_str());
+    return 2;
+  }
+  return bertshard::worker::RunServer(*std::move(serve));
 }

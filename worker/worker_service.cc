@@ -8,19 +8,16 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "checkpoint/checkpoint.h"
 #include "common/fault_point.h"
 #include "common/grpc_auth.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
 #include "model/gemm.h"
-#include "worker/gloo_collectives.h"
-#ifdef BERTSHARD_WITH_NCCL
-#include "worker/nccl_collectives.h"
-#endif
+#include "worker/collectives_backend.h"
 #include "worker/math_threads.h"
 #include "worker/rendezvous.h"
+#include "worker/shard_loader.h"
 
 namespace bertshard::worker {
 namespace {
@@ -161,119 +158,107 @@ grpc::Status WorkerService::Authorize(const grpc::ServerContext& context) const 
   return common::CheckAccess(context, common::AuthConfig{options_.token, ""}, common::Access::kAdmin);
 }
 
-grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::LoadShardRequest* request,
-                                      grpc::ServerWriter<v1::LoadProgress>* writer) {
-  if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
-  const v1::ShardPlan& plan = request->plan();
-  if (request->job_id().empty()) return {grpc::StatusCode::INVALID_ARGUMENT, "job_id is required"};
-  if (request->rank() < 0 || request->rank() >= plan.world_size()) {
-    return {grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("rank ", request->rank(), " is outside the plan's world of ", plan.world_size())};
+absl::Status WorkerService::CheckLoadRequest(const v1::LoadShardRequest& request) const {
+  const v1::ShardPlan& plan = request.plan();
+  if (request.job_id().empty()) return absl::InvalidArgumentError("job_id is required");
+  if (request.rank() < 0 || request.rank() >= plan.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", request.rank(), " is outside the plan's world of ", plan.world_size()));
   }
   // The coordinator places gloo jobs on CPU workers and nccl jobs on GPU workers; a load that
   // asks a worker for the other kind is refused before anything is read.
   const bool on_gpu = options_.gpu >= 0;
-  const std::string backend = request->backend().empty() ? "gloo" : request->backend();
+  const std::string backend = request.backend().empty() ? "gloo" : request.backend();
   if (backend != (on_gpu ? "nccl" : "gloo")) {
-    return {grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat(
-                "backend '", backend, "' is not served by this worker: it serves ",
-                on_gpu ? absl::StrCat("nccl on cuda:", options_.gpu) : "gloo on the CPU",
-                on_gpu ? " (shard-worker --device=cpu serves gloo)" : " (shard-worker --device=cuda:N serves nccl)")};
+    return absl::InvalidArgumentError(absl::StrCat(
+        "backend '", backend, "' is not served by this worker: it serves ",
+        on_gpu ? absl::StrCat("nccl on cuda:", options_.gpu) : "gloo on the CPU",
+        on_gpu ? " (shard-worker --device=cpu serves gloo)" : " (shard-worker --device=cuda:N serves nccl)"));
   }
-#ifndef BERTSHARD_WITH_NCCL
+  return CheckBackend(backend);  // a GPU worker built without NCCL
+}
+
+absl::StatusOr<std::shared_ptr<WorkerService::LoadedJob>> WorkerService::LoadJob(
+    const v1::LoadShardRequest& request, grpc::ServerContext& context, grpc::ServerWriter<v1::LoadProgress>& writer,
+    v1::LoadProgress& progress) {
+  const v1::ShardPlan& plan = request.plan();
+  ShardLoadOptions options;
+  options.checkpoint = request.checkpoint();
+  options.model_root = options_.model_root;
+  CollectivesOptions& collectives = options.collectives;
+  collectives.backend = options_.gpu >= 0 ? "nccl" : "gloo";
+  collectives.rendezvous.master_addr = request.master_addr().empty() ? "127.0.0.1" : request.master_addr();
+  collectives.rendezvous.master_port = request.master_port();
+  collectives.rendezvous.timeout =
+      std::chrono::seconds(request.timeout_seconds() > 0 ? request.timeout_seconds() : 120);
+  // Rank 0 takes over the store its ReservePort hosted on master_port at once, so that no expiry
+  // closes it while the shard loads (and it goes with this call if the load fails). None here (a
+  // port chosen some other way, or a reservation that expired): the rendezvous hosts one on
+  // master_port.
+  if (request.rank() == 0) {
+    collectives.rendezvous.store = reserved_stores_->Claim(request.job_id(), request.master_port());
+  }
+  collectives.bind_host = options_.bind_host;
+  collectives.gpu = options_.gpu;
+
+  auto job = std::make_shared<LoadedJob>();
+  ASSIGN_OR_RETURN(job->metrics, MetricsForJob(options_.metrics, request.job_id(), request.rank()));
+  job->threads = request.threads() > 0 ? request.threads() : options_.default_threads;
+  job->rank = request.rank();
+  job->world_size = plan.world_size();
+  SetMathThreads(job->threads);
   if (options_.gpu >= 0) {
-    return {grpc::StatusCode::FAILED_PRECONDITION,
-            "this shard-worker was built without NCCL: bazel build --config=cuda"};
+    options.load.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(options_.gpu));
+  } else {
+    options.load.gemm = GemmPathFor(plan, request.rank(), request.job_id(), job->threads);  // after SetMathThreads
   }
-#endif
+  progress.set_phase(v1::LoadProgress::LOADING);
+  int64_t bytes_counted = 0;
+  options.load.progress = [&](int loaded, int total, int64_t bytes, int64_t total_bytes) {
+    // Counted as read, so a slow load shows on the counter and a failed one still counts.
+    if (job->metrics.loaded_bytes != nullptr) {
+      job->metrics.loaded_bytes->Increment(static_cast<double>(bytes - bytes_counted));
+      bytes_counted = bytes;
+    }
+    if (context.IsCancelled()) return false;
+    progress.set_tensors_loaded(loaded);
+    progress.set_tensors_total(total);
+    progress.set_bytes_loaded(bytes);
+    progress.set_bytes_total(total_bytes);
+    return writer.Write(progress);
+  };
+  options.loaded = [&](const model::BertShard&) {
+    progress.set_phase(v1::LoadProgress::CONNECTING);
+    writer.Write(progress);
+    common::PausePoint("worker_rendezvous");  // loaded, before joining the job's process groups
+  };
+  common::PausePoint("worker_load");  // fault tests stop a worker here, before it reads a tensor
+  ASSIGN_OR_RETURN(LoadedShard loaded, LoadAndConnect(plan, request.rank(), options));
+  job->shard = std::move(loaded.shard);
+  job->comm = std::move(loaded.collectives.comm);
+  return job;
+}
+
+grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::LoadShardRequest* request,
+                                      grpc::ServerWriter<v1::LoadProgress>* writer) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
+  if (absl::Status refused = CheckLoadRequest(*request); !refused.ok()) return common::ToGrpcStatus(refused);
   {
     absl::MutexLock lock(&mu_);
     if (jobs_.count(request->job_id())) {
       return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " is already loaded here")};
     }
   }
-  // Rank 0 takes over the store its ReservePort hosted on master_port at once, so that no expiry
-  // closes it while the shard loads (and it goes with this call if the load fails). None here (a
-  // port chosen some other way, or a reservation that expired): Connect hosts one on master_port.
-  c10::intrusive_ptr<c10d::Store> reserved_store;
-  if (request->rank() == 0) reserved_store = reserved_stores_->Claim(request->job_id(), request->master_port());
-  auto job = std::make_shared<LoadedJob>();
-  if (auto metrics = MetricsForJob(options_.metrics, request->job_id(), request->rank()); metrics.ok()) {
-    job->metrics = *metrics;
-  } else {
-    return common::ToGrpcStatus(metrics.status());
-  }
-  job->threads = request->threads() > 0 ? request->threads() : options_.default_threads;
-  job->rank = request->rank();
-  job->world_size = plan.world_size();
-  SetMathThreads(job->threads);
-  const absl::StatusOr<std::string> checkpoint_dir = options_.model_root.Resolve(request->checkpoint());
-  if (!checkpoint_dir.ok()) return common::ToGrpcStatus(checkpoint_dir.status());
-  common::PausePoint("worker_load");  // fault tests stop a worker here, before it reads a tensor
-  auto ckpt = checkpoint::Checkpoint::Open(*checkpoint_dir);
-  if (!ckpt.ok()) {
-    absl::Status s = ckpt.status();
-    // A path the worker cannot see is the request's fault.
-    return common::ToGrpcStatus(s.code() == absl::StatusCode::kNotFound ? absl::InvalidArgumentError(s.message()) : s);
-  }
-  v1::LoadProgress progress;
-  progress.set_phase(v1::LoadProgress::LOADING);
-  int64_t bytes_counted = 0;
-  auto report = [&](int loaded, int total, int64_t bytes, int64_t total_bytes) {
-    // Counted as read, so a slow load shows on the counter and a failed one still counts.
-    if (job->metrics.loaded_bytes != nullptr) {
-      job->metrics.loaded_bytes->Increment(static_cast<double>(bytes - bytes_counted));
-      bytes_counted = bytes;
-    }
-    if (context->IsCancelled()) return false;
-    progress.set_tensors_loaded(loaded);
-    progress.set_tensors_total(total);
-    progress.set_bytes_loaded(bytes);
-    progress.set_bytes_total(total_bytes);
-    return writer->Write(progress);
-  };
-  model::BertShard::LoadOptions load;
-  if (options_.gpu >= 0) {
-    load.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(options_.gpu));
-  } else {
-    load.gemm = GemmPathFor(plan, request->rank(), request->job_id(), job->threads);  // after SetMathThreads
-  }
-  load.progress = report;
-  auto shard = model::BertShard::Load(plan, request->rank(), **ckpt, load);
-  if (!shard.ok()) return common::ToGrpcStatus(shard.status());
-  job->shard = *std::move(shard);
-
-  progress.set_phase(v1::LoadProgress::CONNECTING);
-  writer->Write(progress);
-  GlooOptions gloo;
-  gloo.master_addr = request->master_addr().empty() ? "127.0.0.1" : request->master_addr();
-  gloo.bind_host = options_.bind_host;
-  gloo.master_port = request->master_port();
-  gloo.rank = request->rank();
-  gloo.world_size = plan.world_size();
-  gloo.tp_size = std::max(1, plan.shard_config().tensor_parallel_size());
-  gloo.timeout = std::chrono::seconds(request->timeout_seconds() > 0 ? request->timeout_seconds() : 120);
-  gloo.store = std::move(reserved_store);
-  common::PausePoint("worker_rendezvous");  // loaded, before joining the job's process groups
-  if (options_.gpu >= 0) {
-#ifdef BERTSHARD_WITH_NCCL
-    auto comm = NcclCollectives::Connect(gloo, options_.gpu);
-    if (!comm.ok()) return common::ToGrpcStatus(comm.status());
-    job->comm = *std::move(comm);
-#endif
-  } else {
-    auto comm = GlooCollectives::Connect(gloo);
-    if (!comm.ok()) return common::ToGrpcStatus(comm.status());
-    job->comm = *std::move(comm);
-  }
+  v1::LoadProgress progress;  // the last one says READY, with the counts of the load
+  absl::StatusOr<std::shared_ptr<LoadedJob>> job = LoadJob(*request, *context, *writer, progress);
+  if (!job.ok()) return common::ToGrpcStatus(job.status());
   if (context->IsCancelled()) {
     // The coordinator gave up on this job while we joined its groups: do not keep it.
     return {grpc::StatusCode::CANCELLED, absl::StrCat("loading job ", request->job_id(), " was cancelled")};
   }
   {
     absl::MutexLock lock(&mu_);
-    if (!jobs_.emplace(request->job_id(), job).second) {
+    if (!jobs_.emplace(request->job_id(), *job).second) {
       return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " was loaded concurrently")};
     }
   }

@@ -2,7 +2,8 @@
 // -----------------------------------------------------------------------------
 // The Worker gRPC service of a worker daemon (shard-worker): loads ranks of jobs' plans (streaming
 // progress), runs their forwards in the order the coordinator numbers them, and unloads them.
-// Each loaded job holds its BertShard and its process groups (Gloo, or NCCL in CUDA builds).
+// Each loaded job holds its BertShard and its collectives (Gloo, or NCCL in CUDA builds), loaded
+// and connected as every rank is (worker/shard_loader.h).
 //
 // It uses gRPC's synchronous API on purpose: loading a shard and running a forward block for
 // seconds, and a callback reactor must not block.
@@ -104,6 +105,13 @@ class WorkerService final : public v1::Worker::Service {
   // OK when the call carries the cluster token (or none is configured).
   grpc::Status Authorize(const grpc::ServerContext& context) const;
   struct LoadedJob;
+  // LoadShard's refusals made before anything is read: a malformed request, or a backend this
+  // worker does not serve (or this build lacks).
+  absl::Status CheckLoadRequest(const v1::LoadShardRequest& request) const;
+  // Loads and connects the request's rank (worker/shard_loader.h), streaming `progress` to `writer`.
+  absl::StatusOr<std::shared_ptr<LoadedJob>> LoadJob(const v1::LoadShardRequest& request, grpc::ServerContext& context,
+                                                     grpc::ServerWriter<v1::LoadProgress>& writer,
+                                                     v1::LoadProgress& progress);
   // options_.gemm, or under "auto" the measured choice for a plan's rank at `threads`.
   model::GemmPath GemmPathFor(const v1::ShardPlan& plan, int rank, const std::string& job_id, int threads);
 

@@ -1,0 +1,158 @@
+// Real TCPStores on loopback: hosted, connected to, timed out, and the barrier and reservations
+// built on them. Ranks are threads of this process.
+#include "worker/rendezvous.h"
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace bertshard::worker {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+TEST(Rendezvous, RankZeroHostsOnMasterPortAndTheOthersConnect) {
+  // A port known to be free for this test: one a hosted store held, closed before the ranks start.
+  int port = 0;
+  {
+    auto probe = HostStore(seconds(5));
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    port = (*probe)->getPort();
+  }
+  RendezvousOptions options{.master_port = port, .rank = 0, .world_size = 2, .timeout = seconds(10)};
+  auto host = ConnectStore(options);
+  ASSERT_TRUE(host.ok()) << host.status();
+  options.rank = 1;
+  auto peer = ConnectStore(options);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  (*host)->set("from-0", std::vector<uint8_t>{7});
+  EXPECT_EQ((*peer)->get("from-0"), std::vector<uint8_t>{7});
+}
+
+// A store made beforehand (ReservePort's) is used as it is, with the job's timeout, instead of
+// hosting one on master_port: the peers reach it on its own port.
+TEST(Rendezvous, AHandedStoreIsUsedWithTheJobsTimeout) {
+  auto hosted = HostStore(seconds(30));
+  ASSERT_TRUE(hosted.ok()) << hosted.status();
+  const int port = (*hosted)->getPort();
+  auto store = ConnectStore({.master_port = port,
+                             .rank = 0,
+                             .world_size = 2,
+                             .timeout = milliseconds(500),
+                             .store = c10::intrusive_ptr<c10d::Store>(*hosted)});
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ(store->get(), hosted->get());
+  EXPECT_EQ((*store)->getTimeout(), milliseconds(500));
+  auto peer = ConnectStore({.master_port = port, .rank = 1, .world_size = 2, .timeout = seconds(10)});
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  (*peer)->set("from-1", std::vector<uint8_t>{1});
+  EXPECT_EQ((*store)->get("from-1"), std::vector<uint8_t>{1});
+}
+
+TEST(Rendezvous, HostingATakenPortIsUnavailableNamingTheAddress) {
+  auto taken = HostStore(seconds(5));
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  auto store = ConnectStore({.master_port = (*taken)->getPort(), .rank = 0, .world_size = 2, .timeout = seconds(5)});
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kUnavailable) << store.status();
+  EXPECT_NE(store.status().message().find(absl::StrCat("rendezvous at 127.0.0.1:", (*taken)->getPort())),
+            std::string::npos)
+      << store.status();
+}
+
+TEST(Rendezvous, NoHostWithinTheTimeoutIsUnavailable) {
+  int port = 0;
+  {
+    auto probe = HostStore(seconds(5));
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    port = (*probe)->getPort();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto store = ConnectStore({.master_port = port, .rank = 1, .world_size = 2, .timeout = milliseconds(1000)});
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kUnavailable) << store.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(20));
+}
+
+// The gate opens only when the last rank arrives: the first two have counted themselves in and
+// still wait (they cannot have returned before the gate is set), then all three return.
+TEST(StoreBarrier, ReturnsOnceEveryRankHasArrived) {
+  auto hosted = HostStore(seconds(30));
+  ASSERT_TRUE(hosted.ok()) << hosted.status();
+  const int port = (*hosted)->getPort();
+  std::atomic<int> returned{0};
+  std::vector<absl::Status> results(3);
+  auto arrive = [&](int rank) {
+    // Rank 0 is handed the hosted store (as a worker's ReservePort hands it), the others connect.
+    auto store = ConnectStore(
+        {.master_port = port,
+         .rank = rank,
+         .world_size = 3,
+         .timeout = seconds(30),
+         .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(*hosted) : c10::intrusive_ptr<c10d::Store>()});
+    results[rank] = store.ok() ? StoreBarrier(**store, "loaded", 3) : store.status();
+    ++returned;
+  };
+  std::vector<std::thread> early;
+  for (int rank = 1; rank <= 2; ++rank) early.emplace_back(arrive, rank);
+  // Both have counted themselves in: an event on the store, not a sleep.
+  (*hosted)->wait({"loaded/arrived"});
+  while ((*hosted)->add("loaded/arrived", 0) < 2) std::this_thread::sleep_for(milliseconds(10));
+  EXPECT_FALSE((*hosted)->check({"loaded/open"}));
+  EXPECT_EQ(returned.load(), 0);
+  arrive(0);
+  for (auto& t : early) t.join();
+  EXPECT_EQ(returned.load(), 3);
+  for (int rank = 0; rank < 3; ++rank) EXPECT_TRUE(results[rank].ok()) << rank << ": " << results[rank];
+}
+
+TEST(StoreBarrier, AMissingPeerIsUnavailableAfterTheStoresTimeout) {
+  // (TCPStore counts a client's connect timeout in whole seconds: under one, it gives up at once.)
+  auto hosted = HostStore(milliseconds(1500));
+  ASSERT_TRUE(hosted.ok()) << hosted.status();
+  const absl::Status status = StoreBarrier(**hosted, "never", 2);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_NE(status.message().find("barrier never failed"), std::string::npos) << status;
+}
+
+TEST(ReservedStores, AReservationIsClaimedOnceByItsJobOnly) {
+  ReservedStores reserved(absl::Minutes(5));
+  auto port = reserved.Reserve("job-a");
+  ASSERT_TRUE(port.ok()) << port.status();
+  EXPECT_FALSE(reserved.Claim("job-b", *port).defined());      // another job's: left for job-a's rank 0
+  EXPECT_FALSE(reserved.Claim("job-a", *port + 1).defined());  // nothing reserved there
+  c10::intrusive_ptr<c10d::Store> store = reserved.Claim("job-a", *port);
+  ASSERT_TRUE(store.defined());
+  EXPECT_FALSE(reserved.Claim("job-a", *port).defined());  // handed over already
+  // The claimed store serves the reserved port: a peer meets it there.
+  auto peer = ConnectStore({.master_port = *port, .rank = 1, .world_size = 2, .timeout = seconds(10)});
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  (*peer)->set("k", std::vector<uint8_t>{3});
+  EXPECT_EQ(store->get("k"), std::vector<uint8_t>{3});
+  // Reserved for no job in particular: any job may claim it.
+  auto any = reserved.Reserve("");
+  ASSERT_TRUE(any.ok()) << any.status();
+  EXPECT_NE(*any, *port);
+  EXPECT_TRUE(reserved.Claim("job-z", *any).defined());
+}
+
+TEST(ReservedStores, AnUnclaimedReservationExpires) {
+  ReservedStores reserved(absl::Milliseconds(200));
+  auto port = reserved.Reserve("job-a");
+  ASSERT_TRUE(port.ok()) << port.status();
+  // Expired (closed by the expirer) within a deadline: waited for, not slept on.
+  const auto deadline = std::chrono::steady_clock::now() + seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto peer = ConnectStore({.master_port = *port, .rank = 1, .world_size = 2, .timeout = milliseconds(1500)});
+    if (!peer.ok()) break;  // nothing serves the port any more
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  EXPECT_LT(std::chrono::steady_clock::now(), deadline);
+  EXPECT_FALSE(reserved.Claim("job-a", *port).defined());
+}
+
+}  // namespace
+}  // namespace bertshard::worker
