@@ -43,7 +43,9 @@ class RecoverStoredJobsTest : public ::testing::Test {
       ASSERT_TRUE(store_->Transition(id, s, "").ok());
       if (s == state) break;
     }
-    if (state == v1::FAILED) ASSERT_TRUE(store_->Transition(id, v1::FAILED, "before").ok());
+    if (state == v1::FAILED) {
+      ASSERT_TRUE(store_->Transition(id, v1::FAILED, "before").ok());
+    }
   }
 
   absl::StatusOr<std::vector<RecoveredJob>> Recover() {
