@@ -110,6 +110,37 @@ absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
   return recovered;
 }
 
+Adoption RecordAdoption(jobs::JobStore& store, const std::string& job_id, const std::vector<std::string>& rank_workers,
+                        const std::function<std::string(const std::string& worker_id)>& address_of,
+                        const std::function<void(const absl::Status&, const std::string&)>& record) {
+  Adoption adoption;
+  std::vector<v1::RankAssignment> ranks;
+  for (size_t r = 0; r < rank_workers.size(); ++r) {
+    v1::RankAssignment a;
+    a.set_rank(static_cast<int32_t>(r));
+    a.set_worker_id(rank_workers[r]);
+    a.set_worker_address(address_of(rank_workers[r]));
+    ranks.push_back(a);
+    v1::RankProgress p;
+    p.set_rank(a.rank());
+    p.set_worker_id(a.worker_id());
+    p.mutable_progress()->set_phase(v1::LoadProgress::READY);
+    adoption.progress.push_back(p);
+  }
+  record(store.SetRanks(job_id, ranks).status(), absl::StrCat("recording job ", job_id, "'s ranks"));
+  auto job = store.Get(job_id);
+  if (job.ok() && job->state() == v1::LOADING) {
+    record(store
+               .Transition(job_id, v1::READY,
+                           absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"))
+               .status(),
+           absl::StrCat("readying job ", job_id));
+  }
+  job = store.Get(job_id);
+  adoption.ready = job.ok() && job->state() == v1::READY;
+  return adoption;
+}
+
 HeldShards SortHeldShards(const v1::WorkerInfo& worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
                           const std::function<HeldJob(const std::string& job_id)>& known,
                           const std::map<std::string, JobRecovery*>& recovering) {

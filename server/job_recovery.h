@@ -81,6 +81,18 @@ absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
     jobs::JobStore& store, const common::ModelRoot& root, absl::Time deadline,
     const std::function<void(const absl::Status&, const std::string&)>& record);
 
+// A recovering job whose ranks all came back (ReadoptionDecision::kAdopt), recorded: its ranks
+// (`rank_workers`, addresses from `address_of`) stored, and LOADING made READY (every rank had
+// loaded). Refused writes go to `record`. Returns each rank's progress (READY) and whether the
+// store now says READY (only then does the job serve).
+struct Adoption {
+  std::vector<v1::RankProgress> progress;
+  bool ready = false;
+};
+Adoption RecordAdoption(jobs::JobStore& store, const std::string& job_id, const std::vector<std::string>& rank_workers,
+                        const std::function<std::string(const std::string& worker_id)>& address_of,
+                        const std::function<void(const absl::Status&, const std::string&)>& record);
+
 // What the store and the scheduler know of a held shard's job.
 enum class HeldJob {
   kUnknown,      // no such job, or it has ended: unload

@@ -120,6 +120,27 @@ TEST_F(RecoverStoredJobsTest, PlansAgainOrFailsJobsStoredWithoutAPlan) {
       << failed.DebugString();
 }
 
+// Adopted: the ranks as they came back are stored, and a job that was LOADING is READY now.
+TEST_F(RecoverStoredJobsTest, RecordsAnAdoptionAndReadiesALoadingJob) {
+  ASSERT_NO_FATAL_FAILURE(Store("job-loading", v1::LOADING));
+  std::vector<std::string> refusals;
+  const Adoption adoption = RecordAdoption(
+      *store_, "job-loading", {"w0", "w1"}, [](const std::string& id) { return "addr-of-" + id; },
+      [&](const absl::Status& s, const std::string& what) {
+        if (!s.ok()) refusals.push_back(what);
+      });
+  EXPECT_TRUE(refusals.empty());
+  EXPECT_TRUE(adoption.ready);
+  ASSERT_EQ(adoption.progress.size(), 2u);
+  EXPECT_EQ(adoption.progress[1].worker_id(), "w1");
+  EXPECT_EQ(adoption.progress[1].progress().phase(), v1::LoadProgress::READY);
+  const v1::Job job = *store_->Get("job-loading");
+  EXPECT_EQ(job.state(), v1::READY);
+  ASSERT_EQ(job.ranks_size(), 2);
+  EXPECT_EQ(job.ranks(1).worker_id(), "w1");
+  EXPECT_EQ(job.ranks(1).worker_address(), "addr-of-w1");
+}
+
 RankReport Report(const std::string& worker, int rank, int64_t next_sequence) {
   RankReport r;
   r.worker_id = worker;

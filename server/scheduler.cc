@@ -203,33 +203,19 @@ void Scheduler::DecideRecoveryLocked(const std::string& job_id) {
   runtime.recovery.reset();
   runtime.rank_workers = decision.rank_workers;
   runtime.next_sequence = decision.next_sequence;
-  runtime.progress.clear();
-  std::vector<v1::RankAssignment> ranks;
-  for (size_t r = 0; r < runtime.rank_workers.size(); ++r) {
-    v1::RankAssignment a;
-    a.set_rank(static_cast<int32_t>(r));
-    a.set_worker_id(runtime.rank_workers[r]);
-    // Every reporting worker is in the pool: one that registers again takes its reports back.
-    if (std::optional<v1::WorkerInfo> w = pool_->Find(runtime.rank_workers[r])) a.set_worker_address(w->address());
-    ranks.push_back(a);
-    v1::RankProgress p;
-    p.set_rank(static_cast<int32_t>(r));
-    p.set_worker_id(a.worker_id());
-    p.mutable_progress()->set_phase(v1::LoadProgress::READY);
-    runtime.progress.push_back(p);
-  }
-  RecordLocked(store_->SetRanks(job_id, ranks).status(), absl::StrCat("recording job ", job_id, "'s ranks"));
-  auto job = store_->Get(job_id);
-  if (job.ok() && job->state() == v1::LOADING) {
-    RecordLocked(
-        store_
-            ->Transition(job_id, v1::READY,
-                         absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"))
-            .status(),
-        absl::StrCat("readying job ", job_id));
-  }
-  job = store_->Get(job_id);
-  runtime.serving = job.ok() && job->state() == v1::READY;
+  // Every reporting worker is in the pool: one that registers again takes its reports back.
+  Adoption adoption = RecordAdoption(
+      *store_, job_id, runtime.rank_workers,
+      [this](const std::string& id) {
+        std::optional<v1::WorkerInfo> w = pool_->Find(id);
+        return w.has_value() ? w->address() : std::string();
+      },
+      [this](const absl::Status& status, const std::string& what) {
+        mu_.AssertHeld();
+        RecordLocked(status, what);
+      });
+  runtime.progress = std::move(adoption.progress);
+  runtime.serving = adoption.ready;
   changed_.SignalAll();
 }
 
@@ -484,17 +470,7 @@ void Scheduler::FailJobLocked(const std::string& job_id, const std::string& caus
   }
   for (const WorkerStub& w : pool_->Release(job_id)) {
     if (stopping_) break;
-    // Survivors drop their shard. Detached: the call owns what it uses (the stub keeps its
-    // channel) and ends by its deadline.
-    std::thread([stub = w.stub, job_id, token = options_.worker_token] {
-      grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-      common::AttachToken(&context, token);
-      v1::UnloadRequest unload;
-      unload.set_job_id(job_id);
-      v1::UnloadResponse ignored;
-      stub->Unload(&context, unload, &ignored);
-    }).detach();
+    UnloadInBackground(w.stub, job_id, options_.worker_token);  // survivors drop their shard
   }
   changed_.SignalAll();
   ScheduleLocked();

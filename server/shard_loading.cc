@@ -68,4 +68,16 @@ bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRe
   return true;
 }
 
+void UnloadInBackground(std::shared_ptr<v1::Worker::Stub> stub, const std::string& job_id, const std::string& token) {
+  std::thread([stub = std::move(stub), job_id, token] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    common::AttachToken(&context, token);
+    v1::UnloadRequest unload;
+    unload.set_job_id(job_id);
+    v1::UnloadResponse ignored;
+    stub->Unload(&context, unload, &ignored);
+  }).detach();
+}
+
 }  // namespace bertshard::server

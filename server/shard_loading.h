@@ -1,9 +1,10 @@
 // File: server/shard_loading.h
 // -----------------------------------------------------------------------------
-// The gRPC side of loading a job's shards, without the scheduler's locks: rank 0's worker reserves
-// the rendezvous port, then every rank streams LoadShard at once, reporting progress as it comes,
-// and a rank that fails is blamed truthfully (the worker that no longer answers, when ranks fail
-// together because one died). The scheduler decides what a failure does to the job.
+// The gRPC calls the scheduler makes to workers, without its locks. To load a job: rank 0's worker
+// reserves the rendezvous port, then every rank streams LoadShard at once, reporting progress as
+// it comes, and a rank that fails is blamed truthfully (the worker that no longer answers, when
+// ranks fail together because one died); the scheduler decides what a failure does to the job.
+// When a job ends: its surviving workers are told to unload, in the background.
 //
 // Example:
 //   ASSIGN_OR_RETURN(int32_t port, ReserveRendezvousPort(ranks[0], job_id));
@@ -49,6 +50,10 @@ bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRe
                        const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts,
                        const std::function<void(size_t rank, const v1::LoadProgress&)>& on_progress,
                        const std::function<void(size_t rank, const std::string& cause)>& on_failure);
+
+// Tells a worker to drop job `job_id`'s shard, on a detached thread: the call owns what it uses
+// (the stub keeps its channel) and ends by its deadline (10 s); its outcome changes nothing.
+void UnloadInBackground(std::shared_ptr<v1::Worker::Stub> stub, const std::string& job_id, const std::string& token);
 
 }  // namespace bertshard::server
 
