@@ -26,7 +26,9 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Create(const ClusterOptions& o
 }
 
 // Closes every batch queue, then joins the background threads (Scheduler::Stop).
-Cluster::~Cluster() { scheduler_->Stop(); }
+Cluster::~Cluster() {
+  if (scheduler_ != nullptr) scheduler_->Stop();
+}
 
 void Cluster::Drain() { scheduler_->Drain(); }
 
