@@ -3,10 +3,10 @@
 // The coordinator's view of the cluster: the pool of worker daemons (registration, heartbeats,
 // liveness) and the jobs they serve (plan, rank assignment, loading with progress, inference,
 // cancellation, failure, re-adoption after a restart). Jobs and their plans persist in a
-// JobStore. The gRPC layer talks to this one object. Implementation: cluster.cc (worker pool,
-// scheduling and loading, the per-job inference queue), cluster_recovery.cc (taking jobs back
-// after a restart, with the rules of readoption.h), inference.h (input preparation, the forward
-// fan-out).
+// JobStore. The gRPC layer talks to this one object, a front over the parts: worker_pool.h (the
+// workers, their channels and liveness), scheduler.h (placement, loading, failing, the monitor),
+// job_recovery.h (taking jobs back after a restart, with the rules of readoption.h), and here the
+// per-job inference path (its batch queue, inference.h's input preparation and forward fan-out).
 //
 // Failure model: a worker silent for ClusterOptions::missed_heartbeats heartbeat intervals (3) is
 // dead (so its jobs fail within 3 1/4 intervals of its last heartbeat; workers beat on a fixed
@@ -30,7 +30,8 @@
 // scheduler, so that heartbeats the draining server no longer takes fail no job and nothing false
 // is stored; in-flight inferences still finish or fail truthfully.
 //
-// Thread safety: thread-safe. Blocking calls (Infer, WatchJob) take a deadline.
+// Thread safety: thread-safe (the parts' locks: scheduler.h, worker_pool.h). Blocking calls (Infer,
+// WatchJob) take a deadline.
 #ifndef BERTSHARD_SERVER_CLUSTER_H_
 #define BERTSHARD_SERVER_CLUSTER_H_
 
@@ -38,55 +39,19 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
-#include "common/model_root.h"
-#include "grpcpp/security/credentials.h"
 #include "jobs/job_store.h"
 #include "server/batch_queue.h"
-#include "server/placement.h"
+#include "server/cluster_options.h"
+#include "server/scheduler.h"
+#include "server/worker_pool.h"
 
 namespace bertshard::server {
-
-struct ClusterOptions {
-  std::string database_path = ":memory:";
-  absl::Duration heartbeat_interval = absl::Seconds(1);
-  // A worker silent for this many heartbeat intervals is dead (its job fails). Workers beat on a
-  // fixed schedule, so a healthy one is silent for one interval at most; the rest is the margin
-  // for a loaded machine or a brief stall.
-  int missed_heartbeats = 3;
-  absl::Duration load_timeout = absl::Minutes(10);
-  int collective_timeout_seconds = 60;  // rendezvous and collectives on the workers
-  // How long one (batched) forward may take on the ranks before its job is failed: the callers'
-  // own deadlines end their calls, never the forward (see Infer).
-  absl::Duration forward_timeout = absl::Minutes(10);
-  // After a start, how long READY and LOADING jobs from the database wait for their ranks to
-  // come back (workers register again within about a heartbeat interval of the start).
-  absl::Duration readopt_grace = absl::Seconds(10);
-  // Dynamic batching of each job's Infer and Embed calls (see BatchQueue).
-  BatchLimits batching;
-  // Called for every merged forward, on the job's batch thread (metrics); may be null.
-  BatchObserver batch_observer;
-  // Where checkpoints may be read (--model_root); unconfined by default. Requests name their
-  // checkpoint as workers will see it; the coordinator resolves it under its own root for what it
-  // reads itself (config.json, the tokenizer and head files).
-  common::ModelRoot model_root;
-  // Jobs one client may have that have not ended (PENDING to READY); 0: no limit. Ended jobs do
-  // not count, so cancelling one makes room.
-  int max_jobs_per_client = 16;
-  // Sent with every call to a worker (their --auth_token_file); empty: none.
-  std::string worker_token;
-  // The channels to the workers (TLS, common/grpc_tls.h); null: plaintext.
-  std::shared_ptr<grpc::ChannelCredentials> worker_credentials;
-};
-
-struct JobAssets;  // server/inference.h
 
 class Cluster {
  public:
@@ -136,38 +101,8 @@ class Cluster {
   void Drain();
 
  private:
-  struct Worker;
-  struct Recovery;
-  struct JobRuntime;
-  explicit Cluster(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> store);
+  Cluster(const ClusterOptions& options, std::unique_ptr<WorkerPool> pool);
 
-  // Builds the runtimes of the stored jobs: PENDING as they are, PLANNED back to PENDING, READY
-  // and LOADING recovering. Called once, before any worker registers.
-  absl::Status RecoverJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes in what a registering worker holds: reports for recovering jobs, the rest to unload.
-  // Also marks the recovering ranks this worker's address held and no longer does as lost.
-  void TakeHeldShardsLocked(Worker* worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
-                            google::protobuf::RepeatedPtrField<std::string>* unload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Applies DecideReadoption to a recovering job: adopt, fail, or keep waiting.
-  void DecideRecoveryLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The stored job with `recovering` filled in.
-  absl::StatusOr<v1::Job> GetJobLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The healthy workers without a job, in the pool's order, with their devices (for PlaceRanks).
-  std::vector<IdleWorker> IdleWorkersLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A write the job database refused (full, read-only, I/O): said on stderr. The
-  // callers decide what the job does without it.
-  void StoreErrorLocked(const std::string& what, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // StoreErrorLocked when `status` is not OK: for writes whose refusal changes nothing else here.
-  void RecordLocked(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void LoadJob(std::string job_id);
-  // `job_id` by value: callers pass fields this clears (a worker's job_id).
-  // Takes worker `id` out of the pool and fails its job, if any: "worker ID (rank R) at ADDR `why`".
-  void MarkUnhealthyLocked(const std::string& id, Worker& worker, const std::string& why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state = v1::FAILED)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MonitorLoop();
   // A READY job's runtime, its batch queue (made on first use) and assets (read on first use).
   struct Serving {
     std::shared_ptr<JobRuntime> runtime;
@@ -178,24 +113,11 @@ class Cluster {
   // One merged forward on every rank of the job; runs on the job's batch thread.
   absl::StatusOr<BatchOutputs> ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged, int micro_batches,
                                             absl::Time deadline);
-  v1::JobEvent EventLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ClusterOptions options_;
-  std::unique_ptr<jobs::JobStore> store_;
-  const std::string incarnation_;  // distinguishes worker ids across coordinator restarts
-  absl::Mutex mu_;
-  absl::CondVar changed_;  // any job state or progress change
-  std::map<std::string, std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<JobRuntime>> runtimes_ ABSL_GUARDED_BY(mu_);
-  int64_t next_worker_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
-  // A planning the job database refused: the monitor schedules again until it is taken.
-  bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
-  std::string last_store_error_ ABSL_GUARDED_BY(mu_);  // the last one logged, not repeated
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // Drain() was called
-  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
-  std::thread monitor_;
+  // Declared in this order so that the scheduler (which uses the pool) goes first.
+  const std::unique_ptr<WorkerPool> pool_;
+  std::unique_ptr<Scheduler> scheduler_;
 };
 
 }  // namespace bertshard::server

@@ -1,0 +1,59 @@
+// File: server/cluster_options.h
+// -----------------------------------------------------------------------------
+// What a coordinator's Cluster is configured with (server/main.cc fills it from flags; tests set
+// the timings they need). Its own header so that the parts of the cluster (worker_pool.h,
+// scheduler.h) take the same options the front does without including the front.
+//
+// Example:
+//   ClusterOptions options;
+//   options.heartbeat_interval = absl::Seconds(2);
+//   auto cluster = Cluster::Create(options);
+//
+// Thread safety: a plain struct; copied into each part at construction.
+#ifndef BERTSHARD_SERVER_CLUSTER_OPTIONS_H_
+#define BERTSHARD_SERVER_CLUSTER_OPTIONS_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/time/time.h"
+#include "common/model_root.h"
+#include "grpcpp/security/credentials.h"
+#include "server/batch_queue.h"
+
+namespace bertshard::server {
+
+struct ClusterOptions {
+  std::string database_path = ":memory:";
+  absl::Duration heartbeat_interval = absl::Seconds(1);
+  // A worker silent for this many heartbeat intervals is dead (its job fails). Workers beat on a
+  // fixed schedule, so a healthy one is silent for one interval at most; the rest is the margin
+  // for a loaded machine or a brief stall.
+  int missed_heartbeats = 3;
+  absl::Duration load_timeout = absl::Minutes(10);
+  int collective_timeout_seconds = 60;  // rendezvous and collectives on the workers
+  // How long one (batched) forward may take on the ranks before its job is failed: the callers'
+  // own deadlines end their calls, never the forward (see Infer).
+  absl::Duration forward_timeout = absl::Minutes(10);
+  // After a start, how long READY and LOADING jobs from the database wait for their ranks to
+  // come back (workers register again within about a heartbeat interval of the start).
+  absl::Duration readopt_grace = absl::Seconds(10);
+  // Dynamic batching of each job's Infer and Embed calls (see BatchQueue).
+  BatchLimits batching;
+  // Called for every merged forward, on the job's batch thread (metrics); may be null.
+  BatchObserver batch_observer;
+  // Where checkpoints may be read (--model_root); unconfined by default. Requests name their
+  // checkpoint as workers will see it; the coordinator resolves it under its own root for what it
+  // reads itself (config.json, the tokenizer and head files).
+  common::ModelRoot model_root;
+  // Jobs one client may have that have not ended (PENDING to READY); 0: no limit. Ended jobs do
+  // not count, so cancelling one makes room.
+  int max_jobs_per_client = 16;
+  // Sent with every call to a worker (their --auth_token_file); empty: none.
+  std::string worker_token;
+  // The channels to the workers (TLS, common/grpc_tls.h); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> worker_credentials;
+};
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_CLUSTER_OPTIONS_H_

@@ -1,0 +1,181 @@
+#include "server/job_recovery.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "planner/planner.h"
+#include "server/placement.h"
+
+namespace bertshard::server {
+
+std::string JobRecovery::Describe(int world_size) const {
+  std::vector<int> waiting;
+  for (int r = 0; r < world_size; ++r) {
+    bool back = false;
+    for (const RankReport& report : reports) back |= report.shard.rank() == r;
+    if (!back) waiting.push_back(r);
+  }
+  return absl::StrCat(
+      "the coordinator restarted; waiting until ", absl::FormatTime(absl::RFC3339_sec, deadline, absl::UTCTimeZone()),
+      " for rank", waiting.size() == 1 ? " " : "s ", absl::StrJoin(waiting, ", "), " of ", world_size, " to come back");
+}
+
+ReadoptionDecision JobRecovery::Decide(int world_size, absl::Time now, absl::Duration grace) const {
+  ReadoptionInput in;
+  in.world_size = world_size;
+  in.was_loading = was_loading;
+  in.previous = previous;
+  in.reports = reports;
+  in.lost = lost;
+  in.grace_over = now >= deadline;
+  in.grace = grace;
+  return DecideReadoption(in);
+}
+
+void JobRecovery::ForgetWorker(const std::string& worker_id) {
+  reports.erase(
+      std::remove_if(reports.begin(), reports.end(), [&](const RankReport& r) { return r.worker_id == worker_id; }),
+      reports.end());
+}
+
+absl::StatusOr<v1::PlanRequest> LocalPlanRequest(const common::ModelRoot& root, const v1::PlanRequest& request) {
+  v1::PlanRequest local = request;
+  if (!request.checkpoint().empty()) {
+    ASSIGN_OR_RETURN(std::string dir, root.Resolve(request.checkpoint()));
+    local.set_checkpoint(dir);
+  }
+  return local;
+}
+
+absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
+    jobs::JobStore& store, const common::ModelRoot& root, absl::Time deadline,
+    const std::function<void(const absl::Status&, const std::string&)>& record) {
+  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, store.List());
+  // A job this coordinator cannot take back: FAILED, saying why.
+  const auto fail = [&](const v1::Job& job, absl::string_view why, const absl::Status& status) {
+    record(store
+               .Transition(job.id(), v1::FAILED,
+                           absl::StrCat("the coordinator restarted and ", why, ": ", status.message()))
+               .status(),
+           absl::StrCat("failing job ", job.id()));
+  };
+  std::vector<RecoveredJob> recovered;
+  for (v1::Job& job : jobs) {
+    if (TerminalState(job.state())) continue;
+    // The plan the workers loaded; jobs stored before plans were (schema 1) are planned again.
+    absl::StatusOr<v1::ShardPlan> plan = absl::NotFoundError("");
+    auto stored = store.GetPlan(job.id());
+    if (stored.ok() && stored->has_value()) {
+      plan = **std::move(stored);
+    } else {
+      absl::StatusOr<v1::PlanRequest> local = LocalPlanRequest(root, job.request());
+      plan = local.ok() ? planner::Plan(*local) : absl::StatusOr<v1::ShardPlan>(local.status());
+      if (plan.ok()) record(store.SetPlan(job.id(), *plan), absl::StrCat("storing job ", job.id(), "'s new plan"));
+    }
+    if (!plan.ok()) {
+      fail(job, "cannot plan the job", plan.status());
+      continue;
+    }
+    // Empty in jobs stored before backends: gloo, as they ran.
+    const absl::StatusOr<std::string> backend = NormaliseBackend(job.backend());
+    if (!backend.ok()) {
+      fail(job, "cannot place the job", backend.status());
+      continue;
+    }
+    RecoveredJob r;
+    r.plan = *std::move(plan);
+    r.backend = *backend;
+    if (job.state() == v1::PLANNED) {
+      // Nothing was loading yet: place it again. Refused, the job stays PLANNED in the database and
+      // is not placed; the next restart tries again (said on stderr).
+      record(store.SetRanks(job.id(), {}).status(), absl::StrCat("clearing job ", job.id(), "'s ranks"));
+      r.pending_note = "the coordinator restarted before loading";
+      auto pending = store.Transition(
+          job.id(), v1::PENDING,
+          absl::StrCat(r.pending_note, "; ", PlaceRanks(r.backend, r.plan.world_size(), {}).waiting_for));
+      record(pending.status(), absl::StrCat("putting job ", job.id(), " back to PENDING"));
+      if (pending.ok()) job = *std::move(pending);
+    } else if (job.state() == v1::LOADING || job.state() == v1::READY) {
+      r.recovery = std::make_unique<JobRecovery>();
+      r.recovery->deadline = deadline;
+      r.recovery->was_loading = job.state() == v1::LOADING;
+      r.recovery->previous.assign(job.ranks().begin(), job.ranks().end());
+    }
+    r.job = std::move(job);
+    recovered.push_back(std::move(r));
+  }
+  return recovered;
+}
+
+Adoption RecordAdoption(jobs::JobStore& store, const std::string& job_id, const std::vector<std::string>& rank_workers,
+                        const std::function<std::string(const std::string& worker_id)>& address_of,
+                        const std::function<void(const absl::Status&, const std::string&)>& record) {
+  Adoption adoption;
+  std::vector<v1::RankAssignment> ranks;
+  for (size_t r = 0; r < rank_workers.size(); ++r) {
+    v1::RankAssignment a;
+    a.set_rank(static_cast<int32_t>(r));
+    a.set_worker_id(rank_workers[r]);
+    a.set_worker_address(address_of(rank_workers[r]));
+    ranks.push_back(a);
+    v1::RankProgress p;
+    p.set_rank(a.rank());
+    p.set_worker_id(a.worker_id());
+    p.mutable_progress()->set_phase(v1::LoadProgress::READY);
+    adoption.progress.push_back(p);
+  }
+  record(store.SetRanks(job_id, ranks).status(), absl::StrCat("recording job ", job_id, "'s ranks"));
+  auto job = store.Get(job_id);
+  if (job.ok() && job->state() == v1::LOADING) {
+    record(store
+               .Transition(job_id, v1::READY,
+                           absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"))
+               .status(),
+           absl::StrCat("readying job ", job_id));
+  }
+  job = store.Get(job_id);
+  adoption.ready = job.ok() && job->state() == v1::READY;
+  return adoption;
+}
+
+HeldShards SortHeldShards(const v1::WorkerInfo& worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
+                          const std::function<HeldJob(const std::string& job_id)>& known,
+                          const std::map<std::string, JobRecovery*>& recovering) {
+  HeldShards sorted;
+  std::string serving_job = worker.job_id();
+  int32_t serving_rank = worker.rank();
+  for (const v1::HeldShard& h : held) {
+    const HeldJob what = known(h.job_id());
+    if (what == HeldJob::kStoreSilent) continue;  // says nothing about the job
+    if (what == HeldJob::kUnknown) {
+      sorted.unload.push_back(h.job_id());  // unknown or ended here
+      continue;
+    }
+    if (serving_job == h.job_id() && serving_rank == h.rank()) continue;  // serving it
+    auto waiting = recovering.find(h.job_id());
+    if (waiting != recovering.end() && serving_job.empty()) {
+      waiting->second->reports.push_back({worker.worker_id(), worker.address(), h});
+      serving_job = h.job_id();
+      serving_rank = h.rank();
+      sorted.taken_back.emplace(serving_job, serving_rank);
+      sorted.decide.insert(h.job_id());
+      continue;
+    }
+    sorted.unload.push_back(h.job_id());  // placed elsewhere (or the worker serves another job)
+  }
+  // Ranks of recovering jobs that this address held before the restart and holds no longer.
+  for (const auto& [job_id, recovery] : recovering) {
+    for (const v1::RankAssignment& a : recovery->previous) {
+      if (a.worker_address() != worker.address()) continue;
+      bool holds = false;
+      for (const v1::HeldShard& h : held) holds |= h.job_id() == job_id && h.rank() == a.rank();
+      if (!holds && recovery->lost.insert(a.rank()).second) sorted.decide.insert(job_id);
+    }
+  }
+  return sorted;
+}
+
+}  // namespace bertshard::server

@@ -1,0 +1,235 @@
+#include "server/job_recovery.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "gtest/gtest.h"
+#include "planner/planner.h"
+
+namespace bertshard::server {
+namespace {
+
+v1::PlanRequest Request() {
+  v1::PlanRequest request;
+  request.set_variant(v1::BERT_FOR_MASKED_LM);
+  request.mutable_parallel()->set_tp_size(2);  // BERT-base's configuration: no checkpoint to read
+  return request;
+}
+
+class RecoverStoredJobsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto store = jobs::JobStore::Open(":memory:");
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
+  }
+
+  // Stores job `id` as a stopped coordinator left it in `state`, with its plan unless `no_plan`.
+  void Store(const std::string& id, v1::JobState state, bool no_plan = false) {
+    v1::Job job;
+    job.set_id(id);
+    *job.mutable_request() = Request();
+    job.set_submitted_by("host:10.0.0.1");
+    auto plan = planner::Plan(Request());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_TRUE(store_->Create(job, no_plan ? nullptr : &*plan).ok());
+    v1::RankAssignment a;
+    a.set_rank(0);
+    a.set_worker_id("old-0");
+    a.set_worker_address("127.0.0.1:9");
+    ASSERT_TRUE(store_->SetRanks(id, {a}).ok());
+    for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY}) {
+      if (state == v1::PENDING) break;
+      ASSERT_TRUE(store_->Transition(id, s, "").ok());
+      if (s == state) break;
+    }
+    if (state == v1::FAILED) {
+      ASSERT_TRUE(store_->Transition(id, v1::FAILED, "before").ok());
+    }
+  }
+
+  absl::StatusOr<std::vector<RecoveredJob>> Recover() {
+    return RecoverStoredJobs(*store_, common::ModelRoot(), deadline_,
+                             [this](const absl::Status& s, const std::string& what) {
+                               if (!s.ok()) refusals_.push_back(what);
+                             });
+  }
+
+  std::unique_ptr<jobs::JobStore> store_;
+  const absl::Time deadline_ = absl::Now() + absl::Seconds(10);
+  std::vector<std::string> refusals_;
+};
+
+TEST_F(RecoverStoredJobsTest, SettlesEachStoredJobByItsState) {
+  ASSERT_NO_FATAL_FAILURE(Store("job-pending", v1::PENDING));
+  ASSERT_NO_FATAL_FAILURE(Store("job-planned", v1::PLANNED));
+  ASSERT_NO_FATAL_FAILURE(Store("job-loading", v1::LOADING));
+  ASSERT_NO_FATAL_FAILURE(Store("job-ready", v1::READY));
+  ASSERT_NO_FATAL_FAILURE(Store("job-failed", v1::FAILED));
+  auto recovered = Recover();
+  ASSERT_TRUE(recovered.ok()) << recovered.status();
+  ASSERT_EQ(recovered->size(), 4u);  // the ended one is left as it is
+  std::map<std::string, const RecoveredJob*> by_id;
+  for (const RecoveredJob& j : *recovered) by_id[j.job.id()] = &j;
+  ASSERT_EQ(by_id.count("job-failed"), 0u);
+
+  const RecoveredJob& pending = *by_id.at("job-pending");
+  EXPECT_EQ(pending.job.state(), v1::PENDING);
+  EXPECT_EQ(pending.recovery, nullptr);
+  EXPECT_EQ(pending.backend, "gloo");  // stored before backends
+  EXPECT_EQ(pending.plan.world_size(), 2);
+
+  // Nothing was loading: back to PENDING, ranks cleared, saying why.
+  const RecoveredJob& planned = *by_id.at("job-planned");
+  EXPECT_EQ(planned.job.state(), v1::PENDING);
+  EXPECT_EQ(planned.pending_note, "the coordinator restarted before loading");
+  EXPECT_EQ(planned.job.pending_reason().rfind("the coordinator restarted before loading; ", 0), 0u)
+      << planned.job.pending_reason();
+  EXPECT_EQ(store_->Get("job-planned")->ranks_size(), 0);
+  EXPECT_EQ(store_->Get("job-planned")->state(), v1::PENDING);
+
+  for (const char* id : {"job-loading", "job-ready"}) {
+    const RecoveredJob& j = *by_id.at(id);
+    ASSERT_NE(j.recovery, nullptr) << id;
+    EXPECT_EQ(j.recovery->deadline, deadline_);
+    EXPECT_EQ(j.recovery->was_loading, std::string(id) == "job-loading");
+    ASSERT_EQ(j.recovery->previous.size(), 1u);
+    EXPECT_EQ(j.recovery->previous[0].worker_address(), "127.0.0.1:9");
+    EXPECT_EQ(store_->Get(id)->state(), std::string(id) == "job-loading" ? v1::LOADING : v1::READY);
+  }
+  EXPECT_TRUE(refusals_.empty());
+}
+
+// Jobs stored before plans were are planned again (and the plan stored); one that cannot be planned
+// any more is FAILED with the cause.
+TEST_F(RecoverStoredJobsTest, PlansAgainOrFailsJobsStoredWithoutAPlan) {
+  ASSERT_NO_FATAL_FAILURE(Store("job-old", v1::READY, /*no_plan=*/true));
+  v1::Job broken;
+  broken.set_id("job-broken");
+  *broken.mutable_request() = Request();
+  broken.mutable_request()->mutable_parallel()->set_tp_size(5);  // 12 heads do not split 5 ways
+  ASSERT_TRUE(store_->Create(broken).ok());
+  auto recovered = Recover();
+  ASSERT_TRUE(recovered.ok()) << recovered.status();
+  ASSERT_EQ(recovered->size(), 1u);
+  EXPECT_EQ((*recovered)[0].job.id(), "job-old");
+  EXPECT_TRUE(store_->GetPlan("job-old")->has_value());
+  const v1::Job failed = *store_->Get("job-broken");
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_NE(failed.failure_cause().find("the coordinator restarted and cannot plan the job"), std::string::npos)
+      << failed.DebugString();
+}
+
+// Adopted: the ranks as they came back are stored, and a job that was LOADING is READY now.
+TEST_F(RecoverStoredJobsTest, RecordsAnAdoptionAndReadiesALoadingJob) {
+  ASSERT_NO_FATAL_FAILURE(Store("job-loading", v1::LOADING));
+  std::vector<std::string> refusals;
+  const Adoption adoption = RecordAdoption(
+      *store_, "job-loading", {"w0", "w1"}, [](const std::string& id) { return "addr-of-" + id; },
+      [&](const absl::Status& s, const std::string& what) {
+        if (!s.ok()) refusals.push_back(what);
+      });
+  EXPECT_TRUE(refusals.empty());
+  EXPECT_TRUE(adoption.ready);
+  ASSERT_EQ(adoption.progress.size(), 2u);
+  EXPECT_EQ(adoption.progress[1].worker_id(), "w1");
+  EXPECT_EQ(adoption.progress[1].progress().phase(), v1::LoadProgress::READY);
+  const v1::Job job = *store_->Get("job-loading");
+  EXPECT_EQ(job.state(), v1::READY);
+  ASSERT_EQ(job.ranks_size(), 2);
+  EXPECT_EQ(job.ranks(1).worker_id(), "w1");
+  EXPECT_EQ(job.ranks(1).worker_address(), "addr-of-w1");
+}
+
+RankReport Report(const std::string& worker, int rank, int64_t next_sequence) {
+  RankReport r;
+  r.worker_id = worker;
+  r.address = "127.0.0.1:" + std::to_string(9 + rank);
+  r.shard.set_job_id("job-1");
+  r.shard.set_rank(rank);
+  r.shard.set_world_size(2);
+  r.shard.set_next_sequence(next_sequence);
+  return r;
+}
+
+TEST(JobRecovery, SaysWhichRanksItWaitsForAndDecidesOnWhatCameBack) {
+  JobRecovery recovery;
+  recovery.deadline = absl::FromUnixSeconds(1767225600);  // 2026-01-01T00:00:00Z
+  EXPECT_EQ(recovery.Describe(2),
+            "the coordinator restarted; waiting until 2026-01-01T00:00:00+00:00 for ranks 0, 1 of 2 to come back");
+  recovery.reports.push_back(Report("w0", 0, 7));
+  EXPECT_NE(recovery.Describe(2).find("for rank 1 of 2"), std::string::npos) << recovery.Describe(2);
+  const absl::Time before = recovery.deadline - absl::Seconds(1);
+  EXPECT_EQ(recovery.Decide(2, before, absl::Seconds(10)).outcome, ReadoptionDecision::Outcome::kWait);
+  EXPECT_EQ(recovery.Decide(2, recovery.deadline, absl::Seconds(10)).outcome, ReadoptionDecision::Outcome::kFail);
+  recovery.reports.push_back(Report("w1", 1, 7));
+  const ReadoptionDecision adopt = recovery.Decide(2, before, absl::Seconds(10));
+  ASSERT_EQ(adopt.outcome, ReadoptionDecision::Outcome::kAdopt);
+  EXPECT_EQ(adopt.rank_workers, (std::vector<std::string>{"w0", "w1"}));
+  EXPECT_EQ(adopt.next_sequence, 7);
+  recovery.ForgetWorker("w0");  // it registers again: its report counts again when it comes
+  ASSERT_EQ(recovery.reports.size(), 1u);
+  EXPECT_EQ(recovery.reports[0].worker_id, "w1");
+}
+
+v1::HeldShard Held(const std::string& job, int rank) {
+  v1::HeldShard h;
+  h.set_job_id(job);
+  h.set_rank(rank);
+  h.set_world_size(2);
+  return h;
+}
+
+TEST(SortHeldShards, ReportsForRecoveringJobsTheRestToUnload) {
+  JobRecovery recovery;
+  v1::RankAssignment was;
+  was.set_rank(1);
+  was.set_worker_address("127.0.0.1:9");  // this worker's address held rank 1 before the restart
+  recovery.previous.push_back(was);
+  const std::map<std::string, JobRecovery*> recovering = {{"job-1", &recovery}};
+  const auto known = [](const std::string& job) {
+    if (job == "job-silent") return HeldJob::kStoreSilent;
+    if (job == "job-1" || job == "job-running") return HeldJob::kKnown;
+    return HeldJob::kUnknown;
+  };
+  v1::WorkerInfo worker;
+  worker.set_worker_id("w0");
+  worker.set_address("127.0.0.1:9");
+  google::protobuf::RepeatedPtrField<v1::HeldShard> held;
+  *held.Add() = Held("job-gone", 0);
+  *held.Add() = Held("job-silent", 0);
+  *held.Add() = Held("job-1", 0);
+  *held.Add() = Held("job-running", 1);  // known, but the worker is taken back for job-1 first
+  const HeldShards sorted = SortHeldShards(worker, held, known, recovering);
+  EXPECT_EQ(sorted.unload, (std::vector<std::string>{"job-gone", "job-running"}));
+  ASSERT_TRUE(sorted.taken_back.has_value());
+  EXPECT_EQ(*sorted.taken_back, std::make_pair(std::string("job-1"), 0));
+  ASSERT_EQ(recovery.reports.size(), 1u);
+  EXPECT_EQ(recovery.reports[0].worker_id, "w0");
+  EXPECT_EQ(recovery.reports[0].shard.rank(), 0);
+  // It held rank 1 before and does not now: lost, so the job is decided at once.
+  EXPECT_EQ(recovery.lost, std::set<int>{1});
+  EXPECT_EQ(sorted.decide, std::set<std::string>{"job-1"});
+}
+
+TEST(SortHeldShards, AWorkerKeepsTheShardItServes) {
+  JobRecovery recovery;
+  const std::map<std::string, JobRecovery*> recovering = {{"job-1", &recovery}};
+  v1::WorkerInfo worker;
+  worker.set_worker_id("w0");
+  worker.set_address("127.0.0.1:9");
+  worker.set_job_id("job-2");
+  worker.set_rank(1);
+  google::protobuf::RepeatedPtrField<v1::HeldShard> held;
+  *held.Add() = Held("job-2", 1);
+  *held.Add() = Held("job-1", 0);  // busy with job-2: not taken back, unloads
+  const HeldShards sorted = SortHeldShards(
+      worker, held, [](const std::string&) { return HeldJob::kKnown; }, recovering);
+  EXPECT_EQ(sorted.unload, std::vector<std::string>{"job-1"});
+  EXPECT_FALSE(sorted.taken_back.has_value());
+  EXPECT_TRUE(recovery.reports.empty());
+  EXPECT_TRUE(sorted.decide.empty());
+}
+
+}  // namespace
+}  // namespace bertshard::server

@@ -1,0 +1,648 @@
+#include "server/scheduler.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/fault_point.h"
+#include "common/grpc_auth.h"
+#include "common/status_macros.h"
+#include "planner/planner.h"
+#include "server/placement.h"
+#include "server/shard_loading.h"
+
+namespace bertshard::server {
+
+Scheduler::Scheduler(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> store, WorkerPool* pool)
+    : options_(options), store_(std::move(store)), pool_(pool) {}
+
+absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(const ClusterOptions& options,
+                                                             std::unique_ptr<jobs::JobStore> store, WorkerPool* pool) {
+  auto scheduler = std::unique_ptr<Scheduler>(new Scheduler(options, std::move(store), pool));
+  {
+    absl::MutexLock lock(&scheduler->mu_);
+    RETURN_IF_ERROR(scheduler->RecoverJobsLocked());
+  }
+  scheduler->monitor_ = std::thread([s = scheduler.get()] { s->MonitorLoop(); });
+  return scheduler;
+}
+
+Scheduler::~Scheduler() { Stop(); }
+
+void Scheduler::Stop() {
+  std::vector<std::shared_ptr<BatchQueue>> batchers;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    for (auto& [id, runtime] : runtimes_) {
+      for (auto& context : runtime->load_contexts) context->TryCancel();
+      if (auto batcher = CloseServingLocked(*runtime, "the coordinator is shutting down")) {
+        batchers.push_back(std::move(batcher));
+      }
+    }
+    changed_.SignalAll();
+  }
+  if (monitor_.joinable()) monitor_.join();
+  threads_.JoinAll();  // no load starts once stopping_ is set, and no batch queue is made
+  batchers.clear();    // off the lock: a running batch may still take it
+}
+
+void Scheduler::Drain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  changed_.SignalAll();
+}
+
+absl::Status Scheduler::RecoverJobsLocked() {
+  ASSIGN_OR_RETURN(std::vector<RecoveredJob> jobs,
+                   RecoverStoredJobs(*store_, options_.model_root, absl::Now() + options_.readopt_grace,
+                                     [this](const absl::Status& status, const std::string& what) {
+                                       mu_.AssertHeld();
+                                       RecordLocked(status, what);
+                                     }));
+  for (RecoveredJob& job : jobs) {
+    auto runtime = std::make_shared<JobRuntime>();
+    runtime->plan = std::move(job.plan);
+    runtime->checkpoint = job.job.request().checkpoint();
+    runtime->backend = std::move(job.backend);
+    runtime->submitted_by = job.job.submitted_by();
+    runtime->pending_note = std::move(job.pending_note);
+    runtime->recovery = std::move(job.recovery);
+    if (runtime->recovery != nullptr) runtime->rank_workers.assign(static_cast<size_t>(runtime->plan.world_size()), "");
+    if (job.job.state() == v1::PENDING) pending_.push_back({job.job.id(), job.job.pending_reason()});
+    runtimes_[job.job.id()] = std::move(runtime);
+  }
+  return absl::OkStatus();
+}
+
+v1::RegisterWorkerResponse Scheduler::RegisterWorker(const v1::RegisterWorkerRequest& request) {
+  absl::MutexLock lock(&mu_);
+  // A worker registering again from the same address lost touch with us. It keeps a job it
+  // still holds; any other job that relied on it fails.
+  std::optional<std::pair<std::string, int32_t>> kept;
+  if (std::optional<v1::WorkerInfo> old = pool_->RemoveByAddress(request.address())) {
+    kept = SettleReplacedLocked(*old, request);
+  }
+  v1::WorkerInfo worker = pool_->Add(request);
+  if (kept.has_value()) MoveRankLocked(kept->first, kept->second, &worker);
+  v1::RegisterWorkerResponse response;
+  TakeHeldShardsLocked(worker, request.held(), response.mutable_unload_job_ids());
+  ScheduleLocked();
+  response.set_worker_id(worker.worker_id());
+  response.set_heartbeat_interval_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.heartbeat_interval)));
+  return response;
+}
+
+std::optional<std::pair<std::string, int32_t>> Scheduler::SettleReplacedLocked(
+    const v1::WorkerInfo& old, const v1::RegisterWorkerRequest& request) {
+  auto runtime = runtimes_.find(old.job_id());
+  if (runtime != runtimes_.end() && runtime->second->recovery != nullptr) {
+    runtime->second->recovery->ForgetWorker(old.worker_id());  // they count again with this registration
+    return std::nullopt;
+  }
+  if (old.job_id().empty()) return std::nullopt;
+  const v1::HeldShard* shard = nullptr;
+  for (const v1::HeldShard& h : request.held()) {
+    if (h.job_id() == old.job_id() && h.rank() == old.rank()) shard = &h;
+  }
+  if (shard != nullptr && shard->broken().empty() && runtime != runtimes_.end() && !runtime->second->ended) {
+    return std::make_pair(old.job_id(), old.rank());
+  }
+  FailJobLocked(
+      old.job_id(),
+      absl::StrCat("worker ", old.worker_id(), " (rank ", old.rank(), ") at ", request.address(), " registered again ",
+                   shard == nullptr ? "without its shard" : absl::StrCat("with its shard broken: ", shard->broken())));
+  return std::nullopt;
+}
+
+void Scheduler::MoveRankLocked(const std::string& job_id, int32_t rank, v1::WorkerInfo* worker) {
+  pool_->Assign(worker->worker_id(), job_id, rank);
+  worker->set_job_id(job_id);
+  worker->set_rank(rank);
+  JobRuntime& runtime = *runtimes_.at(job_id);
+  const size_t r = static_cast<size_t>(rank);
+  if (r < runtime.rank_workers.size()) runtime.rank_workers[r] = worker->worker_id();
+  if (r < runtime.progress.size()) runtime.progress[r].set_worker_id(worker->worker_id());
+  auto job = store_->Get(job_id);
+  if (job.ok() && rank < job->ranks_size()) {
+    std::vector<v1::RankAssignment> ranks(job->ranks().begin(), job->ranks().end());
+    ranks[r].set_worker_id(worker->worker_id());
+    ranks[r].set_worker_address(worker->address());
+    RecordLocked(store_->SetRanks(job_id, ranks).status(),
+                 absl::StrCat("moving job ", job_id, "'s rank ", r, " to worker ", worker->worker_id()));
+  }
+}
+
+absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRequest& request) {
+  absl::MutexLock lock(&mu_);
+  v1::HeartbeatResponse response;
+  if (request.leaving()) {
+    // Out of the pool now: a job scheduled onto it in the heartbeats' grace period would fail.
+    std::optional<v1::WorkerInfo> worker = pool_->MarkUnhealthy(request.worker_id());
+    if (!worker.has_value()) {
+      return absl::NotFoundError(absl::StrCat("unknown worker ", request.worker_id(), "; register again"));
+    }
+    FailWorkersJobLocked(*worker, "is shutting down");
+    ScheduleLocked();  // the pool is smaller: what waiting jobs say they wait for changes
+    return response;
+  }
+  ASSIGN_OR_RETURN(const v1::WorkerInfo before, pool_->Beat(request.worker_id(), request.free_memory_bytes()));
+  TakeHeldShardsLocked(before, request.held(), response.mutable_unload_job_ids());
+  if (!before.healthy()) {
+    pool_->MarkHealthy(request.worker_id());  // back after a pause: its old job has already failed
+    ScheduleLocked();
+  } else if (before.job_id().empty()) {
+    std::optional<v1::WorkerInfo> now = pool_->Find(request.worker_id());
+    if (now.has_value() && !now->job_id().empty()) ScheduleLocked();  // taken back by a recovering job
+  }
+  return response;
+}
+
+void Scheduler::TakeHeldShardsLocked(const v1::WorkerInfo& worker,
+                                     const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
+                                     google::protobuf::RepeatedPtrField<std::string>* unload) {
+  std::map<std::string, JobRecovery*> recovering;
+  for (auto& [job_id, runtime] : runtimes_) {
+    if (runtime->recovery != nullptr) recovering[job_id] = runtime->recovery.get();
+  }
+  const auto known = [this](const std::string& job_id) {
+    mu_.AssertHeld();
+    auto job = store_->Get(job_id);
+    if (!job.ok() && job.status().code() != absl::StatusCode::kNotFound) return HeldJob::kStoreSilent;
+    if (!job.ok() || TerminalState(job->state()) || runtimes_.count(job_id) == 0) return HeldJob::kUnknown;
+    return HeldJob::kKnown;
+  };
+  HeldShards sorted = SortHeldShards(worker, held, known, recovering);
+  for (std::string& job_id : sorted.unload) *unload->Add() = std::move(job_id);
+  if (sorted.taken_back.has_value()) {
+    pool_->Assign(worker.worker_id(), sorted.taken_back->first, sorted.taken_back->second);
+  }
+  for (const std::string& job_id : sorted.decide) DecideRecoveryLocked(job_id);
+}
+
+void Scheduler::DecideRecoveryLocked(const std::string& job_id) {
+  auto it = runtimes_.find(job_id);
+  if (it == runtimes_.end() || it->second->recovery == nullptr) return;
+  JobRuntime& runtime = *it->second;
+  const ReadoptionDecision decision =
+      runtime.recovery->Decide(runtime.plan.world_size(), absl::Now(), options_.readopt_grace);
+  switch (decision.outcome) {
+    case ReadoptionDecision::Outcome::kWait:
+      changed_.SignalAll();  // Job.recovering changed
+      return;
+    case ReadoptionDecision::Outcome::kFail:
+      runtime.recovery.reset();
+      FailJobLocked(job_id, decision.cause);  // the ranks that came back unload
+      return;
+    case ReadoptionDecision::Outcome::kAdopt:
+      break;
+    default:
+      return;
+  }
+  runtime.recovery.reset();
+  runtime.rank_workers = decision.rank_workers;
+  runtime.next_sequence = decision.next_sequence;
+  // Every reporting worker is in the pool: one that registers again takes its reports back.
+  Adoption adoption = RecordAdoption(
+      *store_, job_id, runtime.rank_workers,
+      [this](const std::string& id) {
+        std::optional<v1::WorkerInfo> w = pool_->Find(id);
+        return w.has_value() ? w->address() : std::string();
+      },
+      [this](const absl::Status& status, const std::string& what) {
+        mu_.AssertHeld();
+        RecordLocked(status, what);
+      });
+  runtime.progress = std::move(adoption.progress);
+  runtime.serving = adoption.ready;
+  changed_.SignalAll();
+}
+
+absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request, const std::string& client) {
+  if (request.request().checkpoint().empty()) {
+    return absl::InvalidArgumentError("SubmitJob needs request.checkpoint: the model directory the workers load");
+  }
+  ASSIGN_OR_RETURN(const std::string backend, NormaliseBackend(request.backend()));
+  ASSIGN_OR_RETURN(const v1::PlanRequest local, LocalPlanRequest(options_.model_root, request.request()));
+  ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(local));
+  absl::MutexLock lock(&mu_);
+  if (options_.max_jobs_per_client > 0) {
+    // Every job that has not ended has a runtime here (taken back at start, or submitted since).
+    int active = 0;
+    for (const auto& [id, runtime] : runtimes_) active += (runtime->submitted_by == client && !runtime->ended) ? 1 : 0;
+    if (active >= options_.max_jobs_per_client) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this client already has ", active, " jobs that have not ended (the limit, --max_jobs_per_client, is ",
+          options_.max_jobs_per_client, "): cancel one first"));
+    }
+  }
+  // What the job would wait for now: for NCCL, GPUs that several workers report count once, and
+  // the reason says so up front, not NCCL after every rank has loaded.
+  const Placement now = PlaceRanks(backend, plan.world_size(), pool_->Idle());
+  if (now.ranks.empty() && request.fail_if_no_workers()) {
+    return absl::FailedPreconditionError(absl::StrCat("the job cannot start now: ", now.waiting_for));
+  }
+  v1::Job job;
+  job.set_id(absl::StrCat("job-", absl::ToUnixMillis(absl::Now()), "-", ++next_job_));
+  *job.mutable_request() = request.request();
+  job.set_submitted_by(client);
+  // The class the plan resolved (from the checkpoint's config.json when the request named none),
+  // so that listings say what runs.
+  job.mutable_request()->set_variant(plan.variant());
+  job.set_backend(backend);
+  job.set_pending_reason(now.ranks.empty() ? now.waiting_for : "placing its ranks");
+  // Job and plan in one write: a full or read-only database refuses the job whole, with the
+  // store's code (RESOURCE_EXHAUSTED, FAILED_PRECONDITION), and nothing has started yet.
+  RETURN_IF_ERROR(store_->Create(job, &plan));
+  auto runtime = std::make_shared<JobRuntime>();
+  runtime->plan = std::move(plan);
+  runtime->checkpoint = request.request().checkpoint();
+  runtime->backend = backend;
+  runtime->submitted_by = client;
+  runtimes_[job.id()] = runtime;
+  pending_.push_back({job.id(), job.pending_reason()});
+  ScheduleLocked();
+  changed_.SignalAll();
+  return store_->Get(job.id());
+}
+
+void Scheduler::ScheduleLocked() {
+  if (stopping_ || draining_) return;
+  std::vector<PendingJob> still_pending;
+  std::vector<size_t> waiting;  // into still_pending: those no placement fits now
+  for (PendingJob& pending : pending_) {
+    auto runtime = runtimes_.find(pending.job_id);
+    if (runtime == runtimes_.end()) continue;
+    const std::vector<IdleWorker> free_workers = pool_->Idle();
+    const Placement placement = PlaceRanks(runtime->second->backend, runtime->second->plan.world_size(), free_workers);
+    if (placement.ranks.empty()) {
+      waiting.push_back(still_pending.size());
+      still_pending.push_back(std::move(pending));
+      continue;
+    }
+    std::vector<IdleWorker> workers;
+    for (size_t i : placement.ranks) workers.push_back(free_workers[i]);
+    if (!PlanJobLocked(pending.job_id, *runtime->second, workers)) {
+      still_pending.push_back(std::move(pending));  // PENDING as stored; the monitor tries again
+      continue;
+    }
+    threads_.Start([this, id = pending.job_id] { LoadJob(id); });
+  }
+  pending_ = std::move(still_pending);
+  // Why the others wait, against the pool as the jobs placed above left it; written only when it
+  // changed (a worker came or went, reported a GPU another holds).
+  const std::vector<IdleWorker> free_workers = pool_->Idle();
+  for (size_t i : waiting) {
+    PendingJob& pending = pending_[i];
+    const JobRuntime& runtime = *runtimes_.at(pending.job_id);
+    const std::string why = PlaceRanks(runtime.backend, runtime.plan.world_size(), free_workers).waiting_for;
+    const std::string reason = runtime.pending_note.empty() ? why : absl::StrCat(runtime.pending_note, "; ", why);
+    if (pending.reason == reason) continue;
+    const absl::Status recorded = store_->SetPendingReason(pending.job_id, reason);
+    RecordLocked(recorded, "recording the pending reason of " + pending.job_id);
+    if (recorded.ok()) pending.reason = reason;
+  }
+  changed_.SignalAll();
+}
+
+bool Scheduler::PlanJobLocked(const std::string& job_id, JobRuntime& runtime, const std::vector<IdleWorker>& workers) {
+  std::vector<v1::RankAssignment> ranks;
+  runtime.rank_workers.clear();
+  runtime.progress.clear();
+  for (size_t r = 0; r < workers.size(); ++r) {
+    pool_->Assign(workers[r].worker_id, job_id, static_cast<int32_t>(r));
+    v1::RankAssignment a;
+    a.set_rank(static_cast<int32_t>(r));
+    a.set_worker_id(workers[r].worker_id);
+    a.set_worker_address(workers[r].address);
+    ranks.push_back(a);
+    runtime.rank_workers.push_back(a.worker_id());
+    v1::RankProgress p;
+    p.set_rank(a.rank());
+    p.set_worker_id(a.worker_id());
+    runtime.progress.push_back(p);
+  }
+  absl::Status recorded = store_->SetRanks(job_id, ranks).status();
+  if (recorded.ok()) {
+    recorded = store_->Transition(job_id, v1::PLANNED, absl::StrCat(workers.size(), " workers assigned")).status();
+  }
+  if (recorded.ok()) return true;
+  // Not recorded, so not started: the job stays PENDING as stored, with no ranks, its workers stay
+  // free, and the monitor tries again every quarter interval until the database takes it (a
+  // restarted coordinator would see the same).
+  StoreErrorLocked(absl::StrCat("planning job ", job_id), recorded);
+  for (const IdleWorker& w : workers) pool_->Unassign(w.worker_id);
+  runtime.rank_workers.clear();
+  runtime.progress.clear();
+  schedule_retry_ = true;
+  return false;
+}
+
+struct Scheduler::Load {
+  std::string job_id;
+  std::shared_ptr<JobRuntime> runtime;
+  std::vector<RankStub> ranks;  // copied: a worker registering again may change rank_workers
+};
+
+void Scheduler::LoadJob(const std::string& job_id) {
+  // The job is PLANNED here, and stays so until BeginLoad: fault tests hold it in that window.
+  common::PausePoint("coordinator_planned");
+  const std::optional<Load> load = BeginLoad(job_id);
+  if (!load.has_value()) return;
+  const absl::StatusOr<int32_t> port = ReserveRendezvousPort(load->ranks[0], job_id);
+  if (!port.ok()) {
+    absl::MutexLock lock(&mu_);
+    // Stopping: the job stays LOADING for the next coordinator, which fails it with that cause.
+    if (!stopping_) FailJobLocked(job_id, std::string(port.status().message()));
+    return;
+  }
+  const std::vector<std::shared_ptr<grpc::ClientContext>> contexts = LoadContexts(*load);
+  if (contexts.empty()) return;
+  FinishLoad(*load, LoadShards(*load, *port, contexts));
+}
+
+std::optional<Scheduler::Load> Scheduler::BeginLoad(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  // Between planning and here (the PLANNED window) the job may have been cancelled, and a worker
+  // may have registered again under a new id: neither may start a load.
+  auto job = store_->Get(job_id);
+  auto found = runtimes_.find(job_id);
+  if (stopping_ || !job.ok() || TerminalState(job->state()) || found == runtimes_.end()) return std::nullopt;
+  Load load{job_id, found->second, {}};
+  absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs(load.runtime->rank_workers);
+  if (!stubs.ok()) {
+    FailJobLocked(job_id, absl::StrCat(stubs.status().message(), " before the job began loading"));
+    return std::nullopt;
+  }
+  for (WorkerStub& s : *stubs) {
+    load.ranks.push_back({s.worker_id, s.address, std::move(s.stub), options_.worker_token, std::move(s.health)});
+  }
+  if (absl::Status s = store_->Transition(job_id, v1::LOADING, "").status(); !s.ok()) {
+    // Nothing is loaded yet; a job the database cannot follow is not started.
+    StoreErrorLocked(absl::StrCat("loading job ", job_id), s);
+    FailJobLocked(job_id, absl::StrCat("the job database could not record the load: ", s.message()));
+    return std::nullopt;
+  }
+  changed_.SignalAll();
+  return load;
+}
+
+std::vector<std::shared_ptr<grpc::ClientContext>> Scheduler::LoadContexts(const Load& load) {
+  // Every rank's load context is registered at once, and only while the job has not ended: a
+  // cancel or failure while the port was being reserved found no context to cancel, and must not
+  // be followed by loads of the ended job on workers that are idle again or serve another job
+  // (tests/cluster_behaviour_test.cc, CancelPendingAndLoadingJobs). Stopping: nothing would cancel
+  // loads started now; the job stays LOADING for the next coordinator.
+  std::vector<std::shared_ptr<grpc::ClientContext>> contexts;
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || load.runtime->ended) return contexts;
+  for (const RankStub& rank : load.ranks) {
+    auto context = std::make_shared<grpc::ClientContext>();
+    context->set_deadline(absl::ToChronoTime(absl::Now() + options_.load_timeout));
+    common::AttachToken(context.get(), rank.token);
+    load.runtime->load_contexts.push_back(context);
+    contexts.push_back(std::move(context));
+  }
+  return contexts;
+}
+
+bool Scheduler::LoadShards(const Load& load, int32_t port,
+                           const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts) {
+  v1::LoadShardRequest request;
+  request.set_job_id(load.job_id);
+  *request.mutable_plan() = load.runtime->plan;
+  request.set_checkpoint(load.runtime->checkpoint);
+  request.set_backend(load.runtime->backend);
+  request.set_master_addr(HostOf(load.ranks[0].address));
+  request.set_master_port(port);
+  request.set_timeout_seconds(options_.collective_timeout_seconds);
+  return LoadShardsOnRanks(
+      load.ranks, request, contexts,
+      [&](size_t rank, const v1::LoadProgress& progress) {
+        absl::MutexLock lock(&mu_);
+        *load.runtime->progress[rank].mutable_progress() = progress;
+        changed_.SignalAll();
+      },
+      [&](size_t /*rank*/, const std::string& cause) {
+        absl::MutexLock lock(&mu_);
+        if (!stopping_) FailJobLocked(load.job_id, cause);  // stopping: see LoadContexts
+      });
+}
+
+void Scheduler::FinishLoad(const Load& load, bool all_loaded) {
+  absl::MutexLock lock(&mu_);
+  load.runtime->load_contexts.clear();
+  if (!all_loaded || load.runtime->ended) return;
+  if (absl::Status s = store_->Transition(load.job_id, v1::READY, "").status(); !s.ok()) {
+    // Serving a job the database still calls LOADING would be lost at the next restart.
+    StoreErrorLocked(absl::StrCat("readying job ", load.job_id), s);
+    FailJobLocked(load.job_id, absl::StrCat("the job database could not record it READY: ", s.message()));
+    return;
+  }
+  load.runtime->serving = true;
+  changed_.SignalAll();
+}
+
+void Scheduler::FailJobLocked(const std::string& job_id, const std::string& cause, v1::JobState state) {
+  auto job = store_->Get(job_id);
+  if (!job.ok() || TerminalState(job->state())) return;
+  // Unrecorded, the job still ends here (its workers are freed); the database keeps its last
+  // recorded state, which a restarted coordinator settles like any job it finds without ranks.
+  if (absl::Status s = store_->Transition(job_id, state, cause).status(); !s.ok()) {
+    StoreErrorLocked(absl::StrCat("ending job ", job_id, " as ", v1::JobState_Name(state), " (", cause, ")"), s);
+  }
+  pending_.erase(
+      std::remove_if(pending_.begin(), pending_.end(), [&](const PendingJob& p) { return p.job_id == job_id; }),
+      pending_.end());
+  auto runtime = runtimes_.find(job_id);
+  if (runtime != runtimes_.end()) {
+    const std::string why = absl::StrCat("job ", job_id, " is ", v1::JobState_Name(state), ": ", cause);
+    runtime->second->ended = true;
+    for (auto& context : runtime->second->load_contexts) context->TryCancel();
+    runtime->second->forward_abort->Abort(why);
+    runtime->second->recovery.reset();
+    runtime->second->serving = false;
+    if (auto batcher = CloseServingLocked(*runtime->second, why)) {
+      // (No batch queue exists once stopping_ is set: see WithServingRuntime.)
+      threads_.Start([batcher = std::move(batcher)]() mutable { batcher.reset(); });
+    }
+  }
+  for (const WorkerStub& w : pool_->Release(job_id)) {
+    if (stopping_) break;
+    UnloadInBackground(w.stub, job_id, options_.worker_token);  // survivors drop their shard
+  }
+  changed_.SignalAll();
+  ScheduleLocked();
+}
+
+void Scheduler::FailWorkersJobLocked(const v1::WorkerInfo& worker, const std::string& why) {
+  if (worker.job_id().empty()) return;
+  FailJobLocked(worker.job_id(), absl::StrCat("worker ", worker.worker_id(), " (rank ", worker.rank(), ") at ",
+                                              worker.address(), " ", why));
+}
+
+std::shared_ptr<BatchQueue> Scheduler::CloseServingLocked(JobRuntime& runtime, const std::string& why) {
+  std::shared_ptr<BatchQueue> batcher = std::move(runtime.batcher);
+  runtime.batcher = nullptr;
+  if (batcher != nullptr) batcher->Close(why);  // waiting requests fail now
+  return batcher;
+}
+
+void Scheduler::StoreErrorLocked(const std::string& what, const absl::Status& status) {
+  // Once per distinct failure: a refusal retried every quarter interval would flood the log.
+  std::string line = absl::StrCat("bertshard-coordinator: job database: ", what, ": ", status.ToString());
+  if (line == last_store_error_) return;
+  std::fprintf(stderr, "%s\n", line.c_str());
+  last_store_error_ = std::move(line);
+}
+
+void Scheduler::RecordLocked(const absl::Status& status, const std::string& what) {
+  if (!status.ok()) StoreErrorLocked(what, status);
+}
+
+void Scheduler::MonitorLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    // Checked every quarter interval against `missed_heartbeats` intervals of silence: a dead
+    // worker's jobs fail within missed_heartbeats + 1/4 intervals of its last heartbeat.
+    changed_.WaitWithTimeout(&mu_, options_.heartbeat_interval / 4);
+    if (stopping_) break;
+    // A draining server takes no heartbeats: silence then says nothing about the workers.
+    if (draining_) continue;
+    if (schedule_retry_) {
+      schedule_retry_ = false;  // set again by a planning the database refuses again
+      ScheduleLocked();
+    }
+    const absl::Time now = absl::Now();
+    // All the silent ones are out of the pool before any job fails: a job placed in answer to one
+    // failure takes none of the others.
+    const std::vector<WorkerDeparture> silent = pool_->TakeSilent(now);
+    for (const WorkerDeparture& d : silent) {
+      FailWorkersJobLocked(d.info,
+                           absl::StrCat("stopped heartbeating (silent for ", absl::FormatDuration(d.silent), ")"));
+    }
+    if (!silent.empty()) ScheduleLocked();
+    std::vector<std::string> overdue;
+    for (const auto& [job_id, runtime] : runtimes_) {
+      if (runtime->recovery != nullptr && now >= runtime->recovery->deadline) overdue.push_back(job_id);
+    }
+    for (const std::string& job_id : overdue) DecideRecoveryLocked(job_id);
+  }
+}
+
+absl::StatusOr<v1::Job> Scheduler::GetJobLocked(const std::string& id) {
+  ASSIGN_OR_RETURN(v1::Job job, store_->Get(id));
+  auto runtime = runtimes_.find(id);
+  if (runtime != runtimes_.end() && runtime->second->recovery != nullptr) {
+    job.set_recovering(runtime->second->recovery->Describe(runtime->second->plan.world_size()));
+  }
+  return job;
+}
+
+absl::StatusOr<v1::Job> Scheduler::GetJob(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  return GetJobLocked(id);
+}
+
+absl::StatusOr<std::vector<v1::Job>> Scheduler::ListJobs() {
+  // The whole table, read before the lock that the serving path takes.
+  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, store_->List());
+  absl::MutexLock lock(&mu_);
+  for (v1::Job& job : jobs) {
+    auto runtime = runtimes_.find(job.id());
+    if (runtime == runtimes_.end() || runtime->second->recovery == nullptr) continue;
+    job.set_recovering(runtime->second->recovery->Describe(runtime->second->plan.world_size()));
+  }
+  return jobs;
+}
+
+absl::StatusOr<v1::Job> Scheduler::CancelJob(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job job, store_->Get(id));
+  if (TerminalState(job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is already ", v1::JobState_Name(job.state())));
+  }
+  FailJobLocked(id, "cancelled by request", v1::CANCELLED);
+  return GetJobLocked(id);
+}
+
+v1::JobEvent Scheduler::EventLocked(const v1::Job& job) {
+  v1::JobEvent event;
+  *event.mutable_job() = job;
+  auto runtime = runtimes_.find(job.id());
+  if (runtime != runtimes_.end()) {
+    for (const auto& p : runtime->second->progress) *event.add_ranks() = p;
+  }
+  return event;
+}
+
+absl::Status Scheduler::WatchJob(const std::string& id, absl::Time deadline,
+                                 const std::function<bool(const v1::JobEvent&)>& emit,
+                                 const std::function<bool()>& cancelled) {
+  std::string last;
+  while (true) {
+    v1::JobEvent event;
+    {
+      absl::MutexLock lock(&mu_);
+      ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(id));
+      event = EventLocked(job);
+      std::string now = event.SerializeAsString();
+      if (now == last) {
+        if (absl::Now() >= deadline) {
+          return absl::DeadlineExceededError(absl::StrCat("job ", id, " is still ", v1::JobState_Name(job.state())));
+        }
+        if (cancelled && cancelled()) return absl::CancelledError("watcher went away");
+        changed_.WaitWithDeadline(&mu_, std::min(deadline, absl::Now() + absl::Milliseconds(500)));
+        continue;
+      }
+      last = std::move(now);
+    }
+    if (!emit(event)) return absl::CancelledError("watcher went away");
+    const v1::JobState s = event.job().state();
+    if (TerminalState(s) || (s == v1::READY && event.job().recovering().empty())) return absl::OkStatus();
+  }
+}
+
+absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto found = runtimes_.find(job_id);
+  if (found == runtimes_.end() || !found->second->serving) {
+    // It ended while this batch waited (its queue is closed by now too).
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
+  }
+  JobRuntime& runtime = *found->second;
+  // A serving job's workers are in the pool: one that registers again keeps the rank under its
+  // new id (MoveRankLocked), and one that leaves fails the job first.
+  ASSIGN_OR_RETURN(std::vector<WorkerStub> stubs, pool_->Stubs(runtime.rank_workers));
+  ForwardTarget target;
+  for (WorkerStub& s : stubs) {
+    target.ranks.push_back({s.worker_id, s.address, std::move(s.stub), options_.worker_token, std::move(s.health)});
+  }
+  target.sequence = runtime.next_sequence++;
+  target.abort = runtime.forward_abort;
+  return target;
+}
+
+void Scheduler::FailJob(const std::string& job_id, const std::string& cause) {
+  absl::MutexLock lock(&mu_);
+  FailJobLocked(job_id, cause);
+}
+
+absl::Status Scheduler::WithServingRuntime(const std::string& job_id,
+                                           const std::function<absl::Status(const std::shared_ptr<JobRuntime>& serving,
+                                                                            const absl::StatusOr<v1::Job>& job)>& use) {
+  absl::MutexLock lock(&mu_);
+  // Stop() takes every batch queue out as it sets stopping_; none may be made after.
+  if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+  auto found = runtimes_.find(job_id);
+  if (found != runtimes_.end() && found->second->serving) return use(found->second, v1::Job());
+  return use(nullptr, GetJobLocked(job_id));
+}
+
+void Scheduler::ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit) {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, runtime] : runtimes_) visit(id, *runtime);
+}
+
+}  // namespace bertshard::server

@@ -1,0 +1,225 @@
+// File: server/scheduler.h
+// -----------------------------------------------------------------------------
+// The coordinator's jobs: admission (SubmitJob), placement of their ranks on idle workers
+// (placement.h), loading with progress (shard_loading.h), failing and cancelling them, re-adoption
+// after a restart (job_recovery.h, readoption.h), and what a worker's arrival, departure or
+// silence means for its job. Jobs persist in a JobStore; the workers are a WorkerPool's.
+// Cluster (cluster.h) is the front that the gRPC layer talks to; the rules users see are there.
+//
+// Example:
+//   WorkerPool pool(options, incarnation);
+//   ASSIGN_OR_RETURN(auto scheduler, Scheduler::Create(options, std::move(store), &pool));
+//   ASSIGN_OR_RETURN(v1::Job job, scheduler->SubmitJob(request, "host:10.0.0.1"));
+//   scheduler->RegisterWorker(worker);  // placed and loading once enough workers are idle
+//   ASSIGN_OR_RETURN(ForwardTarget next, scheduler->NextForward(job.id()));  // a READY job's ranks
+//
+// Failure model: as cluster.h says. A write the job store refuses is said on stderr (once per
+// distinct failure); a job the store cannot follow into LOADING or READY fails; a placement the
+// store refuses is retried by the monitor every quarter heartbeat interval.
+//
+// Thread safety: thread-safe. One lock (mu_) guards the jobs' runtimes, the index of PENDING jobs
+// and the scheduler's flags; it is taken before the pool's (never the other way round) and never
+// held during a gRPC call or while the whole job table is read (scheduling reads the PENDING index,
+// ListJobs lists the store before taking it; only Create reads the table under it, before anything
+// is served). Under it the store is read and written one job at a time. Each job load and each batch queue destroyed
+// off the lock runs on a thread of a ThreadGroup that is joined as the threads end.
+#ifndef BERTSHARD_SERVER_SCHEDULER_H_
+#define BERTSHARD_SERVER_SCHEDULER_H_
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "bertshard/v1/coordinator.pb.h"
+#include "bertshard/v1/worker.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "jobs/job_store.h"
+#include "server/batch_queue.h"
+#include "server/cluster_options.h"
+#include "server/inference.h"
+#include "server/job_recovery.h"
+#include "server/thread_group.h"
+#include "server/worker_pool.h"
+
+namespace bertshard::server {
+
+// One job as this coordinator runs it. Fields other than assets_mu and assets are guarded by the
+// Scheduler's lock.
+struct JobRuntime {
+  v1::ShardPlan plan;
+  std::string checkpoint;
+  std::string backend = "gloo";  // "gloo" (CPU workers) or "nccl" (one rank per GPU)
+  std::string submitted_by;      // counted against ClusterOptions::max_jobs_per_client until ended
+  // FAILED or CANCELLED here (FailJobLocked), whether or not the store took the write: no load
+  // starts or finishes for it after.
+  bool ended = false;
+  // Said before what a PENDING job waits for in its pending reason (why it is PENDING again).
+  std::string pending_note;
+  std::vector<std::string> rank_workers;
+  std::vector<v1::RankProgress> progress;
+  std::vector<std::shared_ptr<grpc::ClientContext>> load_contexts;
+  std::unique_ptr<JobRecovery> recovery;  // set while recovering after a restart
+  // The next forward's number. Advanced only by the batch queue's thread (one forward at a time, so
+  // every rank sees one order), and set by recovery before the job serves again.
+  int64_t next_sequence = 0;
+  // READY and not recovering: what the stored job says, kept here so that serving a request needs
+  // no database read. Set where the job becomes READY (loaded, or adopted after a restart), cleared
+  // when it fails or is cancelled (FailJobLocked).
+  bool serving = false;
+  // Merges concurrent Infer/Embed calls into forwards; made on the first call, closed (and
+  // released off the lock) when the job ends.
+  std::shared_ptr<BatchQueue> batcher;
+  // Ends the forward in flight when the job fails elsewhere (FailJobLocked), instead of letting it
+  // wait for the surviving ranks' collective timeout.
+  std::shared_ptr<ForwardAbort> forward_abort = std::make_shared<ForwardAbort>();
+  std::atomic<int> infer_calls{0};  // Infer/Embed calls in progress on this job (queue depth)
+  absl::Mutex assets_mu;            // loading the assets once
+  std::shared_ptr<const JobAssets> assets ABSL_GUARDED_BY(assets_mu);
+};
+
+// What one forward of a serving job goes to: its ranks in order, its sequence number (taken: the
+// next call gets the next), and what ends it when the job fails meanwhile.
+struct ForwardTarget {
+  std::vector<RankStub> ranks;
+  int64_t sequence = 0;
+  std::shared_ptr<ForwardAbort> abort;
+};
+
+class Scheduler {
+ public:
+  // Takes back the stored jobs (job_recovery.h) and starts the monitor (liveness, recovery
+  // deadlines, placements to retry). `pool` must outlive the scheduler.
+  static absl::StatusOr<std::unique_ptr<Scheduler>> Create(const ClusterOptions& options,
+                                                           std::unique_ptr<jobs::JobStore> store, WorkerPool* pool);
+  ~Scheduler();  // Stop()
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Shutdown: cancels the loads, closes every batch queue (waiting requests fail), then joins the
+  // monitor and every background thread, and only then releases the queues. No batch queue is made
+  // and no job is placed after. Idempotent.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+  // From now on no worker is declared dead and no job is placed. Idempotent.
+  void Drain() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A worker arrives (or comes again); see cluster.h. The response lists the held jobs to unload.
+  v1::RegisterWorkerResponse RegisterWorker(const v1::RegisterWorkerRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+
+  absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request, const std::string& client)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::Job> GetJob(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::vector<v1::Job>> ListJobs() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::Job> CancelJob(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status WatchJob(const std::string& id, absl::Time deadline,
+                        const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // For serving. The ranks, sequence number and abort of the next forward of job `job_id`;
+  // FAILED_PRECONDITION when it no longer serves.
+  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Fails job `job_id` with `cause` (a forward failed on a rank): the survivors unload.
+  void FailJob(const std::string& job_id, const std::string& cause) ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls `use` under the lock with the runtime of `job_id` when it serves, else with null and the
+  // stored job (recovering filled in) to say why not; returns what `use` returns. UNAVAILABLE,
+  // without calling it, once stopping (no batch queue may be made then).
+  absl::Status WithServingRuntime(const std::string& job_id,
+                                  const std::function<absl::Status(const std::shared_ptr<JobRuntime>& serving,
+                                                                   const absl::StatusOr<v1::Job>& job)>& use)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls `visit` under the lock for every job with a runtime here.
+  void ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct PendingJob {
+    std::string job_id;
+    std::string reason;  // its pending_reason as stored
+  };
+  struct Load;  // one job's load in progress, passed along LoadJob's steps
+
+  Scheduler(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> store, WorkerPool* pool);
+
+  // Builds the runtimes of the stored jobs (RecoverStoredJobs). Called once, before any worker
+  // registers.
+  absl::Status RecoverJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the entry a worker replaced (it registers again from its address) means for its job: a
+  // recovering job forgets its reports; a job it still holds unbroken is kept (returned: job and
+  // rank, for the new entry); any other fails.
+  std::optional<std::pair<std::string, int32_t>> SettleReplacedLocked(const v1::WorkerInfo& old,
+                                                                      const v1::RegisterWorkerRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The kept rank moves to the new entry `worker` (in the runtime and the store).
+  void MoveRankLocked(const std::string& job_id, int32_t rank, v1::WorkerInfo* worker)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes in what a worker holds (SortHeldShards): reports for recovering jobs, the rest to unload.
+  void TakeHeldShardsLocked(const v1::WorkerInfo& worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
+                            google::protobuf::RepeatedPtrField<std::string>* unload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies the readoption decision to a recovering job: adopt, fail, or keep waiting.
+  void DecideRecoveryLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The stored job with `recovering` filled in.
+  absl::StatusOr<v1::Job> GetJobLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::JobEvent EventLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Places the PENDING jobs that fit the idle workers (in submission order) and starts their loads;
+  // records why the others wait.
+  void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Assigns the placed workers and records the job PLANNED; false (nothing changed) when the store
+  // refuses.
+  bool PlanJobLocked(const std::string& job_id, JobRuntime& runtime, const std::vector<IdleWorker>& workers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // LoadJob's steps: check the job may still load and record it LOADING; reserve the rendezvous
+  // port; register the ranks' load contexts; load every rank; record it READY.
+  void LoadJob(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  std::optional<Load> BeginLoad(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<std::shared_ptr<grpc::ClientContext>> LoadContexts(const Load& load) ABSL_LOCKS_EXCLUDED(mu_);
+  bool LoadShards(const Load& load, int32_t port, const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void FinishLoad(const Load& load, bool all_loaded) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Ends the job (FAILED or CANCELLED) here and in the store: its loads and forward are cut off, its
+  // batch queue closed, its workers freed (the healthy ones told to unload), and the pool scheduled.
+  void FailJobLocked(const std::string& job_id, const std::string& cause, v1::JobState state = v1::FAILED)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FailJobLocked for the job `worker` served, if any: "worker ID (rank R) at ADDR `why`".
+  void FailWorkersJobLocked(const v1::WorkerInfo& worker, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes the job's batch queue (waiting requests fail with `why`) and returns it, to be released
+  // off the lock: its destructor waits for the running batch, which may be the caller.
+  std::shared_ptr<BatchQueue> CloseServingLocked(JobRuntime& runtime, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A write the job database refused (full, read-only, I/O): said on stderr, once per distinct one.
+  void StoreErrorLocked(const std::string& what, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StoreErrorLocked when `status` is not OK: for writes whose refusal changes nothing else here.
+  void RecordLocked(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MonitorLoop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const ClusterOptions options_;
+  const std::unique_ptr<jobs::JobStore> store_;  // thread-safe on its own
+  WorkerPool* const pool_;
+  absl::Mutex mu_;
+  absl::CondVar changed_;  // any job state or progress change
+  std::map<std::string, std::shared_ptr<JobRuntime>> runtimes_ ABSL_GUARDED_BY(mu_);
+  // The PENDING jobs in submission order: what scheduling looks at, instead of the job table.
+  std::vector<PendingJob> pending_ ABSL_GUARDED_BY(mu_);
+  int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
+  // A planning the job database refused: the monitor schedules again until it is taken.
+  bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
+  std::string last_store_error_ ABSL_GUARDED_BY(mu_);  // the last one logged, not repeated
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // Drain() was called
+  ThreadGroup threads_;                         // loads, and batch queues released off the lock
+  std::thread monitor_;
+};
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_SCHEDULER_H_

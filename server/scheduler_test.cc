@@ -1,0 +1,189 @@
+// The scheduler through its own interface, with fake worker daemons on loopback (fake_worker.h).
+#include "server/scheduler.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "gtest/gtest.h"
+#include "server/fake_worker.h"
+#include "server/worker_pool.h"
+
+namespace bertshard::server {
+namespace {
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    options_.heartbeat_interval = absl::Hours(1);  // the fakes never heartbeat
+    pool_ = std::make_unique<WorkerPool>(options_, "test");
+    auto store = jobs::JobStore::Open(":memory:");
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto scheduler = Scheduler::Create(options_, *std::move(store), pool_.get());
+    ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+    scheduler_ = *std::move(scheduler);
+    const std::filesystem::path dir = std::filesystem::path(testing::TempDir()) / "scheduler_model";
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
+    checkpoint_ = dir.string();
+  }
+  void TearDown() override { scheduler_.reset(); }
+
+  std::string Register(const FakeWorker& worker) {
+    v1::RegisterWorkerRequest request;
+    request.set_address(worker.Address());
+    return scheduler_->RegisterWorker(request).worker_id();
+  }
+  v1::Job Submit(int ranks) {
+    v1::SubmitJobRequest submit;
+    submit.mutable_request()->set_checkpoint(checkpoint_);
+    submit.mutable_request()->mutable_parallel()->set_tp_size(ranks);
+    auto job = scheduler_->SubmitJob(submit, "test");
+    EXPECT_TRUE(job.ok()) << job.status();
+    return job.ok() ? *job : v1::Job();
+  }
+  // The job once READY or ended (WatchJob's end), within 60 s.
+  v1::Job Settled(const std::string& id) {
+    v1::Job last;
+    const absl::Status watched = scheduler_->WatchJob(
+        id, absl::Now() + absl::Seconds(60),
+        [&](const v1::JobEvent& e) {
+          last = e.job();
+          return true;
+        },
+        nullptr);
+    EXPECT_TRUE(watched.ok()) << watched;
+    return last;
+  }
+
+  ClusterOptions options_;
+  std::unique_ptr<WorkerPool> pool_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::string checkpoint_;
+};
+
+TEST_F(SchedulerTest, PlacesAWaitingJobWhenWorkersComeAndNumbersItsForwards) {
+  FakeWorker a, b;
+  const v1::Job submitted = Submit(2);
+  EXPECT_EQ(submitted.state(), v1::PENDING);
+  EXPECT_NE(submitted.pending_reason().find("CPU workers (gloo); 0 are free"), std::string::npos)
+      << submitted.pending_reason();
+  const std::string first = Register(a);
+  EXPECT_NE(scheduler_->GetJob(submitted.id())->pending_reason().find("1 is free"), std::string::npos)
+      << scheduler_->GetJob(submitted.id())->pending_reason();  // the reason follows the pool
+  const std::string second = Register(b);
+  const v1::Job ready = Settled(submitted.id());
+  ASSERT_EQ(ready.state(), v1::READY) << ready.DebugString();
+  ASSERT_EQ(ready.ranks_size(), 2);
+  EXPECT_EQ(ready.ranks(0).worker_id(), first);
+  EXPECT_EQ(ready.ranks(1).worker_id(), second);
+  ASSERT_EQ(a.Loads().size(), 1u);
+  ASSERT_EQ(b.Loads().size(), 1u);
+  EXPECT_EQ(a.Loads()[0].rank(), 0);
+  EXPECT_EQ(b.Loads()[0].rank(), 1);
+  EXPECT_EQ(b.Loads()[0].master_addr(), "127.0.0.1");  // rank 0's host, with the port it reserved
+  EXPECT_EQ(b.Loads()[0].master_port(), 4321);
+  EXPECT_TRUE(pool_->Idle().empty());
+  for (int64_t sequence = 0; sequence < 3; ++sequence) {
+    auto next = scheduler_->NextForward(submitted.id());
+    ASSERT_TRUE(next.ok()) << next.status();
+    EXPECT_EQ(next->sequence, sequence);
+    ASSERT_EQ(next->ranks.size(), 2u);
+    EXPECT_EQ(next->ranks[0].worker_id, first);
+    EXPECT_EQ(next->ranks[1].address, b.Address());
+    EXPECT_NE(next->abort, nullptr);
+  }
+}
+
+TEST_F(SchedulerTest, ARankThatFailsToLoadFailsTheJobAndTheSurvivorUnloads) {
+  FakeWorker good, bad(grpc::Status(grpc::StatusCode::INTERNAL, "the disk is on fire"));
+  Register(good);
+  const std::string bad_id = Register(bad);
+  const v1::Job failed = Settled(Submit(2).id());
+  ASSERT_EQ(failed.state(), v1::FAILED) << failed.DebugString();
+  EXPECT_NE(failed.failure_cause().find("worker " + bad_id + " (rank 1): the disk is on fire"), std::string::npos)
+      << failed.failure_cause();
+  EXPECT_TRUE(good.WaitForUnload(failed.id()));
+  EXPECT_EQ(pool_->Idle().size(), 2u);  // both free again
+  EXPECT_EQ(scheduler_->NextForward(failed.id()).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(SchedulerTest, AFailedJobFreesItsWorkersForTheNextWaitingOne) {
+  FakeWorker a, b;
+  Register(a);
+  Register(b);
+  const v1::Job first = Settled(Submit(2).id());
+  ASSERT_EQ(first.state(), v1::READY);
+  const v1::Job second = Submit(2);
+  EXPECT_EQ(second.state(), v1::PENDING);
+  scheduler_->FailJob(first.id(), "worker w (rank 1) at a: forward 3 failed");
+  const v1::Job ended = *scheduler_->GetJob(first.id());
+  EXPECT_EQ(ended.state(), v1::FAILED);
+  EXPECT_EQ(ended.failure_cause(), "worker w (rank 1) at a: forward 3 failed");
+  EXPECT_TRUE(a.WaitForUnload(first.id()));
+  EXPECT_TRUE(b.WaitForUnload(first.id()));
+  EXPECT_EQ(Settled(second.id()).state(), v1::READY);  // placed as the first one freed its workers
+}
+
+TEST_F(SchedulerTest, ALeavingWorkerFailsItsJobAndUnknownOnesRegisterAgain) {
+  FakeWorker a;
+  const std::string id = Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  ASSERT_EQ(ready.state(), v1::READY);
+  v1::HeartbeatRequest leaving;
+  leaving.set_worker_id(id);
+  leaving.set_leaving(true);
+  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  const v1::Job failed = *scheduler_->GetJob(ready.id());
+  EXPECT_EQ(failed.state(), v1::FAILED);
+  EXPECT_NE(failed.failure_cause().find("worker " + id + " (rank 0) at " + a.Address() + " is shutting down"),
+            std::string::npos)
+      << failed.failure_cause();
+  EXPECT_TRUE(pool_->Idle().empty());  // out of the pool until it beats again
+  v1::HeartbeatRequest unknown;
+  unknown.set_worker_id("worker-9-old");
+  EXPECT_EQ(scheduler_->Heartbeat(unknown).status().code(), absl::StatusCode::kNotFound);
+}
+
+// Placement happens within the call that makes it possible, so what has not loaded by the time
+// RegisterWorker returns never will.
+TEST_F(SchedulerTest, DrainedOrStoppedItPlacesNothingAndServesNothing) {
+  FakeWorker a;
+  scheduler_->Drain();
+  Register(a);
+  const v1::Job job = Submit(1);
+  EXPECT_EQ(scheduler_->GetJob(job.id())->state(), v1::PENDING);
+  EXPECT_TRUE(a.Loads().empty());
+  scheduler_->Stop();
+  bool called = false;
+  const absl::Status refused =
+      scheduler_->WithServingRuntime(job.id(), [&](const std::shared_ptr<JobRuntime>&, const absl::StatusOr<v1::Job>&) {
+        called = true;
+        return absl::OkStatus();
+      });
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_FALSE(called);
+}
+
+TEST_F(SchedulerTest, SaysWhyAJobDoesNotServeAndListsWithoutTheServingLock) {
+  const v1::Job job = Submit(1);
+  absl::StatusOr<v1::Job> seen = absl::UnknownError("not called");
+  ASSERT_TRUE(
+      scheduler_
+          ->WithServingRuntime(job.id(),
+                               [&](const std::shared_ptr<JobRuntime>& serving, const absl::StatusOr<v1::Job>& j) {
+                                 EXPECT_EQ(serving, nullptr);
+                                 seen = j;
+                                 return absl::OkStatus();
+                               })
+          .ok());
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ(seen->state(), v1::PENDING);
+  // ListJobs from inside the serving lock would deadlock if it listed under that lock.
+  auto listed = scheduler_->ListJobs();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].id(), job.id());
+}
+
+}  // namespace
+}  // namespace bertshard::server

@@ -1,0 +1,83 @@
+#include "server/shard_loading.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/grpc_auth.h"
+
+namespace bertshard::server {
+
+std::string BlameUnreachable(const std::vector<RankStub>& ranks, const std::string& first_failure) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    grpc::health::v1::HealthCheckResponse ignored;
+    grpc::Status status = ranks[r].health->Check(&context, grpc::health::v1::HealthCheckRequest(), &ignored);
+    if (!status.ok()) {
+      return absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, ") at ", ranks[r].address,
+                          " is unreachable: ", status.error_message());
+    }
+  }
+  return first_failure;
+}
+
+absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::string& job_id) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  common::AttachToken(&context, rank0.token);
+  v1::ReservePortRequest reserve;
+  reserve.set_job_id(job_id);
+  v1::ReservePortResponse port;
+  grpc::Status status = rank0.stub->ReservePort(&context, reserve, &port);
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("worker ", rank0.worker_id, " (rank 0): ", status.error_message()));
+  }
+  return port.port();
+}
+
+bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRequest& request,
+                       const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts,
+                       const std::function<void(size_t rank, const v1::LoadProgress&)>& on_progress,
+                       const std::function<void(size_t rank, const std::string& cause)>& on_failure) {
+  std::vector<std::thread> threads;
+  std::vector<char> loaded(ranks.size(), 0);  // each written by its rank's thread only
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    threads.emplace_back([&, r] {
+      v1::LoadShardRequest load = request;
+      load.set_rank(static_cast<int32_t>(r));
+      auto reader = ranks[r].stub->LoadShard(contexts[r].get(), load);
+      v1::LoadProgress progress;
+      while (reader->Read(&progress)) on_progress(r, progress);
+      grpc::Status status = reader->Finish();
+      if (status.ok()) {
+        loaded[r] = 1;
+        return;
+      }
+      const std::string rank = absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, "): ");
+      on_failure(r, status.error_code() == grpc::StatusCode::CANCELLED
+                        ? absl::StrCat(rank, "cancelled")
+                        : BlameUnreachable(ranks, absl::StrCat(rank, status.error_message())));
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (char l : loaded) {
+    if (!l) return false;
+  }
+  return true;
+}
+
+void UnloadInBackground(std::shared_ptr<v1::Worker::Stub> stub, const std::string& job_id, const std::string& token) {
+  std::thread([stub = std::move(stub), job_id, token] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    common::AttachToken(&context, token);
+    v1::UnloadRequest unload;
+    unload.set_job_id(job_id);
+    v1::UnloadResponse ignored;
+    stub->Unload(&context, unload, &ignored);
+  }).detach();
+}
+
+}  // namespace bertshard::server

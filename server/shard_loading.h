@@ -1,0 +1,60 @@
+// File: server/shard_loading.h
+// -----------------------------------------------------------------------------
+// The gRPC calls the scheduler makes to workers, without its locks. To load a job: rank 0's worker
+// reserves the rendezvous port, then every rank streams LoadShard at once, reporting progress as
+// it comes, and a rank that fails is blamed truthfully (the worker that no longer answers, when
+// ranks fail together because one died); the scheduler decides what a failure does to the job.
+// When a job ends: its surviving workers are told to unload, in the background.
+//
+// Example:
+//   ASSIGN_OR_RETURN(int32_t port, ReserveRendezvousPort(ranks[0], job_id));
+//   bool loaded = LoadShardsOnRanks(ranks, request, contexts, on_progress, on_failure);
+//
+// Failure model: every call has a deadline (10 s for the port, the contexts' own for the loads).
+// A rank's failure is said at once through `on_failure`, from that rank's thread, so that the
+// caller can cancel the other ranks' loads (through their contexts) instead of waiting for them.
+//
+// Thread safety: thread-safe; the callbacks run on the ranks' threads, concurrently.
+#ifndef BERTSHARD_SERVER_SHARD_LOADING_H_
+#define BERTSHARD_SERVER_SHARD_LOADING_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "bertshard/v1/worker.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "server/inference.h"
+
+namespace bertshard::server {
+
+// When ranks fail together (a dead worker makes its peers' collectives fail too), the cause is
+// the worker that no longer answers; otherwise `first_failure`. The ping is the worker's gRPC
+// health check: it changes nothing there and needs no token.
+std::string BlameUnreachable(const std::vector<RankStub>& ranks, const std::string& first_failure);
+
+// Rank 0's worker hosts the job's rendezvous store on a port of its choosing and keeps it for rank
+// 0's load (no port is found free and bound later). The error's message is the failure cause:
+// "worker ID (rank 0): why".
+absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::string& job_id);
+
+// Streams LoadShard(`request` with each rank's number) on every rank in parallel, each under its
+// context of `contexts` (deadline and token set, cancellable by the caller), until all have ended.
+// `on_progress(rank, progress)` for every message; `on_failure(rank, cause)` once per failed rank,
+// the cause naming the worker and rank ("... cancelled" when its context was cancelled). True
+// when every rank loaded.
+bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRequest& request,
+                       const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts,
+                       const std::function<void(size_t rank, const v1::LoadProgress&)>& on_progress,
+                       const std::function<void(size_t rank, const std::string& cause)>& on_failure);
+
+// Tells a worker to drop job `job_id`'s shard, on a detached thread: the call owns what it uses
+// (the stub keeps its channel) and ends by its deadline (10 s); its outcome changes nothing.
+void UnloadInBackground(std::shared_ptr<v1::Worker::Stub> stub, const std::string& job_id, const std::string& token);
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_SHARD_LOADING_H_
