@@ -14,7 +14,7 @@
 #include "planner/model_config.h"
 #include "planner/planner.h"
 #include "server/cluster_internal.h"
-#include "server/inference.h"
+#include "server/rank_fanout.h"
 #include "server/readoption.h"
 
 namespace bertshard::server {
@@ -22,24 +22,6 @@ namespace {
 
 void SetDeadline(grpc::ClientContext* context, absl::Time deadline) {
   context->set_deadline(absl::ToChronoTime(deadline));
-}
-
-// When ranks fail together (a dead worker makes its peers' collectives fail too), the cause is
-// the worker that no longer answers; otherwise the first failure. The ping is the worker's gRPC
-// health check: it changes nothing there (ReservePort, used before, now hosts a rendezvous store
-// for minutes) and needs no token. Pings need no lock.
-std::string Blame(const std::vector<RankStub>& ranks, const std::string& first_failure) {
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    grpc::ClientContext context;
-    SetDeadline(&context, absl::Now() + absl::Seconds(2));
-    grpc::health::v1::HealthCheckResponse ignored;
-    grpc::Status status = ranks[r].health->Check(&context, grpc::health::v1::HealthCheckRequest(), &ignored);
-    if (!status.ok()) {
-      return absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, ") at ", ranks[r].address,
-                          " is unreachable: ", status.error_message());
-    }
-  }
-  return first_failure;
 }
 
 }  // namespace
@@ -68,15 +50,15 @@ void Cluster::Drain() {
 
 Cluster::~Cluster() {
   std::vector<std::thread> threads;
-  std::vector<std::shared_ptr<BatchQueue>> batchers;
+  std::vector<std::shared_ptr<JobServing>> servings;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     for (auto& [id, runtime] : runtimes_) {
       for (auto& context : runtime->load_contexts) context->TryCancel();
-      if (runtime->batcher != nullptr) {
-        runtime->batcher->Close("the coordinator is shutting down");
-        batchers.push_back(std::move(runtime->batcher));
+      if (runtime->job_serving != nullptr) {
+        runtime->job_serving->Close("the coordinator is shutting down");
+        servings.push_back(std::move(runtime->job_serving));
       }
     }
     threads.swap(threads_);
@@ -84,7 +66,7 @@ Cluster::~Cluster() {
   }
   monitor_.join();
   for (auto& t : threads) t.join();  // no new ones start once stopping_ is set
-  batchers.clear();                  // off the lock: a running batch may still take it
+  servings.clear();                  // off the lock: a running batch may still take it
 }
 
 v1::RegisterWorkerResponse Cluster::RegisterWorker(const v1::RegisterWorkerRequest& request) {
@@ -358,12 +340,12 @@ void Cluster::FailJobLocked(std::string job_id, const std::string& cause, v1::Jo
     runtime->second->forward_abort->Abort(absl::StrCat("job ", job_id, " is ", v1::JobState_Name(state), ": ", cause));
     runtime->second->recovery.reset();
     runtime->second->serving = false;
-    if (auto batcher = std::move(runtime->second->batcher); batcher != nullptr) {
+    if (auto serving = std::move(runtime->second->job_serving); serving != nullptr) {
       // Waiting requests fail now; the queue is destroyed off this lock (its destructor waits for
       // the running batch, which may be the caller of this very function).
-      batcher->Close(absl::StrCat("job ", job_id, " is ", v1::JobState_Name(state), ": ", cause));
-      // (No batch queue exists once stopping_ is set: see ServingFor.)
-      threads_.emplace_back([batcher = std::move(batcher)]() mutable { batcher.reset(); });
+      serving->Close(absl::StrCat("job ", job_id, " is ", v1::JobState_Name(state), ": ", cause));
+      // (No JobServing exists once stopping_ is set: see ServingFor.)
+      threads_.emplace_back([serving = std::move(serving)]() mutable { serving.reset(); });
     }
   }
   for (auto& [id, w] : workers_) {
@@ -624,7 +606,9 @@ absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
 std::map<std::string, int> Cluster::InferQueueDepths() {
   absl::MutexLock lock(&mu_);
   std::map<std::string, int> depths;
-  for (const auto& [id, runtime] : runtimes_) depths[id] = runtime->infer_calls.load();
+  for (const auto& [id, runtime] : runtimes_) {
+    depths[id] = runtime->job_serving == nullptr ? 0 : runtime->job_serving->calls();
+  }
   return depths;
 }
 
@@ -642,197 +626,66 @@ absl::Status CheckServing(const v1::Job& job) {
   return absl::OkStatus();
 }
 
-// Counts a call on a job from its start to its end (the queue-depth gauge).
-class CallCount {
- public:
-  explicit CallCount(std::atomic<int>* calls) : calls_(calls) { calls_->fetch_add(1); }
-  ~CallCount() { calls_->fetch_sub(1); }
-  CallCount(const CallCount&) = delete;
-  CallCount& operator=(const CallCount&) = delete;
-
- private:
-  std::atomic<int>* const calls_;
-};
-
-v1::BatchInfo ToBatchInfo(const BatchResult& result) {
-  v1::BatchInfo info;
-  info.set_requests(result.batch.requests);
-  info.set_rows(result.batch.rows);
-  info.set_padded_tokens(result.batch.tokens);
-  info.set_queue_seconds(absl::ToDoubleSeconds(result.queued));
-  return info;
-}
-
 }  // namespace
 
-absl::StatusOr<Cluster::Serving> Cluster::ServingFor(const std::string& job_id) {
-  Serving serving;
-  {
-    absl::MutexLock lock(&mu_);
-    // ~Cluster takes every batch queue out as it sets stopping_; none may be made after.
-    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
-    auto found = runtimes_.find(job_id);
-    if (found == runtimes_.end() || !found->second->serving) {
-      // Not serving: the stored job says why (unknown, recovering, or its state).
-      ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(job_id));
-      RETURN_IF_ERROR(CheckServing(job));
-      return absl::UnavailableError(absl::StrCat("job ", job_id, " is not serving yet; retry"));
-    }
-    serving.runtime = found->second;
-    JobRuntime& runtime = *serving.runtime;
-    if (runtime.batcher == nullptr) {
-      BatchPadding padding;
-      padding.pad_token_id = runtime.plan.config().pad_token_id();
-      if (runtime.plan.shard_config().sp_mode() == v1::SPLIT_GATHER) {
-        padding.seq_multiple = std::max(1, runtime.plan.shard_config().tensor_parallel_size());
-      }
-      padding.max_seq = runtime.plan.config().max_position_embeddings();
-      const v1::ModelVariant variant = runtime.plan.variant();
-      runtime.batcher = std::make_shared<BatchQueue>(
-          options_.batching, padding,
-          [this, job_id](const v1::TokenInputs& merged, int micro_batches, absl::Time deadline) {
-            return ForwardBatch(job_id, merged, micro_batches, deadline);
-          },
-          [variant](const std::string& name) { return PerTokenOutput(variant, name); }, options_.batch_observer);
-    }
-    serving.batcher = runtime.batcher;
+absl::StatusOr<std::shared_ptr<JobServing>> Cluster::ServingFor(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  // ~Cluster takes every JobServing out as it sets stopping_; none may be made after.
+  if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+  auto found = runtimes_.find(job_id);
+  if (found == runtimes_.end() || !found->second->serving) {
+    // Not serving: the stored job says why (unknown, recovering, or its state).
+    ASSIGN_OR_RETURN(v1::Job job, GetJobLocked(job_id));
+    RETURN_IF_ERROR(CheckServing(job));
+    return absl::UnavailableError(absl::StrCat("job ", job_id, " is not serving yet; retry"));
   }
-  absl::MutexLock lock(&serving.runtime->assets_mu);
-  if (serving.runtime->assets == nullptr) {
-    // Resolved again: the directory may have changed since the job was submitted.
-    absl::StatusOr<std::string> dir = options_.model_root.Resolve(serving.runtime->checkpoint);
-    serving.runtime->assets = dir.ok() ? LoadJobAssets(serving.runtime->plan, *dir) : RefusedJobAssets(dir.status());
+  JobRuntime& runtime = *found->second;
+  if (runtime.job_serving == nullptr) {
+    JobServingOptions serving_options;
+    serving_options.batching = options_.batching;
+    serving_options.batch_observer = options_.batch_observer;
+    serving_options.forward_timeout = options_.forward_timeout;
+    // The checkpoint as the coordinator reads it, resolved on the first request (off this lock).
+    auto checkpoint_dir = [this, checkpoint = runtime.checkpoint] { return options_.model_root.Resolve(checkpoint); };
+    runtime.job_serving = std::make_shared<JobServing>(job_id, runtime.plan, std::move(checkpoint_dir),
+                                                       static_cast<ForwardTargets*>(this), serving_options);
   }
-  serving.assets = serving.runtime->assets;
-  return serving;
+  return runtime.job_serving;
 }
 
-absl::StatusOr<BatchOutputs> Cluster::ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged,
-                                                   int micro_batches, absl::Time /*callers' latest deadline*/) {
-  // Not the callers' deadline: a rank call cut short by one fails the job (the ranks' order can no
-  // longer be vouched for), and the workers finish the forward anyway. Callers whose deadline passes
-  // get DEADLINE_EXCEEDED from the batch queue at once; the forward itself is bounded by the
-  // server's own limit (the workers' collectives time out well before it when a peer is gone).
-  const absl::Time deadline = absl::Now() + options_.forward_timeout;
-  std::vector<RankStub> ranks;
-  v1::ForwardRequest forward;
-  std::shared_ptr<ForwardAbort> abort;
-  {
-    absl::MutexLock lock(&mu_);
-    auto found = runtimes_.find(job_id);
-    if (found == runtimes_.end() || !found->second->serving) {
-      // It ended while this batch waited (its queue is closed by now too).
-      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
-    }
-    JobRuntime& runtime = *found->second;
-    for (const std::string& w : runtime.rank_workers) {
-      const Worker& worker = *workers_.at(w);
-      ranks.push_back({w, worker.info.address(), worker.stub, options_.worker_token, worker.health});
-    }
-    forward.set_sequence(runtime.next_sequence++);
-    abort = runtime.forward_abort;
+absl::StatusOr<ForwardTarget> Cluster::NextForward(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto found = runtimes_.find(job_id);
+  if (found == runtimes_.end() || !found->second->serving) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
   }
-  forward.set_job_id(job_id);
-  *forward.mutable_inputs() = merged;
-  forward.set_micro_batches(std::max(1, micro_batches));
-  ForwardOutcome outcome = ForwardOnAllRanks(ranks, forward, deadline, abort.get());
-  if (outcome.aborted) {
-    // The job failed meanwhile (FailJobLocked says why); nothing more to blame.
-    return absl::UnavailableError(absl::StrCat("inference failed: ", outcome.status.error_message()));
+  JobRuntime& runtime = *found->second;
+  ForwardTarget target;
+  for (const std::string& w : runtime.rank_workers) {
+    const Worker& worker = *workers_.at(w);
+    target.ranks.push_back({w, worker.info.address(), worker.stub, options_.worker_token, worker.health});
   }
-  if (outcome.failed_rank >= 0) {
-    // The ranks may be out of step now: the job fails at once, and the survivors unload.
-    const RankStub& failed = ranks[static_cast<size_t>(outcome.failed_rank)];
-    const std::string cause =
-        Blame(ranks, absl::StrCat("worker ", failed.worker_id, " (rank ", outcome.failed_rank, ") at ", failed.address,
-                                  ": forward ", forward.sequence(),
-                                  " failed: ", common::FromGrpcStatus(outcome.status).ToString()));
-    absl::MutexLock lock(&mu_);
-    FailJobLocked(job_id, cause);
-    return absl::UnavailableError(absl::StrCat("inference failed: ", cause));
-  }
-  BatchOutputs out;
-  for (auto& rr : outcome.responses) {
-    if (rr.outputs_size() > 0) {
-      out.outputs.assign(std::make_move_iterator(rr.mutable_outputs()->begin()),
-                         std::make_move_iterator(rr.mutable_outputs()->end()));
-      out.forward_seconds = rr.forward_seconds();
-    }
-  }
-  return out;
+  // Advanced only here, on the job's batch thread (one forward at a time): one order on every rank.
+  target.sequence = runtime.next_sequence++;
+  target.abort = runtime.forward_abort;
+  return target;
+}
+
+void Cluster::FailJob(const std::string& job_id, const std::string& cause) {
+  absl::MutexLock lock(&mu_);
+  FailJobLocked(job_id, cause);
 }
 
 absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
                                                  const std::function<bool()>& cancelled) {
-  ASSIGN_OR_RETURN(Serving serving, ServingFor(request.job_id()));
-  CallCount count(&serving.runtime->infer_calls);
-  const v1::ShardPlan& plan = serving.runtime->plan;
-  if (request.top_k() < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", request.top_k()));
-  ASSIGN_OR_RETURN(
-      PreparedInput input,
-      PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, request.has_text() ? &request.text() : nullptr,
-                   plan, *serving.assets, plan.config().max_position_embeddings(), request.truncate()));
-  const int64_t batch = input.tokens.rows() / std::max<int64_t>(1, input.tokens.choices());
-  if (request.micro_batches() < 0 || request.micro_batches() > batch) {
-    return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 0..batch ", batch));
-  }
-  ASSIGN_OR_RETURN(BatchResult result,
-                   serving.batcher->Submit(input.tokens, deadline, cancelled, request.micro_batches()));
-  v1::InferResponse response;
-  for (auto& t : result.outputs) *response.add_outputs() = std::move(t);
-  ASSIGN_OR_RETURN(std::vector<v1::Prediction> predictions,
-                   Predict(plan, *serving.assets, input.tokens, response.outputs(), request.top_k()));
-  for (auto& p : predictions) *response.add_predictions() = std::move(p);
-  response.set_forward_seconds(result.forward_seconds);
-  *response.mutable_batch() = ToBatchInfo(result);
-  for (bool t : input.truncated) response.add_truncated(t);
-  *response.mutable_tokens() = std::move(input.tokens);
-  return response;
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(request.job_id()));
+  return serving->Infer(request, deadline, cancelled);
 }
 
 absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                                  const std::function<bool()>& cancelled) {
-  ASSIGN_OR_RETURN(Serving serving, ServingFor(request.job_id()));
-  CallCount count(&serving.runtime->infer_calls);
-  const v1::ShardPlan& plan = serving.runtime->plan;
-  if (plan.variant() != v1::BERT_MODEL) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", request.job_id(), " runs ", planner::HfClassName(plan.variant()),
-                     ", whose outputs are the head's, not the encoder's hidden states; Embed needs a BertModel job"));
-  }
-  if (!serving.assets->embedding.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat("the checkpoint's sentence-transformers configuration: ",
-                                                      serving.assets->embedding.status().message()));
-  }
-  const serving::EmbeddingConfig& config = *serving.assets->embedding;
-  // sentence-transformers truncates at max_seq_length (the length the model was trained for); the
-  // position table bounds the rest.
-  const int64_t max_length = std::min(config.max_seq_length.value_or(plan.config().max_position_embeddings()),
-                                      plan.config().max_position_embeddings());
-  ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
-  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
-                                                     request.has_text() ? &request.text() : nullptr, plan,
-                                                     *serving.assets, max_length, request.truncate()));
-  if (request.has_tokens() && input.tokens.seq() > max_length) {
-    // Token rows are the caller's own; the embedding model's limit still holds for them.
-    for (int32_t n : input.token_counts) {
-      if (n > max_length) {
-        return absl::InvalidArgumentError(absl::StrCat("a token row has ", n,
-                                                       " tokens; the embedding model takes at most ", max_length,
-                                                       " (sentence_bert_config.json max_seq_length)"));
-      }
-    }
-  }
-  ASSIGN_OR_RETURN(BatchResult result, serving.batcher->Submit(input.tokens, deadline, cancelled));
-  v1::EmbedResponse response;
-  google::protobuf::RepeatedPtrField<v1::NamedTensor> outputs;
-  for (auto& t : result.outputs) *outputs.Add() = std::move(t);
-  RETURN_IF_ERROR(PoolEmbeddings(mode, input.tokens, outputs, &response));
-  response.set_max_length(static_cast<int32_t>(max_length));
-  for (int32_t n : input.token_counts) response.add_token_counts(n);
-  for (bool t : input.truncated) response.add_truncated(t);
-  *response.mutable_batch() = ToBatchInfo(result);
-  return response;
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(request.job_id()));
+  return serving->Embed(request, deadline, cancelled);
 }
 
 }  // namespace bertshard::server

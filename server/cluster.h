@@ -4,9 +4,9 @@
 // liveness) and the jobs they serve (plan, rank assignment, loading with progress, inference,
 // cancellation, failure, re-adoption after a restart). Jobs and their plans persist in a
 // JobStore. The gRPC layer talks to this one object. Implementation: cluster.cc (worker pool,
-// scheduling and loading, the per-job inference queue), cluster_recovery.cc (taking jobs back
-// after a restart, with the rules of readoption.h), inference.h (input preparation, the forward
-// fan-out).
+// scheduling and loading), cluster_recovery.cc (taking jobs back after a restart, with the rules
+// of readoption.h); each READY job's requests are served by its JobServing (job_serving.h), which
+// asks this object only for the job's ranks (ForwardTargets).
 //
 // Failure model: a worker silent for ClusterOptions::missed_heartbeats heartbeat intervals (3) is
 // dead (so its jobs fail within 3 1/4 intervals of its last heartbeat; workers beat on a fixed
@@ -50,6 +50,7 @@
 #include "grpcpp/security/credentials.h"
 #include "jobs/job_store.h"
 #include "server/batch_queue.h"
+#include "server/job_serving.h"
 #include "server/placement.h"
 
 namespace bertshard::server {
@@ -86,12 +87,10 @@ struct ClusterOptions {
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials;
 };
 
-struct JobAssets;  // server/inference.h
-
-class Cluster {
+class Cluster : private ForwardTargets {
  public:
   static absl::StatusOr<std::unique_ptr<Cluster>> Create(const ClusterOptions& options);
-  ~Cluster();
+  ~Cluster() override;
 
   // `request` with its checkpoint resolved under the model root (common/model_root.h), for the
   // coordinator's own reads; INVALID_ARGUMENT when it is outside or not a checkpoint directory.
@@ -168,16 +167,11 @@ class Cluster {
   void FailJobLocked(std::string job_id, const std::string& cause, v1::JobState state = v1::FAILED)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MonitorLoop();
-  // A READY job's runtime, its batch queue (made on first use) and assets (read on first use).
-  struct Serving {
-    std::shared_ptr<JobRuntime> runtime;
-    std::shared_ptr<BatchQueue> batcher;
-    std::shared_ptr<const JobAssets> assets;
-  };
-  absl::StatusOr<Serving> ServingFor(const std::string& job_id);
-  // One merged forward on every rank of the job; runs on the job's batch thread.
-  absl::StatusOr<BatchOutputs> ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged, int micro_batches,
-                                            absl::Time deadline);
+  // A READY job's JobServing, made on first use.
+  absl::StatusOr<std::shared_ptr<JobServing>> ServingFor(const std::string& job_id);
+  // ForwardTargets, for the jobs' JobServings (on their batch threads).
+  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id) override;
+  void FailJob(const std::string& job_id, const std::string& cause) override;
   v1::JobEvent EventLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ClusterOptions options_;

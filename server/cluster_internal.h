@@ -1,14 +1,13 @@
 // File: server/cluster_internal.h
 // -----------------------------------------------------------------------------
 // Cluster's private state, shared by its implementation files: cluster.cc (the worker pool,
-// scheduling and loading, the per-job inference queue) and cluster_recovery.cc (taking jobs back
+// scheduling and loading, handing each READY job to its JobServing) and cluster_recovery.cc (taking jobs back
 // after a restart). Not part of the library's interface.
 //
 // Thread safety: the fields are guarded by Cluster::mu_ unless marked otherwise.
 #ifndef BERTSHARD_SERVER_CLUSTER_INTERNAL_H_
 #define BERTSHARD_SERVER_CLUSTER_INTERNAL_H_
 
-#include <atomic>
 #include <memory>
 #include <set>
 #include <string>
@@ -20,9 +19,9 @@
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/batch_queue.h"
 #include "server/cluster.h"
-#include "server/inference.h"
+#include "server/job_serving.h"
+#include "server/rank_fanout.h"
 #include "server/readoption.h"
 
 namespace bertshard::server {
@@ -45,7 +44,7 @@ struct Cluster::Recovery {
   std::set<int> lost;                        // ranks whose previous worker came back without them
 };
 
-// Fields other than assets_mu and assets are guarded by Cluster::mu_.
+// Guarded by Cluster::mu_.
 struct Cluster::JobRuntime {
   v1::ShardPlan plan;
   std::string checkpoint;
@@ -63,15 +62,12 @@ struct Cluster::JobRuntime {
   // no database read. Set where the job becomes READY (loaded, or adopted after a restart), cleared
   // when it fails or is cancelled (FailJobLocked).
   bool serving = false;
-  // Merges concurrent Infer/Embed calls into forwards; made on the first call, closed (and
-  // released off the lock) when the job ends.
-  std::shared_ptr<BatchQueue> batcher;
+  // Serves its Infer/Embed calls; made on the first call, closed (and released off the lock) when
+  // the job ends.
+  std::shared_ptr<JobServing> job_serving;
   // Ends the forward in flight when the job fails elsewhere (FailJobLocked), instead of letting it
   // wait for the surviving ranks' collective timeout.
   std::shared_ptr<ForwardAbort> forward_abort = std::make_shared<ForwardAbort>();
-  std::atomic<int> infer_calls{0};  // Infer/Embed calls in progress on this job (queue depth)
-  absl::Mutex assets_mu;            // loading the assets once
-  std::shared_ptr<const JobAssets> assets ABSL_GUARDED_BY(assets_mu);
 };
 
 }  // namespace bertshard::server

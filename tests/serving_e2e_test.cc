@@ -705,7 +705,7 @@ TEST_F(ServingTest, BadRequestsGetExactCodesAndClearMessages) {
   EXPECT_TRUE(Embed(EmbedText({"still serving"}), &embed).ok());
 }
 
-// "A text that is empty after cleaning ... is refused" (server/inference.cc): a literally empty
+// "A text that is empty after cleaning ... is refused" (server/input_preparation.cc): a literally empty
 // first segment of a pair is, and a first segment of whitespace alone must be too, or it runs as
 // [CLS] [SEP] pair [SEP].
 TEST_F(ServingTest, PairWhoseFirstSegmentIsOnlyWhitespaceIsRefusedLikeAnEmptyOne) {
