@@ -5,7 +5,7 @@
 // as soon as the previous one is answered.
 //
 //   embed_load --server=127.0.0.1:50051 --job=JOB --sentences=sentences.txt --clients=16
-//       --duration_s=10 [--rpc=embed|infer] [--texts_per_request=1] [--warmup=2] [--json]
+//       --duration_s=10 [--rpc=embed|infer] [--predictions_only] [--texts_per_request=1] [--warmup=2] [--json]
 //
 // Prints requests/s, latency percentiles, and what the coordinator's dynamic batcher reported
 // (BatchInfo: requests merged per forward, queue time, the bytes the workers sent back for each
@@ -45,6 +45,7 @@ ABSL_FLAG(int, requests_per_client, 0, "measured requests per client instead of 
 ABSL_FLAG(int, warmup, 2, "unmeasured requests per client before the measured window");
 ABSL_FLAG(std::string, sentences, "", "file with one sentence per line (required)");
 ABSL_FLAG(std::string, rpc, "embed", "embed or infer");
+ABSL_FLAG(bool, predictions_only, false, "Infer: ask for the predictions only (InferRequest.predictions_only)");
 ABSL_FLAG(int, texts_per_request, 1, "sentences per request (consecutive ones, from the client's place in the file)");
 ABSL_FLAG(double, timeout_s, 60, "deadline of each request, seconds");
 ABSL_FLAG(bool, json, false, "also print one JSON line with the figures");
@@ -82,6 +83,7 @@ struct ClientResult {
 struct Options {
   std::string server, job, rpc;
   int warmup = 0, requests_per_client = 0, texts_per_request = 1;
+  bool predictions_only = false;
   double duration_s = 0, timeout_s = 60;
 };
 
@@ -114,8 +116,9 @@ grpc::Status OneRequest(v1::Coordinator::Stub* stub, const Options& o, const std
     v1::InferRequest request;
     request.set_job_id(o.job);
     *request.mutable_text() = text;
+    request.set_predictions_only(o.predictions_only);
     status = stub->Infer(&context, request, &infer_response);
-    if (status.ok() && infer_response.outputs_size() == 0) {
+    if (status.ok() && !o.predictions_only && infer_response.outputs_size() == 0) {
       return grpc::Status(grpc::StatusCode::INTERNAL, "Infer answered without outputs");
     }
     batch = &infer_response.batch();
@@ -158,6 +161,7 @@ int main(int argc, char** argv) {
   o.rpc = absl::GetFlag(FLAGS_rpc);
   o.warmup = std::max(0, absl::GetFlag(FLAGS_warmup));
   o.texts_per_request = absl::GetFlag(FLAGS_texts_per_request);
+  o.predictions_only = absl::GetFlag(FLAGS_predictions_only);
   o.requests_per_client = absl::GetFlag(FLAGS_requests_per_client);
   o.duration_s = absl::GetFlag(FLAGS_duration_s);
   o.timeout_s = absl::GetFlag(FLAGS_timeout_s);
