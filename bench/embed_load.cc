@@ -5,13 +5,12 @@
 // as soon as the previous one is answered.
 //
 //   embed_load --server=127.0.0.1:50051 --job=JOB --sentences=sentences.txt --clients=16
-//       --duration_s=10 [--rpc=embed|infer] [--warmup=2] [--json]
+//       --duration_s=10 [--rpc=embed|infer] [--predictions_only] [--texts_per_request=1] [--warmup=2] [--json]
 //
 // Prints requests/s, latency percentiles, and what the coordinator's dynamic batcher reported
-// (BatchInfo: requests merged per forward, queue time; for Infer also the forward time) and the
-// client's own CPU time. A client stops at its first failed request, and any failure makes the
-// exit status 1. With --json the last line is
-// one JSON object (for scripts).
+// (BatchInfo: requests merged per forward, queue time, the bytes the workers sent back for each
+// forward; for Infer also the forward time) and the client's own CPU time. A client stops at its first failed request,
+// and any failure makes the exit status 1. With --json the last line is one JSON object (for scripts).
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -46,6 +45,8 @@ ABSL_FLAG(int, requests_per_client, 0, "measured requests per client instead of 
 ABSL_FLAG(int, warmup, 2, "unmeasured requests per client before the measured window");
 ABSL_FLAG(std::string, sentences, "", "file with one sentence per line (required)");
 ABSL_FLAG(std::string, rpc, "embed", "embed or infer");
+ABSL_FLAG(bool, predictions_only, false, "Infer: ask for the predictions only (InferRequest.predictions_only)");
+ABSL_FLAG(int, texts_per_request, 1, "sentences per request (consecutive ones, from the client's place in the file)");
 ABSL_FLAG(double, timeout_s, 60, "deadline of each request, seconds");
 ABSL_FLAG(bool, json, false, "also print one JSON line with the figures");
 
@@ -69,6 +70,7 @@ struct Sample {
   int64_t batch_tokens = 0;     // BatchInfo.padded_tokens
   double queue_seconds = 0;     // BatchInfo.queue_seconds
   double forward_seconds = -1;  // InferResponse.forward_seconds (Infer only)
+  int64_t response_bytes = 0;   // BatchInfo.response_bytes: workers -> coordinator for the forward
 };
 
 struct ClientResult {
@@ -80,12 +82,17 @@ struct ClientResult {
 
 struct Options {
   std::string server, job, rpc;
-  int warmup = 0, requests_per_client = 0;
+  int warmup = 0, requests_per_client = 0, texts_per_request = 1;
+  bool predictions_only = false;
   double duration_s = 0, timeout_s = 60;
 };
 
-// One request on `stub`; fills `sample` (but not its latency) or returns the error.
-grpc::Status OneRequest(v1::Coordinator::Stub* stub, const Options& o, const std::string& sentence, Sample* sample) {
+// One request on `stub` with o.texts_per_request sentences from `first` on (wrapping around);
+// fills `sample` (but not its latency) or returns the error.
+grpc::Status OneRequest(v1::Coordinator::Stub* stub, const Options& o, const std::vector<std::string>& sentences,
+                        size_t first, Sample* sample) {
+  v1::TextInput text;
+  for (int i = 0; i < o.texts_per_request; ++i) text.add_texts(sentences[(first + i) % sentences.size()]);
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::microseconds(static_cast<int64_t>(o.timeout_s * 1e6)));
@@ -96,19 +103,22 @@ grpc::Status OneRequest(v1::Coordinator::Stub* stub, const Options& o, const std
   if (o.rpc == "embed") {
     v1::EmbedRequest request;
     request.set_job_id(o.job);
-    request.mutable_text()->add_texts(sentence);
+    *request.mutable_text() = text;
     status = stub->Embed(&context, request, &embed_response);
-    if (status.ok() && (embed_response.embeddings_size() != 1 || embed_response.embeddings(0).values_size() == 0)) {
+    if (status.ok() &&
+        (embed_response.embeddings_size() != o.texts_per_request || embed_response.embeddings(0).values_size() == 0)) {
       return grpc::Status(grpc::StatusCode::INTERNAL,
-                          absl::StrCat("expected one non-empty embedding, got ", embed_response.embeddings_size()));
+                          absl::StrCat("expected ", o.texts_per_request, " non-empty embeddings, got ",
+                                       embed_response.embeddings_size()));
     }
     batch = &embed_response.batch();
   } else {
     v1::InferRequest request;
     request.set_job_id(o.job);
-    request.mutable_text()->add_texts(sentence);
+    *request.mutable_text() = text;
+    request.set_predictions_only(o.predictions_only);
     status = stub->Infer(&context, request, &infer_response);
-    if (status.ok() && infer_response.outputs_size() == 0) {
+    if (status.ok() && !o.predictions_only && infer_response.outputs_size() == 0) {
       return grpc::Status(grpc::StatusCode::INTERNAL, "Infer answered without outputs");
     }
     batch = &infer_response.batch();
@@ -119,6 +129,7 @@ grpc::Status OneRequest(v1::Coordinator::Stub* stub, const Options& o, const std
   sample->batch_rows = batch->rows();
   sample->batch_tokens = batch->padded_tokens();
   sample->queue_seconds = batch->queue_seconds();
+  sample->response_bytes = batch->response_bytes();
   return status;
 }
 
@@ -149,6 +160,8 @@ int main(int argc, char** argv) {
   o.job = absl::GetFlag(FLAGS_job);
   o.rpc = absl::GetFlag(FLAGS_rpc);
   o.warmup = std::max(0, absl::GetFlag(FLAGS_warmup));
+  o.texts_per_request = absl::GetFlag(FLAGS_texts_per_request);
+  o.predictions_only = absl::GetFlag(FLAGS_predictions_only);
   o.requests_per_client = absl::GetFlag(FLAGS_requests_per_client);
   o.duration_s = absl::GetFlag(FLAGS_duration_s);
   o.timeout_s = absl::GetFlag(FLAGS_timeout_s);
@@ -159,6 +172,10 @@ int main(int argc, char** argv) {
   }
   if (o.rpc != "embed" && o.rpc != "infer") {
     std::fprintf(stderr, "embed_load: --rpc must be embed or infer, got '%s'\n", o.rpc.c_str());
+    return 2;
+  }
+  if (o.texts_per_request < 1) {
+    std::fprintf(stderr, "embed_load: --texts_per_request must be >= 1, got %d\n", o.texts_per_request);
     return 2;
   }
   if (clients < 1 || o.requests_per_client < 0 || (o.requests_per_client == 0 && !(o.duration_s > 0))) {
@@ -208,7 +225,7 @@ int main(int argc, char** argv) {
       }
       for (int i = 0; ok && i < o.warmup; ++i) {
         Sample sample;
-        const grpc::Status status = OneRequest(stub.get(), o, sentences[next], &sample);
+        const grpc::Status status = OneRequest(stub.get(), o, sentences, next, &sample);
         next = (next + 1) % sentences.size();
         if (!status.ok()) {
           result.first_error = absl::StrCat("warm-up: ", Describe(status));
@@ -225,7 +242,7 @@ int main(int argc, char** argv) {
         if (o.requests_per_client > 0 ? i >= o.requests_per_client : Clock::now() >= end) break;
         Sample sample;
         const Clock::time_point t0 = Clock::now();
-        const grpc::Status status = OneRequest(stub.get(), o, sentences[next], &sample);
+        const grpc::Status status = OneRequest(stub.get(), o, sentences, next, &sample);
         const Clock::time_point t1 = Clock::now();
         next = (next + 1) % sentences.size();
         if (!status.ok()) {
@@ -274,13 +291,17 @@ int main(int argc, char** argv) {
   double forwards = 0;
   for (const Sample& s : all) forwards += s.batch_requests > 0 ? 1.0 / s.batch_requests : 0.0;
   const double requests_per_forward = forwards > 0 ? n / forwards : 0;
-  // Per forward (each forward counted once): its rows and its padded tokens (rows x padded length).
-  double rows_sum = 0, tokens_sum = 0;
+  // Per forward (each forward counted once): its rows, its padded tokens (rows x padded length)
+  // and the bytes its ranks sent back to the coordinator.
+  double rows_sum = 0, tokens_sum = 0, bytes_sum = 0;
   for (const Sample& s : all) {
     if (s.batch_requests <= 0) continue;
     rows_sum += static_cast<double>(s.batch_rows) / s.batch_requests;
     tokens_sum += static_cast<double>(s.batch_tokens) / s.batch_requests;
+    bytes_sum += static_cast<double>(s.response_bytes) / s.batch_requests;
   }
+  const double bytes_per_forward = forwards > 0 ? bytes_sum / forwards : 0;
+  const double bytes_per_request = n > 0 ? bytes_sum / n : 0;
   double forward_time_sum = 0;  // Infer: seconds the job spent in forwards (each counted once)
   for (const Sample& s : all) {
     if (s.batch_requests > 0 && s.forward_seconds > 0) forward_time_sum += s.forward_seconds / s.batch_requests;
@@ -312,6 +333,9 @@ int main(int argc, char** argv) {
       "  batching        mean BatchInfo.requests %.2f (per request), %.2f requests per forward, %.1f forwards/s\n",
       mean_batch, requests_per_forward, wall > 0 ? forwards / wall : 0.0);
   std::printf("                  per forward: %.2f rows, %.1f padded tokens\n", rows_per_forward, tokens_per_forward);
+  std::printf(
+      "  network         workers -> coordinator: %.0f bytes per forward, %.0f per request (BatchInfo.response_bytes)\n",
+      bytes_per_forward, bytes_per_request);
   std::printf("  in coordinator  mean queue %.2f ms", 1e3 * mean_queue);
   if (has_forward) {
     std::printf(", mean forward %.2f ms (ranks), rest %.2f ms (client latency - queue - forward)", 1e3 * mean_forward,
@@ -338,10 +362,12 @@ int main(int argc, char** argv) {
         "\"min_ms\": %.4f, \"max_ms\": %.4f, \"mean_batch_requests\": %.4f, \"requests_per_forward\": %.4f, "
         "\"rows_per_forward\": %.4f, \"tokens_per_forward\": %.4f, \"mean_queue_ms\": %.4f, "
         "\"mean_forward_ms\": %.4f, \"p50_forward_ms\": %.4f, \"p50_rest_ms\": %.4f, "
-        "\"forward_ms_per_forward\": %.4f, \"forward_busy\": %.4f, \"client_cpu_s\": %.4f}\n",
+        "\"forward_ms_per_forward\": %.4f, \"forward_busy\": %.4f, \"client_cpu_s\": %.4f, "
+        "\"texts_per_request\": %d, \"response_bytes_per_forward\": %.1f, \"response_bytes_per_request\": %.1f}\n",
         o.rpc.c_str(), clients, all.size(), errors, wall, rps, 1e3 * p50, 1e3 * p90, 1e3 * p99, 1e3 * mean, 1e3 * lmin,
         1e3 * lmax, mean_batch, requests_per_forward, rows_per_forward, tokens_per_forward, 1e3 * mean_queue,
-        forward_ms, p50_forward_ms, p50_rest_ms, per_forward_ms, busy, client_cpu);
+        forward_ms, p50_forward_ms, p50_rest_ms, per_forward_ms, busy, client_cpu, o.texts_per_request,
+        bytes_per_forward, bytes_per_request);
   }
   std::fflush(stdout);
   delete ready;

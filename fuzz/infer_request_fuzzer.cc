@@ -1,5 +1,5 @@
 // Fuzz target: bytes -> InferRequest (binary protobuf, as gRPC delivers it) -> the coordinator's
-// input decoding (server/inference.h PrepareInput) for a small masked-LM plan with a vocabulary:
+// input decoding (server/input_preparation.h PrepareInput) for a small masked-LM plan with a vocabulary:
 // token batches of any shape and values, texts and text pairs, truncation on or off. Every
 // request must become a batch or an INVALID_ARGUMENT, never a crash.
 #include <cstdint>
@@ -8,7 +8,7 @@
 
 #include "google/protobuf/stubs/logging.h"
 #include "planner/planner.h"
-#include "server/inference.h"
+#include "server/input_preparation.h"
 #include "tokenizer/wordpiece.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

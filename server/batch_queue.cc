@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <set>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -24,6 +25,7 @@ struct BatchQueue::Request {
   int64_t choices = 1;    // >= 1
   int micro_batches = 1;  // >= 1
   bool alone = false;     // micro-batched: never merged
+  v1::ForwardWant want;
   absl::Time deadline;
   // Called only with mu_ held and only while the caller still waits in Submit (!caller_gone), so
   // whatever it captures from the caller is still alive.
@@ -80,6 +82,21 @@ v1::TokenInputs Merge(const std::vector<Slice>& batch, int64_t rows, int64_t seq
   return merged;
 }
 
+// Hands each request its rows of the per-row results. INTERNAL when they are not one per row.
+absl::Status SplitRows(std::vector<v1::ForwardRow> merged, const std::vector<Slice>& batch, int64_t rows,
+                       std::vector<std::vector<v1::ForwardRow>>* parts) {
+  parts->assign(batch.size(), {});
+  if (merged.empty()) return absl::OkStatus();
+  if (static_cast<int64_t>(merged.size()) != rows) {
+    return absl::InternalError(absl::StrCat("the forward returned results for ", merged.size(), " rows of ", rows));
+  }
+  size_t row = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    for (int64_t k = 0; k < batch[i].rows; ++k) (*parts)[i].push_back(std::move(merged[row++]));
+  }
+  return absl::OkStatus();
+}
+
 // Cuts each request's rows (and, for per-token outputs, its own seq) out of the merged outputs.
 // INTERNAL for an output whose shape does not fit the batch: no caller gets a wrong slice.
 absl::Status Split(const std::vector<v1::NamedTensor>& outputs, const std::vector<Slice>& batch, int64_t rows,
@@ -131,6 +148,67 @@ absl::Status Split(const std::vector<v1::NamedTensor>& outputs, const std::vecto
 }
 
 }  // namespace
+
+v1::ForwardWant EveryOutput() {
+  v1::ForwardWant want;
+  want.set_all_outputs(true);
+  return want;
+}
+
+bool CompatibleWants(const v1::ForwardWant& a, const v1::ForwardWant& b) {
+  if (a.has_embeddings() != b.has_embeddings() || a.has_masked_lm() != b.has_masked_lm() ||
+      a.has_answer_spans() != b.has_answer_spans()) {
+    return false;
+  }
+  if (a.embeddings().pooling() != b.embeddings().pooling() ||
+      a.embeddings().normalize() != b.embeddings().normalize()) {
+    return false;
+  }
+  const v1::MaskedLmWant& ma = a.masked_lm();
+  const v1::MaskedLmWant& mb = b.masked_lm();
+  if (ma.output() != mb.output() || ma.mask_token_id() != mb.mask_token_id() || ma.vocab_limit() != mb.vocab_limit()) {
+    return false;
+  }
+  const v1::AnswerSpanWant& sa = a.answer_spans();
+  const v1::AnswerSpanWant& sb = b.answer_spans();
+  return sa.cls_token_id() == sb.cls_token_id() &&
+         std::equal(sa.special_ids().begin(), sa.special_ids().end(), sb.special_ids().begin(), sb.special_ids().end());
+}
+
+v1::ForwardWant UnionOfWants(const std::vector<const v1::ForwardWant*>& wants) {
+  v1::ForwardWant merged = *wants.front();
+  std::set<std::string> outputs;
+  for (const v1::ForwardWant* w : wants) {
+    merged.set_all_outputs(merged.all_outputs() || w->all_outputs());
+    outputs.insert(w->outputs().begin(), w->outputs().end());
+    if (w->has_masked_lm()) {
+      merged.mutable_masked_lm()->set_top_k(std::max(merged.masked_lm().top_k(), w->masked_lm().top_k()));
+    }
+  }
+  merged.clear_outputs();
+  if (!merged.all_outputs()) {
+    for (const std::string& name : outputs) merged.add_outputs(name);
+  }
+  return merged;
+}
+
+void CutToWant(const v1::ForwardWant& want, BatchResult* result) {
+  if (!want.all_outputs()) {
+    const std::set<std::string> wanted(want.outputs().begin(), want.outputs().end());
+    auto& outputs = result->outputs;
+    outputs.erase(std::remove_if(outputs.begin(), outputs.end(),
+                                 [&wanted](const v1::NamedTensor& t) { return wanted.count(t.name()) == 0; }),
+                  outputs.end());
+  }
+  if (!want.has_masked_lm()) return;
+  const int top_k = std::max(1, want.masked_lm().top_k());
+  for (v1::ForwardRow& row : result->rows) {
+    for (v1::MaskTop& fill : *row.mutable_masks()) {
+      if (fill.ids_size() > top_k) fill.mutable_ids()->Truncate(top_k);
+      if (fill.scores_size() > top_k) fill.mutable_scores()->Truncate(top_k);
+    }
+  }
+}
 
 BatchQueue::BatchQueue(BatchLimits limits, BatchPadding padding, RunBatchFn run, PerTokenFn per_token,
                        BatchObserver observer)
@@ -186,7 +264,8 @@ int64_t BatchQueue::PaddedSeq(int64_t longest) const {
 }
 
 absl::StatusOr<BatchResult> BatchQueue::Submit(v1::TokenInputs tokens, absl::Time deadline,
-                                               const std::function<bool()>& cancelled, int micro_batches) {
+                                               const std::function<bool()>& cancelled, int micro_batches,
+                                               const v1::ForwardWant& want) {
   const int64_t rows = tokens.rows();
   const int64_t seq = tokens.seq();
   const int64_t choices = std::max<int64_t>(1, tokens.choices());
@@ -222,6 +301,7 @@ absl::StatusOr<BatchResult> BatchQueue::Submit(v1::TokenInputs tokens, absl::Tim
   request->deadline = deadline;
   request->cancelled = cancelled;
   request->tokens = std::move(tokens);
+  request->want = want;
 
   absl::MutexLock lock(&mu_);
   if (closed_) return absl::UnavailableError(close_reason_);
@@ -267,7 +347,7 @@ std::vector<BatchQueue::Request*> BatchQueue::FormBatchLocked(bool* full) const 
   std::vector<Request*> candidates;
   for (size_t i = 1; i < waiting_.size(); ++i) {
     Request* r = waiting_[i].get();
-    if (!r->alone && r->choices == oldest.choices) candidates.push_back(r);
+    if (!r->alone && r->choices == oldest.choices && CompatibleWants(r->want, oldest.want)) candidates.push_back(r);
   }
   // Closest in length to the oldest first (less padding), then by arrival. The oldest is always
   // in: a request passed over moves up the queue until it is the oldest itself.
@@ -374,7 +454,9 @@ void BatchQueue::RunBatch(std::vector<std::shared_ptr<Request>> batch) {
   int64_t rows = 0;
   int64_t longest = 0;
   std::vector<Slice> slices;
+  std::vector<const v1::ForwardWant*> wants;
   for (const std::shared_ptr<Request>& r : batch) {
+    wants.push_back(&r->want);
     deadline = std::max(deadline, r->deadline);
     rows += r->rows;
     longest = std::max(longest, r->seq);
@@ -389,17 +471,18 @@ void BatchQueue::RunBatch(std::vector<std::shared_ptr<Request>> batch) {
   if (observer_) observer_(stats);
 
   std::vector<absl::StatusOr<BatchResult>> results(batch.size());
-  absl::StatusOr<BatchOutputs> out = batch.size() == 1
-                                         ? run_(batch.front()->tokens, batch.front()->micro_batches, deadline)
-                                         : run_(Merge(slices, rows, stats.seq, padding_.pad_token_id), 1, deadline);
+  absl::StatusOr<BatchOutputs> out =
+      batch.size() == 1 ? run_(batch.front()->tokens, batch.front()->micro_batches, deadline, batch.front()->want)
+                        : run_(Merge(slices, rows, stats.seq, padding_.pad_token_id), 1, deadline, UnionOfWants(wants));
   if (!out.ok()) {
     for (auto& result : results) result = out.status();
   } else {
     std::vector<std::vector<v1::NamedTensor>> parts;
-    absl::Status split = absl::OkStatus();
+    std::vector<std::vector<v1::ForwardRow>> row_parts;
+    absl::Status split = SplitRows(std::move(out->rows), slices, rows, &row_parts);
     if (batch.size() == 1) {
       parts.push_back(std::move(out->outputs));
-    } else {
+    } else if (split.ok()) {
       split = Split(out->outputs, slices, rows, stats.seq, per_token_, &parts);
     }
     for (size_t i = 0; i < batch.size(); ++i) {
@@ -409,7 +492,11 @@ void BatchQueue::RunBatch(std::vector<std::shared_ptr<Request>> batch) {
       }
       BatchResult result;
       result.outputs = std::move(parts[i]);
+      result.rows = std::move(row_parts[i]);
       result.forward_seconds = out->forward_seconds;
+      result.response_bytes = out->response_bytes;
+      // A lone request's want is the one the forward ran with: nothing to cut.
+      if (batch.size() > 1) CutToWant(batch[i]->want, &result);
       result.batch = stats;
       result.queued = dispatched - batch[i]->enqueued;
       results[i] = std::move(result);

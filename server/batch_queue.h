@@ -22,6 +22,14 @@
 // cuts the padding back off: values bit for bit as the merged forward produced them. A batch of
 // one request runs that request's tokens as they are and returns the outputs untouched.
 //
+// What each request wants back (a v1::ForwardWant: raw outputs, pooled embeddings, masked LM
+// top-k, answer spans) goes with it. Requests merge only when their wants are compatible: the same
+// embedding pooling, masked LM (but for top_k) and answer-span settings; the merged forward asks
+// for the union (every raw output any of them wants, the largest top_k), and each request gets
+// back exactly what it alone asked for: its rows of the per-row results (ForwardRow), only its
+// raw outputs, its own top_k (a prefix of the larger one: MaskedLmTopK's order is total). The
+// per-row results of a padded row are those of the unpadded row: they only read attended positions.
+//
 // Example:
 //   BatchQueue queue(limits, {.pad_token_id = 0}, run_on_all_ranks,
 //                    [](const std::string& name) { return name == "last_hidden_state"; });
@@ -79,14 +87,16 @@ struct BatchPadding {
 // What one merged forward returned: HF-named outputs for all of its rows.
 struct BatchOutputs {
   std::vector<v1::NamedTensor> outputs;
+  std::vector<v1::ForwardRow> rows;  // per input row, when the want asked for per-row results
   double forward_seconds = 0;
+  int64_t response_bytes = 0;  // what the forward's answers took on the network
 };
 
 // Runs one merged forward (the caller numbers it and sends it to every rank). `micro_batches`
 // (>= 1) is what a request that runs alone asked for, 1 for a merged batch; `deadline` is the
-// latest deadline among the batch's requests.
-using RunBatchFn =
-    std::function<absl::StatusOr<BatchOutputs>(const v1::TokenInputs& merged, int micro_batches, absl::Time deadline)>;
+// latest deadline among the batch's requests; `want` the union of the requests' wants.
+using RunBatchFn = std::function<absl::StatusOr<BatchOutputs>(const v1::TokenInputs& merged, int micro_batches,
+                                                              absl::Time deadline, const v1::ForwardWant& want)>;
 // Whether an output has a sequence axis at dim 1 (last_hidden_state, token logits, start/end
 // logits), decided by the caller from the model variant. Null: no output does.
 using PerTokenFn = std::function<bool(const std::string& output_name)>;
@@ -102,11 +112,23 @@ struct BatchStats {
 using BatchObserver = std::function<void(const BatchStats&)>;
 
 struct BatchResult {
-  std::vector<v1::NamedTensor> outputs;  // this request's rows only, its own seq
+  std::vector<v1::NamedTensor> outputs;  // this request's rows only, its own seq, the outputs it wants
+  std::vector<v1::ForwardRow> rows;      // this request's rows of the per-row results
   double forward_seconds = 0;            // of the merged forward
+  int64_t response_bytes = 0;            // of the merged forward
   BatchStats batch;                      // what the request was merged into
   absl::Duration queued;                 // from Submit to the batch's dispatch
 };
+
+// The want of a caller that wants every output as the model returned it, and nothing else.
+v1::ForwardWant EveryOutput();
+// Whether requests with these wants may share a forward (see the file comment).
+bool CompatibleWants(const v1::ForwardWant& a, const v1::ForwardWant& b);
+// What a merged forward asks for: every raw output any of `wants` asks for, the largest top_k.
+// `wants` are compatible and not empty.
+v1::ForwardWant UnionOfWants(const std::vector<const v1::ForwardWant*>& wants);
+// Cuts a result of UnionOfWants(...) down to what `want` (one of those) asked for.
+void CutToWant(const v1::ForwardWant& want, BatchResult* result);
 
 class BatchQueue {
  public:
@@ -129,10 +151,11 @@ class BatchQueue {
   // `cancelled` may be null; it must be cheap and thread-safe, and must not call into this
   // queue: the queue's thread calls it (with the queue's lock held) right before dispatch.
   // `micro_batches` > 1: the request runs alone, and RunBatchFn gets it (the ranks split the
-  // forward into that many micro-batches).
+  // forward into that many micro-batches). `want`: what the request wants back (default: every
+  // output as the model returned it).
   absl::StatusOr<BatchResult> Submit(v1::TokenInputs tokens, absl::Time deadline,
-                                     const std::function<bool()>& cancelled = nullptr, int micro_batches = 0)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                     const std::function<bool()>& cancelled = nullptr, int micro_batches = 0,
+                                     const v1::ForwardWant& want = EveryOutput()) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Fails the requests still waiting with UNAVAILABLE(`reason`) and refuses new ones; the batch
   // already running finishes. Does not block (safe with the caller's own locks held). Idempotent.

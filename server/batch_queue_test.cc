@@ -227,7 +227,9 @@ class BatchQueueTest : public ::testing::Test {
   void Start(BatchLimits limits, BatchPadding padding = {}) {
     queue_ = std::make_unique<BatchQueue>(
         limits, padding,
-        [this](const v1::TokenInputs& m, int micro_batches, absl::Time d) { return model_.Run(m, micro_batches, d); },
+        [this](const v1::TokenInputs& m, int micro_batches, absl::Time d, const v1::ForwardWant&) {
+          return model_.Run(m, micro_batches, d);
+        },
         PerToken,
         [this](const BatchStats& s) {
           absl::MutexLock lock(&mu_);

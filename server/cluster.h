@@ -5,8 +5,9 @@
 // cancellation, failure, re-adoption after a restart). Jobs and their plans persist in a
 // JobStore. The gRPC layer talks to this one object, a front over the parts: worker_pool.h (the
 // workers, their channels and liveness), scheduler.h (placement, loading, failing, the monitor),
-// job_recovery.h (taking jobs back after a restart, with the rules of readoption.h), and here the
-// per-job inference path (its batch queue, inference.h's input preparation and forward fan-out).
+// job_recovery.h (taking jobs back after a restart, with the rules of readoption.h). Each READY
+// job's requests are served by its JobServing (job_serving.h: assets, input preparation, batch
+// queue, decoding), which asks the scheduler only for the job's ranks (ForwardTargets).
 //
 // Failure model: a worker silent for ClusterOptions::missed_heartbeats heartbeat intervals (3) is
 // dead (so its jobs fail within 3 1/4 intervals of its last heartbeat; workers beat on a fixed
@@ -46,8 +47,8 @@
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "jobs/job_store.h"
-#include "server/batch_queue.h"
 #include "server/cluster_options.h"
+#include "server/job_serving.h"
 #include "server/scheduler.h"
 #include "server/worker_pool.h"
 
@@ -103,16 +104,8 @@ class Cluster {
  private:
   Cluster(const ClusterOptions& options, std::unique_ptr<WorkerPool> pool);
 
-  // A READY job's runtime, its batch queue (made on first use) and assets (read on first use).
-  struct Serving {
-    std::shared_ptr<JobRuntime> runtime;
-    std::shared_ptr<BatchQueue> batcher;
-    std::shared_ptr<const JobAssets> assets;
-  };
-  absl::StatusOr<Serving> ServingFor(const std::string& job_id);
-  // One merged forward on every rank of the job; runs on the job's batch thread.
-  absl::StatusOr<BatchOutputs> ForwardBatch(const std::string& job_id, const v1::TokenInputs& merged, int micro_batches,
-                                            absl::Time deadline);
+  // A READY job's JobServing (job_serving.h), made on first use under the scheduler's lock.
+  absl::StatusOr<std::shared_ptr<JobServing>> ServingFor(const std::string& job_id);
 
   const ClusterOptions options_;
   // Declared in this order so that the scheduler (which uses the pool) goes first.

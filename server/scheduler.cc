@@ -31,21 +31,21 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(const ClusterOption
 Scheduler::~Scheduler() { Stop(); }
 
 void Scheduler::Stop() {
-  std::vector<std::shared_ptr<BatchQueue>> batchers;
+  std::vector<std::shared_ptr<JobServing>> servings;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     for (auto& [id, runtime] : runtimes_) {
       for (auto& context : runtime->load_contexts) context->TryCancel();
-      if (auto batcher = CloseServingLocked(*runtime, "the coordinator is shutting down")) {
-        batchers.push_back(std::move(batcher));
+      if (auto serving = CloseServingLocked(*runtime, "the coordinator is shutting down")) {
+        servings.push_back(std::move(serving));
       }
     }
     changed_.SignalAll();
   }
   if (monitor_.joinable()) monitor_.join();
   threads_.JoinAll();  // no load starts once stopping_ is set, and no batch queue is made
-  batchers.clear();    // off the lock: a running batch may still take it
+  servings.clear();    // off the lock: a running batch may still take it
 }
 
 void Scheduler::Drain() {
@@ -463,9 +463,9 @@ void Scheduler::FailJobLocked(const std::string& job_id, const std::string& caus
     runtime->second->forward_abort->Abort(why);
     runtime->second->recovery.reset();
     runtime->second->serving = false;
-    if (auto batcher = CloseServingLocked(*runtime->second, why)) {
-      // (No batch queue exists once stopping_ is set: see WithServingRuntime.)
-      threads_.Start([batcher = std::move(batcher)]() mutable { batcher.reset(); });
+    if (auto serving = CloseServingLocked(*runtime->second, why)) {
+      // (No JobServing exists once stopping_ is set: see WithServingRuntime.)
+      threads_.Start([serving = std::move(serving)]() mutable { serving.reset(); });
     }
   }
   for (const WorkerStub& w : pool_->Release(job_id)) {
@@ -482,11 +482,11 @@ void Scheduler::FailWorkersJobLocked(const v1::WorkerInfo& worker, const std::st
                                               worker.address(), " ", why));
 }
 
-std::shared_ptr<BatchQueue> Scheduler::CloseServingLocked(JobRuntime& runtime, const std::string& why) {
-  std::shared_ptr<BatchQueue> batcher = std::move(runtime.batcher);
-  runtime.batcher = nullptr;
-  if (batcher != nullptr) batcher->Close(why);  // waiting requests fail now
-  return batcher;
+std::shared_ptr<JobServing> Scheduler::CloseServingLocked(JobRuntime& runtime, const std::string& why) {
+  std::shared_ptr<JobServing> serving = std::move(runtime.job_serving);
+  runtime.job_serving = nullptr;
+  if (serving != nullptr) serving->Close(why);  // waiting requests fail now
+  return serving;
 }
 
 void Scheduler::StoreErrorLocked(const std::string& what, const absl::Status& status) {

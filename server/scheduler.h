@@ -45,15 +45,14 @@
 #include "jobs/job_store.h"
 #include "server/batch_queue.h"
 #include "server/cluster_options.h"
-#include "server/inference.h"
 #include "server/job_recovery.h"
+#include "server/job_serving.h"
 #include "server/thread_group.h"
 #include "server/worker_pool.h"
 
 namespace bertshard::server {
 
-// One job as this coordinator runs it. Fields other than assets_mu and assets are guarded by the
-// Scheduler's lock.
+// One job as this coordinator runs it. Fields are guarded by the Scheduler's lock.
 struct JobRuntime {
   v1::ShardPlan plan;
   std::string checkpoint;
@@ -75,32 +74,22 @@ struct JobRuntime {
   // no database read. Set where the job becomes READY (loaded, or adopted after a restart), cleared
   // when it fails or is cancelled (FailJobLocked).
   bool serving = false;
-  // Merges concurrent Infer/Embed calls into forwards; made on the first call, closed (and
-  // released off the lock) when the job ends.
-  std::shared_ptr<BatchQueue> batcher;
+  // The job's request path (assets, batch queue, decoding); made on the first Infer/Embed call,
+  // closed (and released off the lock) when the job ends.
+  std::shared_ptr<JobServing> job_serving;
   // Ends the forward in flight when the job fails elsewhere (FailJobLocked), instead of letting it
   // wait for the surviving ranks' collective timeout.
   std::shared_ptr<ForwardAbort> forward_abort = std::make_shared<ForwardAbort>();
-  std::atomic<int> infer_calls{0};  // Infer/Embed calls in progress on this job (queue depth)
-  absl::Mutex assets_mu;            // loading the assets once
-  std::shared_ptr<const JobAssets> assets ABSL_GUARDED_BY(assets_mu);
 };
 
-// What one forward of a serving job goes to: its ranks in order, its sequence number (taken: the
-// next call gets the next), and what ends it when the job fails meanwhile.
-struct ForwardTarget {
-  std::vector<RankStub> ranks;
-  int64_t sequence = 0;
-  std::shared_ptr<ForwardAbort> abort;
-};
-
-class Scheduler {
+// The jobs' JobServings reach their ranks through it (ForwardTargets, job_serving.h).
+class Scheduler final : public ForwardTargets {
  public:
   // Takes back the stored jobs (job_recovery.h) and starts the monitor (liveness, recovery
   // deadlines, placements to retry). `pool` must outlive the scheduler.
   static absl::StatusOr<std::unique_ptr<Scheduler>> Create(const ClusterOptions& options,
                                                            std::unique_ptr<jobs::JobStore> store, WorkerPool* pool);
-  ~Scheduler();  // Stop()
+  ~Scheduler() override;  // Stop()
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
 
@@ -126,9 +115,9 @@ class Scheduler {
 
   // For serving. The ranks, sequence number and abort of the next forward of job `job_id`;
   // FAILED_PRECONDITION when it no longer serves.
-  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id) override ABSL_LOCKS_EXCLUDED(mu_);
   // Fails job `job_id` with `cause` (a forward failed on a rank): the survivors unload.
-  void FailJob(const std::string& job_id, const std::string& cause) ABSL_LOCKS_EXCLUDED(mu_);
+  void FailJob(const std::string& job_id, const std::string& cause) override ABSL_LOCKS_EXCLUDED(mu_);
   // Calls `use` under the lock with the runtime of `job_id` when it serves, else with null and the
   // stored job (recovering filled in) to say why not; returns what `use` returns. UNAVAILABLE,
   // without calling it, once stopping (no batch queue may be made then).
@@ -192,9 +181,9 @@ class Scheduler {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FailJobLocked for the job `worker` served, if any: "worker ID (rank R) at ADDR `why`".
   void FailWorkersJobLocked(const v1::WorkerInfo& worker, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Closes the job's batch queue (waiting requests fail with `why`) and returns it, to be released
+  // Closes the job's JobServing (waiting requests fail with `why`) and returns it, to be released
   // off the lock: its destructor waits for the running batch, which may be the caller.
-  std::shared_ptr<BatchQueue> CloseServingLocked(JobRuntime& runtime, const std::string& why)
+  std::shared_ptr<JobServing> CloseServingLocked(JobRuntime& runtime, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A write the job database refused (full, read-only, I/O): said on stderr, once per distinct one.
   void StoreErrorLocked(const std::string& what, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

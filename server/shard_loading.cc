@@ -8,20 +8,6 @@
 
 namespace bertshard::server {
 
-std::string BlameUnreachable(const std::vector<RankStub>& ranks, const std::string& first_failure) {
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    grpc::health::v1::HealthCheckResponse ignored;
-    grpc::Status status = ranks[r].health->Check(&context, grpc::health::v1::HealthCheckRequest(), &ignored);
-    if (!status.ok()) {
-      return absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, ") at ", ranks[r].address,
-                          " is unreachable: ", status.error_message());
-    }
-  }
-  return first_failure;
-}
-
 absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::string& job_id) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
@@ -58,7 +44,7 @@ bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRe
       const std::string rank = absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, "): ");
       on_failure(r, status.error_code() == grpc::StatusCode::CANCELLED
                         ? absl::StrCat(rank, "cancelled")
-                        : BlameUnreachable(ranks, absl::StrCat(rank, status.error_message())));
+                        : Blame(ranks, absl::StrCat(rank, status.error_message())));
     });
   }
   for (auto& t : threads) t.join();

@@ -27,14 +27,9 @@
 #include "absl/status/statusor.h"
 #include "bertshard/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "server/inference.h"
+#include "server/rank_fanout.h"
 
 namespace bertshard::server {
-
-// When ranks fail together (a dead worker makes its peers' collectives fail too), the cause is
-// the worker that no longer answers; otherwise `first_failure`. The ping is the worker's gRPC
-// health check: it changes nothing there and needs no token.
-std::string BlameUnreachable(const std::vector<RankStub>& ranks, const std::string& first_failure);
 
 // Rank 0's worker hosts the job's rendezvous store on a port of its choosing and keeps it for rank
 // 0's load (no port is found free and bound later). The error's message is the failure cause:

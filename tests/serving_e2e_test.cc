@@ -705,7 +705,7 @@ TEST_F(ServingTest, BadRequestsGetExactCodesAndClearMessages) {
   EXPECT_TRUE(Embed(EmbedText({"still serving"}), &embed).ok());
 }
 
-// "A text that is empty after cleaning ... is refused" (server/inference.cc): a literally empty
+// "A text that is empty after cleaning ... is refused" (server/input_preparation.cc): a literally empty
 // first segment of a pair is, and a first segment of whitespace alone must be too, or it runs as
 // [CLS] [SEP] pair [SEP].
 TEST_F(ServingTest, PairWhoseFirstSegmentIsOnlyWhitespaceIsRefusedLikeAnEmptyOne) {
@@ -863,6 +863,39 @@ TEST_F(ServingTest, QuestionAnsweringSpanIsTheBestOneInTheContext) {
     }
     EXPECT_EQ(a.text(), text);
   }
+}
+
+TEST_F(ServingTest, PredictionsOnlyAreTheSamePredictionsWithoutTheOutputs) {
+  // The workers compute top-k and spans either way; predictions_only only leaves the outputs there.
+  for (const std::string& job : {mlm_job_, cls_job_, qa_job_}) {
+    SCOPED_TRACE(job);
+    v1::InferRequest request;
+    request.set_job_id(job);
+    request.mutable_text()->add_texts("the cat [MASK] on the mat");
+    request.mutable_text()->add_text_pairs("a dog ran to the park");
+    const v1::InferResponse full = Infer(request);
+    request.set_predictions_only(true);
+    const v1::InferResponse only = Infer(request);
+    EXPECT_GT(full.outputs_size(), 0);
+    EXPECT_EQ(only.outputs_size(), 0);
+    ASSERT_EQ(only.predictions_size(), full.predictions_size());
+    for (int i = 0; i < full.predictions_size(); ++i) {
+      EXPECT_EQ(only.predictions(i).SerializeAsString(), full.predictions(i).SerializeAsString()) << "row " << i;
+    }
+    EXPECT_GT(only.batch().response_bytes(), 0);
+    if (job == cls_job_) {
+      EXPECT_LE(only.batch().response_bytes(), full.batch().response_bytes());  // logits are its only output
+    } else {
+      EXPECT_LT(only.batch().response_bytes(), full.batch().response_bytes());
+    }
+  }
+  // Embed: the vectors only, never the hidden states Infer returns.
+  const v1::InferResponse infer = InferText(embed_job_, {"the cat sat on the mat"});
+  v1::EmbedResponse embed;
+  ASSERT_TRUE(Embed(EmbedText({"the cat sat on the mat"}), &embed).ok());
+  const v1::NamedTensor* hidden = FindOutput(infer, "last_hidden_state");
+  ASSERT_NE(hidden, nullptr);
+  EXPECT_LT(embed.batch().response_bytes(), hidden->values_size() * static_cast<int64_t>(sizeof(float)) / 2);
 }
 
 TEST_F(ServingTest, ShardctlEmbedInferAndJobs) {

@@ -265,7 +265,7 @@ TEST(WordPiece, CjkCharactersStayInTheirWordWithoutTokenizeChineseChars) {
 
 // Empty text, and text that cleaning empties (whitespace, control and format characters), encode
 // as [CLS] [SEP] (a pair adds its [SEP]), as HF's tokenizer does; refusing it is the server's
-// business (server/inference.cc PrepareInput), not the tokenizer's.
+// business (server/input_preparation.cc PrepareInput), not the tokenizer's.
 TEST(WordPiece, EmptyAndWhitespaceOnlyTextEncodesAsClsSep) {
   for (const std::string text : {"", "   ", " \t\n\r\u3000\u00a0\u2028", "\x01\u200b\ufeff"}) {
     SCOPED_TRACE(testing::Message() << "text of " << text.size() << " bytes");

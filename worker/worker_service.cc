@@ -15,6 +15,7 @@
 #include "model/bert_shard.h"
 #include "model/gemm.h"
 #include "worker/collectives_backend.h"
+#include "worker/forward_outputs.h"
 #include "worker/math_threads.h"
 #include "worker/rendezvous.h"
 #include "worker/shard_loader.h"
@@ -286,6 +287,10 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
     return {grpc::StatusCode::INVALID_ARGUMENT,
             "inputs must hold rows x seq values in each of input_ids, attention_mask, token_type_ids"};
   }
+  // Every rank refuses a want it cannot honour alike, before its forward.
+  if (absl::Status s = request->has_want() ? CheckForwardWant(request->want()) : absl::OkStatus(); !s.ok()) {
+    return common::ToGrpcStatus(s);
+  }
   absl::MutexLock lock(&job->mu);
   if (!job->broken.empty()) {
     return {grpc::StatusCode::FAILED_PRECONDITION,
@@ -332,6 +337,10 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
       for (int64_t d : c.sizes()) out->add_shape(d);
       out->mutable_values()->Add(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
     }
+  }
+  if (request->has_want() && response->outputs_size() > 0) {
+    // The rank holding the outputs sends back only what the coordinator wants of them.
+    if (absl::Status s = ApplyForwardWant(in, request->want(), response); !s.ok()) return common::ToGrpcStatus(s);
   }
   return grpc::Status::OK;
 }

@@ -1,0 +1,196 @@
+#include "server/job_serving.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "planner/model_config.h"
+#include "server/input_preparation.h"
+#include "server/output_decoding.h"
+
+namespace bertshard::server {
+namespace {
+
+// Counts a call on a job from its start to its end (the queue-depth gauge).
+class CallCount {
+ public:
+  explicit CallCount(std::atomic<int>* calls) : calls_(calls) { calls_->fetch_add(1); }
+  ~CallCount() { calls_->fetch_sub(1); }
+  CallCount(const CallCount&) = delete;
+  CallCount& operator=(const CallCount&) = delete;
+
+ private:
+  std::atomic<int>* const calls_;
+};
+
+v1::BatchInfo ToBatchInfo(const BatchResult& result) {
+  v1::BatchInfo info;
+  info.set_requests(result.batch.requests);
+  info.set_rows(result.batch.rows);
+  info.set_padded_tokens(result.batch.tokens);
+  info.set_queue_seconds(absl::ToDoubleSeconds(result.queued));
+  info.set_response_bytes(result.response_bytes);
+  return info;
+}
+
+BatchPadding PaddingFor(const v1::ShardPlan& plan) {
+  BatchPadding padding;
+  padding.pad_token_id = plan.config().pad_token_id();
+  if (plan.shard_config().sp_mode() == v1::SPLIT_GATHER) {
+    padding.seq_multiple = std::max(1, plan.shard_config().tensor_parallel_size());
+  }
+  padding.max_seq = plan.config().max_position_embeddings();
+  return padding;
+}
+
+}  // namespace
+
+JobServing::JobServing(std::string job_id, v1::ShardPlan plan,
+                       std::function<absl::StatusOr<std::string>()> checkpoint_dir, ForwardTargets* targets,
+                       const JobServingOptions& options)
+    : job_id_(std::move(job_id)),
+      plan_(std::move(plan)),
+      checkpoint_dir_(std::move(checkpoint_dir)),
+      targets_(targets),
+      forward_timeout_(options.forward_timeout),
+      queue_(
+          options.batching, PaddingFor(plan_),
+          [this](const v1::TokenInputs& merged, int micro_batches, absl::Time /*callers' latest deadline*/,
+                 const v1::ForwardWant& want) { return Forward(merged, micro_batches, want); },
+          [variant = plan_.variant()](const std::string& name) { return PerTokenOutput(variant, name); },
+          options.batch_observer) {}
+
+void JobServing::Close(const std::string& reason) { queue_.Close(reason); }
+
+std::shared_ptr<const JobAssets> JobServing::Assets() {
+  absl::MutexLock lock(&assets_mu_);
+  if (assets_ == nullptr) {
+    // Resolved now, not when the job was submitted: the directory may have changed since.
+    absl::StatusOr<std::string> dir = checkpoint_dir_();
+    assets_ = dir.ok() ? LoadJobAssets(plan_, *dir) : RefusedJobAssets(dir.status());
+  }
+  return assets_;
+}
+
+absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, int micro_batches,
+                                                 const v1::ForwardWant& want) {
+  // Not the callers' deadline: a rank call cut short by one fails the job (the ranks' order can no
+  // longer be vouched for), and the workers finish the forward anyway. Callers whose deadline passes
+  // get DEADLINE_EXCEEDED from the batch queue at once; the forward itself is bounded by the
+  // server's own limit (the workers' collectives time out well before it when a peer is gone).
+  const absl::Time deadline = absl::Now() + forward_timeout_;
+  // It may have ended while this batch waited (its queue is closed by now too).
+  ASSIGN_OR_RETURN(ForwardTarget target, targets_->NextForward(job_id_));
+  v1::ForwardRequest forward;
+  forward.set_sequence(target.sequence);
+  forward.set_job_id(job_id_);
+  *forward.mutable_inputs() = merged;
+  forward.set_micro_batches(std::max(1, micro_batches));
+  *forward.mutable_want() = want;
+  ForwardOutcome outcome = ForwardOnAllRanks(target.ranks, forward, deadline, target.abort.get());
+  if (outcome.aborted) {
+    // The job failed meanwhile (the cluster says why); nothing more to blame.
+    return absl::UnavailableError(absl::StrCat("inference failed: ", outcome.status.error_message()));
+  }
+  if (outcome.failed_rank >= 0) {
+    // The ranks may be out of step now: the job fails at once, and the survivors unload.
+    const RankStub& failed = target.ranks[static_cast<size_t>(outcome.failed_rank)];
+    const std::string cause =
+        Blame(target.ranks, absl::StrCat("worker ", failed.worker_id, " (rank ", outcome.failed_rank, ") at ",
+                                         failed.address, ": forward ", forward.sequence(),
+                                         " failed: ", common::FromGrpcStatus(outcome.status).ToString()));
+    targets_->FailJob(job_id_, cause);
+    return absl::UnavailableError(absl::StrCat("inference failed: ", cause));
+  }
+  BatchOutputs out;
+  for (auto& rr : outcome.responses) {
+    out.response_bytes += static_cast<int64_t>(rr.ByteSizeLong());
+    // The rank holding the heads answers with the results; a want of nothing leaves its time.
+    if (rr.outputs_size() > 0 || rr.rows_size() > 0) {
+      out.outputs.assign(std::make_move_iterator(rr.mutable_outputs()->begin()),
+                         std::make_move_iterator(rr.mutable_outputs()->end()));
+      out.rows.assign(std::make_move_iterator(rr.mutable_rows()->begin()),
+                      std::make_move_iterator(rr.mutable_rows()->end()));
+      out.forward_seconds = rr.forward_seconds();
+    } else if (out.outputs.empty() && out.rows.empty()) {
+      out.forward_seconds = std::max(out.forward_seconds, rr.forward_seconds());
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<v1::InferResponse> JobServing::Infer(const v1::InferRequest& request, absl::Time deadline,
+                                                    const std::function<bool()>& cancelled) {
+  CallCount count(&calls_);
+  const std::shared_ptr<const JobAssets> assets = Assets();
+  if (request.top_k() < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", request.top_k()));
+  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
+                                                     request.has_text() ? &request.text() : nullptr, plan_, *assets,
+                                                     plan_.config().max_position_embeddings(), request.truncate()));
+  const int64_t batch = input.tokens.rows() / std::max<int64_t>(1, input.tokens.choices());
+  if (request.micro_batches() < 0 || request.micro_batches() > batch) {
+    return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 0..batch ", batch));
+  }
+  const v1::ForwardWant want = InferWant(plan_, *assets, request.top_k(), request.predictions_only());
+  ASSIGN_OR_RETURN(BatchResult result, queue_.Submit(input.tokens, deadline, cancelled, request.micro_batches(), want));
+  v1::InferResponse response;
+  google::protobuf::RepeatedPtrField<v1::NamedTensor> outputs;
+  for (auto& t : result.outputs) *outputs.Add() = std::move(t);
+  ASSIGN_OR_RETURN(std::vector<v1::Prediction> predictions,
+                   Predict(plan_, *assets, input.tokens, outputs, result.rows));
+  // Predictions only: what they were made from (classification logits) stays here.
+  if (!request.predictions_only()) response.mutable_outputs()->Swap(&outputs);
+  for (auto& p : predictions) *response.add_predictions() = std::move(p);
+  response.set_forward_seconds(result.forward_seconds);
+  *response.mutable_batch() = ToBatchInfo(result);
+  for (bool t : input.truncated) response.add_truncated(t);
+  *response.mutable_tokens() = std::move(input.tokens);
+  return response;
+}
+
+absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& request, absl::Time deadline,
+                                                    const std::function<bool()>& cancelled) {
+  CallCount count(&calls_);
+  const std::shared_ptr<const JobAssets> assets = Assets();
+  if (plan_.variant() != v1::BERT_MODEL) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", request.job_id(), " runs ", planner::HfClassName(plan_.variant()),
+                     ", whose outputs are the head's, not the encoder's hidden states; Embed needs a BertModel job"));
+  }
+  if (!assets->embedding.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the checkpoint's sentence-transformers configuration: ", assets->embedding.status().message()));
+  }
+  const serving::EmbeddingConfig& config = *assets->embedding;
+  // sentence-transformers truncates at max_seq_length (the length the model was trained for); the
+  // position table bounds the rest.
+  const int64_t max_length = std::min(config.max_seq_length.value_or(plan_.config().max_position_embeddings()),
+                                      plan_.config().max_position_embeddings());
+  ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
+  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
+                                                     request.has_text() ? &request.text() : nullptr, plan_, *assets,
+                                                     max_length, request.truncate()));
+  if (request.has_tokens() && input.tokens.seq() > max_length) {
+    // Token rows are the caller's own; the embedding model's limit still holds for them.
+    for (int32_t n : input.token_counts) {
+      if (n > max_length) {
+        return absl::InvalidArgumentError(absl::StrCat("a token row has ", n,
+                                                       " tokens; the embedding model takes at most ", max_length,
+                                                       " (sentence_bert_config.json max_seq_length)"));
+      }
+    }
+  }
+  const int64_t rows = input.tokens.rows();
+  ASSIGN_OR_RETURN(BatchResult result, queue_.Submit(std::move(input.tokens), deadline, cancelled, 0, EmbedWant(mode)));
+  v1::EmbedResponse response;
+  RETURN_IF_ERROR(SetEmbeddings(mode, rows, result.rows, &response));
+  response.set_max_length(static_cast<int32_t>(max_length));
+  for (int32_t n : input.token_counts) response.add_token_counts(n);
+  for (bool t : input.truncated) response.add_truncated(t);
+  *response.mutable_batch() = ToBatchInfo(result);
+  return response;
+}
+
+}  // namespace bertshard::server

@@ -1,0 +1,107 @@
+// File: server/job_serving.h
+// -----------------------------------------------------------------------------
+// One served job's request path, the counterpart of text-embeddings-inference's router `Infer`:
+// a JobServing owns the job's serving assets (tokenizer, pooling configuration, labels: read on
+// first use), the preparation of each request's tokens, the job's BatchQueue, and the decoding of
+// what comes back. It asks the cluster only for the job's ranks for each forward, through
+// ForwardTargets; the forward itself goes to every rank at once (server/rank_fanout.h), and asks
+// the last stage for the small results when that is all the caller wants (server/output_decoding.h).
+//
+// Example:
+//   JobServing serving("job-1", plan, [] { return std::string("/models/bert"); }, &cluster, options);
+//   ASSIGN_OR_RETURN(v1::EmbedResponse response, serving.Embed(request, deadline, cancelled));
+//
+// Failure model: bad requests are INVALID_ARGUMENT (FAILED_PRECONDITION for what the job cannot
+// do) before anything is queued; a forward that fails on a rank fails the job (ForwardTargets::
+// FailJob, with the worker to blame) and every request of its batch gets UNAVAILABLE; Close
+// fails the waiting requests. Deadlines and cancellation hold per request (see BatchQueue).
+//
+// Thread safety: thread-safe. The destructor waits for the running forward, so it must not run
+// under a lock that ForwardTargets takes, nor on the queue's thread.
+#ifndef BERTSHARD_SERVER_JOB_SERVING_H_
+#define BERTSHARD_SERVER_JOB_SERVING_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "bertshard/v1/coordinator.pb.h"
+#include "server/batch_queue.h"
+#include "server/job_assets.h"
+#include "server/rank_fanout.h"
+
+namespace bertshard::server {
+
+// Where one forward of a job goes.
+struct ForwardTarget {
+  std::vector<RankStub> ranks;          // in rank order
+  int64_t sequence = 0;                 // the forward's number: every rank expects the next one
+  std::shared_ptr<ForwardAbort> abort;  // the job's: ends its forward in flight when it fails elsewhere
+};
+
+// What a JobServing needs from the cluster (Cluster implements it).
+class ForwardTargets {
+ public:
+  virtual ~ForwardTargets() = default;
+  // The job's ranks for its next forward, numbered: the sequence advances once per call, so a
+  // caller that gets a target must send it. FAILED_PRECONDITION when the job no longer serves.
+  virtual absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id) = 0;
+  // A forward failed on a rank (`cause` names it): the ranks may be out of step, so the job fails.
+  virtual void FailJob(const std::string& job_id, const std::string& cause) = 0;
+};
+
+struct JobServingOptions {
+  BatchLimits batching;
+  BatchObserver batch_observer;  // may be null
+  // How long one forward may take on the ranks before the job is failed; the callers' own
+  // deadlines end their calls, never the forward (stopping some ranks would desynchronise them).
+  absl::Duration forward_timeout = absl::Minutes(10);
+};
+
+class JobServing {
+ public:
+  // `checkpoint_dir` says where the coordinator reads the checkpoint's serving files; it is called
+  // once, on the first request (an error there is each request's that needs the files).
+  JobServing(std::string job_id, v1::ShardPlan plan, std::function<absl::StatusOr<std::string>()> checkpoint_dir,
+             ForwardTargets* targets, const JobServingOptions& options);
+  JobServing(const JobServing&) = delete;
+  JobServing& operator=(const JobServing&) = delete;
+
+  // See Cluster::Infer and Cluster::Embed.
+  absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline,
+                                          const std::function<bool()>& cancelled);
+  absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
+                                          const std::function<bool()>& cancelled);
+
+  // Fails the waiting requests with UNAVAILABLE(`reason`) and refuses new ones; the forward in
+  // flight finishes. Does not block.
+  void Close(const std::string& reason);
+  // Infer/Embed calls in progress (queue depth).
+  int calls() const { return calls_.load(); }
+
+ private:
+  std::shared_ptr<const JobAssets> Assets() ABSL_LOCKS_EXCLUDED(assets_mu_);
+  // One merged forward on every rank of the job; runs on the queue's thread.
+  absl::StatusOr<BatchOutputs> Forward(const v1::TokenInputs& merged, int micro_batches, const v1::ForwardWant& want);
+
+  const std::string job_id_;
+  const v1::ShardPlan plan_;
+  const std::function<absl::StatusOr<std::string>()> checkpoint_dir_;
+  ForwardTargets* const targets_;
+  const absl::Duration forward_timeout_;
+  std::atomic<int> calls_{0};
+  absl::Mutex assets_mu_;  // reading the assets once
+  std::shared_ptr<const JobAssets> assets_ ABSL_GUARDED_BY(assets_mu_);
+  BatchQueue queue_;  // last: destroyed first, its thread calls Forward
+};
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_JOB_SERVING_H_

@@ -1,0 +1,193 @@
+#include "server/job_serving.h"
+
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "gtest/gtest.h"
+#include "server/fake_worker.h"
+#include "server/serving_test_util.h"
+
+namespace bertshard::server {
+namespace {
+
+// The cluster's side: the job's ranks, numbered forwards, and what failed the job.
+class Targets : public ForwardTargets {
+ public:
+  explicit Targets(std::vector<RankStub> ranks) : ranks_(std::move(ranks)) {}
+  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id) override {
+    absl::MutexLock lock(&mu_);
+    if (!failure_.empty()) return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
+    return ForwardTarget{ranks_, next_++, abort_};
+  }
+  void FailJob(const std::string& job_id, const std::string& cause) override {
+    absl::MutexLock lock(&mu_);
+    failure_ = job_id + ": " + cause;
+  }
+  std::string failure() const {
+    absl::MutexLock lock(&mu_);
+    return failure_;
+  }
+
+ private:
+  const std::vector<RankStub> ranks_;
+  const std::shared_ptr<ForwardAbort> abort_ = std::make_shared<ForwardAbort>();
+  mutable absl::Mutex mu_;
+  int64_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string failure_ ABSL_GUARDED_BY(mu_);
+};
+
+// The last stage of a 2-wide model: last_hidden_state, logits, and (when the want asks) one row
+// result per row whose embedding is (row, sequence).
+grpc::Status LastStage(grpc::ServerContext*, const v1::ForwardRequest& request, v1::ForwardResponse* response) {
+  const int64_t rows = request.inputs().rows();
+  v1::NamedTensor* logits = response->add_outputs();
+  logits->set_name("logits");
+  logits->add_shape(rows);
+  logits->add_shape(2);
+  for (int64_t i = 0; i < rows * 2; ++i) logits->add_values(static_cast<float>(i % 2));
+  if (request.want().has_embeddings()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      v1::ForwardRow* row = response->add_rows();
+      row->add_embedding(static_cast<float>(r));
+      row->add_embedding(static_cast<float>(request.sequence()));
+    }
+  }
+  if (!request.want().all_outputs() && request.want().outputs_size() == 0) response->clear_outputs();
+  response->set_forward_seconds(0.5);
+  return grpc::Status::OK;
+}
+
+// The ranks before it: nothing to return.
+grpc::Status EarlierStage(grpc::ServerContext*, const v1::ForwardRequest&, v1::ForwardResponse* response) {
+  response->set_forward_seconds(0.5);
+  return grpc::Status::OK;
+}
+
+v1::TokenInputs TwoRows() {
+  v1::TokenInputs t;
+  t.set_rows(2);
+  t.set_seq(3);
+  for (int64_t id : {kCls, kThe, kSep, kCls, kPlay, kSep}) t.add_input_ids(id);
+  return t;
+}
+
+class JobServingTest : public ::testing::Test {
+ protected:
+  void Serve(v1::ModelVariant variant) {
+    targets_ = std::make_unique<Targets>(std::vector<RankStub>{first_.Rank("w0"), last_.Rank("w1")});
+    JobServingOptions options;
+    options.forward_timeout = absl::Seconds(30);
+    // The checkpoint's files are SmallAssets' here: an empty directory gives the defaults.
+    serving_ = std::make_unique<JobServing>(
+        "job-1", SmallPlan(variant), [] { return std::string(testing::TempDir()); }, targets_.get(), options);
+  }
+  static absl::Time Soon() { return absl::Now() + absl::Seconds(30); }
+
+  FakeWorker first_{EarlierStage};
+  FakeWorker last_{LastStage};
+  std::unique_ptr<Targets> targets_;
+  std::unique_ptr<JobServing> serving_;
+};
+
+TEST_F(JobServingTest, EmbedAsksForThePooledVectorsOnly) {
+  Serve(v1::BERT_MODEL);
+  v1::EmbedRequest request;
+  request.set_job_id("job-1");
+  *request.mutable_tokens() = TwoRows();
+  request.set_pooling(v1::POOLING_CLS);
+  auto response = serving_->Embed(request, Soon(), nullptr);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(last_.requests().size(), 1u);
+  const v1::ForwardRequest sent = last_.requests()[0];
+  EXPECT_EQ(sent.want().embeddings().pooling(), "cls");
+  EXPECT_FALSE(sent.want().all_outputs());
+  EXPECT_EQ(sent.want().outputs_size(), 0);
+  EXPECT_EQ(first_.requests()[0].want().embeddings().pooling(), "cls");  // every rank checks it
+  ASSERT_EQ(response->embeddings_size(), 2);
+  EXPECT_EQ(response->embeddings(1).values(0), 1.0f);
+  EXPECT_EQ(response->embeddings(1).values(1), 0.0f);  // forward 0
+  EXPECT_EQ(response->pooling(), v1::POOLING_CLS);
+  EXPECT_EQ(response->token_counts_size(), 2);
+  // What the two ranks sent back, serialised: the last stage's rows and time, the other's time.
+  v1::ForwardResponse last, earlier;
+  for (int r = 0; r < 2; ++r) {
+    v1::ForwardRow* row = last.add_rows();
+    row->add_embedding(static_cast<float>(r));
+    row->add_embedding(0.0f);
+  }
+  last.set_forward_seconds(0.5);
+  earlier.set_forward_seconds(0.5);
+  EXPECT_EQ(response->batch().response_bytes(), static_cast<int64_t>(last.ByteSizeLong() + earlier.ByteSizeLong()));
+}
+
+TEST_F(JobServingTest, InferKeepsTheOutputsByDefaultAndDropsThemForPredictionsOnly) {
+  Serve(v1::BERT_FOR_SEQUENCE_CLASSIFICATION);
+  v1::InferRequest request;
+  request.set_job_id("job-1");
+  *request.mutable_tokens() = TwoRows();
+  auto full = serving_->Infer(request, Soon(), nullptr);
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_TRUE(last_.requests()[0].want().all_outputs());
+  ASSERT_EQ(full->outputs_size(), 1);
+  EXPECT_EQ(full->outputs(0).name(), "logits");
+  ASSERT_EQ(full->predictions_size(), 2);
+  EXPECT_EQ(full->predictions(0).labels(0).label(), "LABEL_1");
+  EXPECT_EQ(full->forward_seconds(), 0.5);
+
+  request.set_predictions_only(true);
+  auto predictions = serving_->Infer(request, Soon(), nullptr);
+  ASSERT_TRUE(predictions.ok()) << predictions.status();
+  const v1::ForwardWant want = last_.requests()[1].want();
+  EXPECT_FALSE(want.all_outputs());
+  ASSERT_EQ(want.outputs_size(), 1);
+  EXPECT_EQ(want.outputs(0), "logits");
+  EXPECT_EQ(predictions->outputs_size(), 0);
+  ASSERT_EQ(predictions->predictions_size(), 2);
+  EXPECT_EQ(predictions->predictions(1).labels(0).label(), full->predictions(1).labels(0).label());
+  EXPECT_EQ(predictions->predictions(1).labels(0).score(), full->predictions(1).labels(0).score());
+  EXPECT_EQ(last_.requests()[1].sequence(), 1);
+}
+
+TEST_F(JobServingTest, AFailedRankFailsTheJobAndTheRequest) {
+  FakeWorker failing([](grpc::ServerContext*, const v1::ForwardRequest&, v1::ForwardResponse*) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, "collective timed out");
+  });
+  targets_ = std::make_unique<Targets>(std::vector<RankStub>{first_.Rank("w0"), failing.Rank("w1")});
+  serving_ = std::make_unique<JobServing>(
+      "job-1", SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION), [] { return std::string(testing::TempDir()); },
+      targets_.get(), JobServingOptions());
+  v1::InferRequest request;
+  *request.mutable_tokens() = TwoRows();
+  auto response = serving_->Infer(request, Soon(), nullptr);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(response.status().message().find("collective timed out"), std::string::npos) << response.status();
+  const std::string failure = targets_->failure();
+  EXPECT_EQ(failure.rfind("job-1: worker w1 (rank 1) at " + failing.Rank("w1").address + ": forward 0 failed", 0), 0u)
+      << failure;
+  // The job no longer serves: the next request is refused before any rank is called.
+  auto later = serving_->Infer(request, Soon(), nullptr);
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(first_.requests().size(), 1u);
+}
+
+TEST_F(JobServingTest, BadRequestsAreRefusedBeforeAnyForward) {
+  Serve(v1::BERT_FOR_SEQUENCE_CLASSIFICATION);
+  v1::EmbedRequest embed;
+  *embed.mutable_tokens() = TwoRows();
+  EXPECT_EQ(serving_->Embed(embed, Soon(), nullptr).status().code(), absl::StatusCode::kFailedPrecondition);
+  v1::InferRequest infer;
+  *infer.mutable_tokens() = TwoRows();
+  infer.set_top_k(-1);
+  EXPECT_EQ(serving_->Infer(infer, Soon(), nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  infer.set_top_k(0);
+  infer.set_micro_batches(3);
+  EXPECT_EQ(serving_->Infer(infer, Soon(), nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(last_.requests().empty());
+  serving_->Close("job job-1 is CANCELLED");
+  infer.set_micro_batches(0);
+  auto closed = serving_->Infer(infer, Soon(), nullptr);
+  EXPECT_EQ(closed.status(), absl::UnavailableError("job job-1 is CANCELLED"));
+}
+
+}  // namespace
+}  // namespace bertshard::server

@@ -1,0 +1,298 @@
+#include "server/output_decoding.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "serving/heads.h"
+
+namespace bertshard::server {
+
+bool PerTokenOutput(v1::ModelVariant variant, const std::string& name) {
+  if (name == "last_hidden_state" || name == "prediction_logits" || name == "start_logits" || name == "end_logits") {
+    return true;
+  }
+  if (name != "logits") return false;
+  return variant == v1::BERT_FOR_MASKED_LM || variant == v1::BERT_LM_HEAD_MODEL ||
+         variant == v1::BERT_FOR_TOKEN_CLASSIFICATION;
+}
+
+namespace {
+
+bool MaskedLmHead(v1::ModelVariant variant) {
+  return variant == v1::BERT_FOR_MASKED_LM || variant == v1::BERT_LM_HEAD_MODEL || variant == v1::BERT_FOR_PRE_TRAINING;
+}
+
+// The ids the tokenizer adds, which are never a token label or part of an answer.
+std::vector<int64_t> SpecialIds(const JobAssets& assets) {
+  std::vector<int64_t> specials;
+  for (int64_t id : {assets.cls_id, assets.sep_id, assets.pad_id}) {
+    if (id >= 0) specials.push_back(id);
+  }
+  return specials;
+}
+
+const v1::NamedTensor* FindOutput(const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
+                                  const std::string& name) {
+  for (const auto& t : outputs) {
+    if (t.name() == name) return &t;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<const v1::NamedTensor*> Output(const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
+                                              const std::string& name, size_t dims) {
+  const v1::NamedTensor* t = FindOutput(outputs, name);
+  if (t == nullptr) return absl::InternalError(absl::StrCat("the model returned no ", name));
+  if (static_cast<size_t>(t->shape_size()) != dims) {
+    return absl::InternalError(absl::StrCat(name, " has ", t->shape_size(), " dimensions, expected ", dims));
+  }
+  return t;
+}
+
+absl::Status CheckRows(const std::vector<v1::ForwardRow>& rows, int64_t expected, const char* what) {
+  if (static_cast<int64_t>(rows.size()) != expected) {
+    return absl::InternalError(
+        absl::StrCat("the workers returned ", what, " for ", rows.size(), " rows, expected ", expected));
+  }
+  return absl::OkStatus();
+}
+
+absl::Span<const float> Values(const v1::NamedTensor& t) {
+  return {t.values().data(), static_cast<size_t>(t.values_size())};
+}
+
+void SetLabel(const serving::LabelScore& from, v1::LabelScore* to) {
+  to->set_id(static_cast<int32_t>(from.id));
+  to->set_label(from.label);
+  to->set_score(static_cast<float>(from.score));
+}
+
+absl::Status AddLabels(const std::vector<std::vector<serving::LabelScore>>& rows,
+                       std::vector<v1::Prediction>* predictions) {
+  predictions->resize(std::max(predictions->size(), rows.size()));
+  for (size_t r = 0; r < rows.size(); ++r) {
+    for (const auto& l : rows[r]) SetLabel(l, (*predictions)[r].add_labels());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+v1::ForwardWant InferWant(const v1::ShardPlan& plan, const JobAssets& assets, int top_k, bool predictions_only) {
+  v1::ForwardWant want;
+  want.set_all_outputs(!predictions_only);
+  switch (plan.variant()) {
+    case v1::BERT_FOR_MASKED_LM:
+    case v1::BERT_LM_HEAD_MODEL:
+    case v1::BERT_FOR_PRE_TRAINING:
+      if (assets.mask_id >= 0) {
+        v1::MaskedLmWant* masked = want.mutable_masked_lm();
+        masked->set_output(plan.variant() == v1::BERT_FOR_PRE_TRAINING ? "prediction_logits" : "logits");
+        masked->set_mask_token_id(assets.mask_id);
+        masked->set_top_k(top_k > 0 ? top_k : 5);
+        if (assets.tokenizer != nullptr) masked->set_vocab_limit(assets.tokenizer->vocab_size());
+      }
+      if (plan.variant() == v1::BERT_FOR_PRE_TRAINING) want.add_outputs("seq_relationship_logits");
+      break;
+    case v1::BERT_FOR_NEXT_SENTENCE_PREDICTION:
+    case v1::BERT_FOR_SEQUENCE_CLASSIFICATION:
+    case v1::BERT_FOR_MULTIPLE_CHOICE:
+    case v1::BERT_FOR_TOKEN_CLASSIFICATION:
+      want.add_outputs("logits");
+      break;
+    case v1::BERT_FOR_QUESTION_ANSWERING: {
+      v1::AnswerSpanWant* spans = want.mutable_answer_spans();
+      spans->set_cls_token_id(assets.cls_id);
+      for (int64_t id : SpecialIds(assets)) spans->add_special_ids(id);
+      break;
+    }
+    default:
+      break;  // BertModel: no predictions
+  }
+  return want;
+}
+
+absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, const JobAssets& assets,
+                                                    const v1::TokenInputs& tokens,
+                                                    const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
+                                                    const std::vector<v1::ForwardRow>& rows) {
+  std::vector<v1::Prediction> predictions;
+  const serving::TokenRows token_rows{
+      tokens.rows(),
+      tokens.seq(),
+      1,
+      {tokens.input_ids().data(), static_cast<size_t>(tokens.input_ids_size())},
+      {tokens.attention_mask().data(), static_cast<size_t>(tokens.attention_mask_size())},
+      {tokens.token_type_ids().data(), static_cast<size_t>(tokens.token_type_ids_size())}};
+  auto token_text = [&assets](int64_t id) -> std::string {
+    const std::string* t = assets.tokenizer == nullptr ? nullptr : assets.tokenizer->IdToToken(id);
+    return t == nullptr ? absl::StrCat("<", id, ">") : *t;
+  };
+  auto labels = [&](int64_t classes) -> std::vector<std::string> {
+    if (assets.labels.ok() && static_cast<int64_t>(assets.labels->names.size()) == classes) return assets.labels->names;
+    std::vector<std::string> names;
+    for (int64_t i = 0; i < classes; ++i) names.push_back(absl::StrCat("LABEL_", i));
+    return names;
+  };
+  if (MaskedLmHead(plan.variant())) {
+    predictions.resize(static_cast<size_t>(tokens.rows()));
+    if (assets.mask_id >= 0) {
+      RETURN_IF_ERROR(CheckRows(rows, tokens.rows(), "masked LM top-k"));
+      for (size_t r = 0; r < rows.size(); ++r) {
+        for (const v1::MaskTop& fill : rows[r].masks()) {
+          if (fill.ids_size() != fill.scores_size()) {
+            return absl::InternalError(absl::StrCat("masked LM top-k of row ", r, " has ", fill.ids_size(), " ids and ",
+                                                    fill.scores_size(), " scores"));
+          }
+          v1::MaskPrediction* m = predictions[r].add_masks();
+          m->set_position(fill.position());
+          for (int j = 0; j < fill.ids_size(); ++j) {
+            v1::TokenScore* ts = m->add_top();
+            ts->set_id(fill.ids(j));
+            ts->set_token(token_text(fill.ids(j)));
+            ts->set_score(static_cast<float>(fill.scores(j)));
+          }
+        }
+      }
+    }
+    if (plan.variant() == v1::BERT_FOR_PRE_TRAINING) {
+      ASSIGN_OR_RETURN(const v1::NamedTensor* nsp, Output(outputs, "seq_relationship_logits", 2));
+      ASSIGN_OR_RETURN(auto scored,
+                       serving::Classify(Values(*nsp), nsp->shape(0), nsp->shape(1), serving::NextSentenceLabels()));
+      RETURN_IF_ERROR(AddLabels(scored, &predictions));
+    }
+    return predictions;
+  }
+  switch (plan.variant()) {
+    case v1::BERT_FOR_NEXT_SENTENCE_PREDICTION:
+    case v1::BERT_FOR_SEQUENCE_CLASSIFICATION:
+    case v1::BERT_FOR_MULTIPLE_CHOICE: {
+      ASSIGN_OR_RETURN(const v1::NamedTensor* logits, Output(outputs, "logits", 2));
+      const int64_t classes = logits->shape(1);
+      std::vector<std::string> names = plan.variant() == v1::BERT_FOR_NEXT_SENTENCE_PREDICTION
+                                           ? serving::NextSentenceLabels()
+                                       : plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE ? serving::IndexLabels(classes)
+                                                                                        : labels(classes);
+      serving::ScoreFunction function = serving::ScoreFunction::kSoftmax;
+      if (plan.variant() == v1::BERT_FOR_SEQUENCE_CLASSIFICATION && assets.labels.ok()) {
+        function = serving::DefaultScoreFunction(*assets.labels);
+      }
+      ASSIGN_OR_RETURN(auto scored, serving::Classify(Values(*logits), logits->shape(0), classes, names, function));
+      RETURN_IF_ERROR(AddLabels(scored, &predictions));
+      break;
+    }
+    case v1::BERT_FOR_TOKEN_CLASSIFICATION: {
+      ASSIGN_OR_RETURN(const v1::NamedTensor* logits, Output(outputs, "logits", 3));
+      ASSIGN_OR_RETURN(auto per_row, serving::ClassifyTokens(Values(*logits), token_rows, logits->shape(2),
+                                                             labels(logits->shape(2)), SpecialIds(assets)));
+      predictions.resize(per_row.size());
+      for (size_t r = 0; r < per_row.size(); ++r) {
+        for (const auto& t : per_row[r]) {
+          v1::TokenLabel* tl = predictions[r].add_token_labels();
+          tl->set_position(t.position);
+          tl->set_token(token_text(t.token_id));
+          tl->mutable_label()->set_id(static_cast<int32_t>(t.label_id));
+          tl->mutable_label()->set_label(t.label);
+          tl->mutable_label()->set_score(static_cast<float>(t.score));
+        }
+      }
+      break;
+    }
+    case v1::BERT_FOR_QUESTION_ANSWERING: {
+      RETURN_IF_ERROR(CheckRows(rows, tokens.rows(), "answer spans"));
+      predictions.resize(rows.size());
+      for (size_t r = 0; r < rows.size(); ++r) {
+        const v1::SpanResult& span = rows[r].span();
+        if (!rows[r].has_span() || span.start() < 0) continue;  // no candidate in this row
+        if (span.end() < span.start() || span.end() >= tokens.seq()) {
+          return absl::InternalError(absl::StrCat("answer span ", span.start(), "..", span.end(), " of row ", r,
+                                                  " is outside its ", tokens.seq(), " tokens"));
+        }
+        v1::AnswerSpan* a = predictions[r].mutable_answer();
+        a->set_start(span.start());
+        a->set_end(span.end());
+        a->set_score(static_cast<float>(span.score()));
+        if (assets.tokenizer != nullptr) {
+          const auto* ids = tokens.input_ids().data() + r * static_cast<size_t>(tokens.seq());
+          a->set_text(assets.tokenizer->Decode(std::vector<int64_t>(ids + span.start(), ids + span.end() + 1)));
+        }
+      }
+      break;
+    }
+    default:
+      break;  // BertModel: the hidden states are the output (see Embed)
+  }
+  return predictions;
+}
+
+absl::StatusOr<EmbeddingMode> ResolveEmbeddingMode(const v1::EmbedRequest& request,
+                                                   const serving::EmbeddingConfig& config) {
+  EmbeddingMode mode{config.pooling, config.normalize};
+  switch (request.pooling()) {
+    case v1::POOLING_UNSPECIFIED:
+      break;
+    case v1::POOLING_MEAN:
+      mode.pooling = serving::Pooling::kMean;
+      break;
+    case v1::POOLING_CLS:
+      mode.pooling = serving::Pooling::kCls;
+      break;
+    case v1::POOLING_MAX:
+      mode.pooling = serving::Pooling::kMax;
+      break;
+    case v1::POOLING_MEAN_SQRT_LEN:
+      mode.pooling = serving::Pooling::kMeanSqrtLen;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown pooling ", request.pooling(),
+                       " (valid: MEAN, CLS, MAX, MEAN_SQRT_LEN, or unset for the checkpoint's)"));
+  }
+  switch (request.normalize()) {
+    case v1::NORMALIZE_UNSPECIFIED:
+      break;
+    case v1::NORMALIZE_ON:
+      mode.normalize = true;
+      break;
+    case v1::NORMALIZE_OFF:
+      mode.normalize = false;
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown normalize ", request.normalize(), " (valid: ON, OFF, unset)"));
+  }
+  return mode;
+}
+
+v1::ForwardWant EmbedWant(const EmbeddingMode& mode) {
+  v1::ForwardWant want;
+  want.mutable_embeddings()->set_pooling(serving::PoolingName(mode.pooling));
+  want.mutable_embeddings()->set_normalize(mode.normalize);
+  return want;
+}
+
+absl::Status SetEmbeddings(const EmbeddingMode& mode, int64_t expected_rows, const std::vector<v1::ForwardRow>& rows,
+                           v1::EmbedResponse* response) {
+  RETURN_IF_ERROR(CheckRows(rows, expected_rows, "embeddings"));
+  for (const v1::ForwardRow& row : rows) *response->add_embeddings()->mutable_values() = row.embedding();
+  switch (mode.pooling) {
+    case serving::Pooling::kMean:
+      response->set_pooling(v1::POOLING_MEAN);
+      break;
+    case serving::Pooling::kCls:
+      response->set_pooling(v1::POOLING_CLS);
+      break;
+    case serving::Pooling::kMax:
+      response->set_pooling(v1::POOLING_MAX);
+      break;
+    case serving::Pooling::kMeanSqrtLen:
+      response->set_pooling(v1::POOLING_MEAN_SQRT_LEN);
+      break;
+  }
+  response->set_normalized(mode.normalize);
+  return absl::OkStatus();
+}
+
+}  // namespace bertshard::server

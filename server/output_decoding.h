@@ -1,0 +1,68 @@
+// File: server/output_decoding.h
+// -----------------------------------------------------------------------------
+// Making a forward's results useful to the caller, on the coordinator's side: what to ask the
+// workers for (a ForwardWant: the raw outputs only when the caller wants them, else just what the
+// answer is made from), and turning what comes back into head predictions (token texts from the
+// tokenizer, label names from the checkpoint) or pooled embeddings. The numerics (softmax, top-k,
+// spans, pooling) ran on the worker holding the last stage (worker/forward_outputs.h), with the
+// same functions this file once called itself.
+//
+// Example:
+//   v1::ForwardWant want = InferWant(plan, assets, request.top_k(), request.predictions_only());
+//   ... run the forward with `want` ...
+//   ASSIGN_OR_RETURN(auto predictions, Predict(plan, assets, tokens, outputs, rows));
+//
+// Failure model: results that do not fit the request (a missing output, a row count that is not
+// the batch's) are INTERNAL: no caller gets a wrong answer. Unknown enum values in a request are
+// INVALID_ARGUMENT, resolved before the forward so they cost no compute.
+//
+// Thread safety: thread-safe (no state).
+#ifndef BERTSHARD_SERVER_OUTPUT_DECODING_H_
+#define BERTSHARD_SERVER_OUTPUT_DECODING_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "bertshard/v1/coordinator.pb.h"
+#include "server/job_assets.h"
+#include "serving/pooling.h"
+
+namespace bertshard::server {
+
+// Whether output `name` of `variant` has a sequence axis at dim 1 (so batching pads and cuts it).
+bool PerTokenOutput(v1::ModelVariant variant, const std::string& name);
+
+// What an Infer asks the workers for: every output unless `predictions_only`, and what Predict
+// reads: the masked LM's `top_k` (0: 5) per [MASK], the best answer span per row, or the
+// classification logits.
+v1::ForwardWant InferWant(const v1::ShardPlan& plan, const JobAssets& assets, int top_k, bool predictions_only);
+
+// The head's results made readable, one Prediction per batch entry (per choice group for multiple
+// choice); empty for BertModel. `outputs` and `rows` (one per row of `tokens`) came back for
+// InferWant's want.
+absl::StatusOr<std::vector<v1::Prediction>> Predict(const v1::ShardPlan& plan, const JobAssets& assets,
+                                                    const v1::TokenInputs& tokens,
+                                                    const google::protobuf::RepeatedPtrField<v1::NamedTensor>& outputs,
+                                                    const std::vector<v1::ForwardRow>& rows);
+
+// How a request's embeddings are pooled: its overrides, else the checkpoint's. Resolved before the
+// forward, so an unknown pooling or normalize value (INVALID_ARGUMENT) costs no compute.
+struct EmbeddingMode {
+  serving::Pooling pooling = serving::Pooling::kMean;
+  bool normalize = false;
+};
+absl::StatusOr<EmbeddingMode> ResolveEmbeddingMode(const v1::EmbedRequest& request,
+                                                   const serving::EmbeddingConfig& config);
+
+// What an Embed asks the workers for: the pooled vectors only.
+v1::ForwardWant EmbedWant(const EmbeddingMode& mode);
+
+// Fills embeddings, pooling and normalized of `response` from `rows` (EmbedWant's results, one
+// per row of the request: INTERNAL otherwise).
+absl::Status SetEmbeddings(const EmbeddingMode& mode, int64_t expected_rows, const std::vector<v1::ForwardRow>& rows,
+                           v1::EmbedResponse* response);
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_OUTPUT_DECODING_H_

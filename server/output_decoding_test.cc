@@ -1,0 +1,161 @@
+#include "server/output_decoding.h"
+
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/serving_test_util.h"
+
+namespace bertshard::server {
+namespace {
+
+std::vector<std::string> Outputs(const v1::ForwardWant& want) { return {want.outputs().begin(), want.outputs().end()}; }
+
+// One row [CLS] the [MASK] play [SEP].
+v1::TokenInputs MaskedRow() {
+  v1::TokenInputs t;
+  t.set_rows(1);
+  t.set_seq(5);
+  for (int64_t id : {kCls, kThe, kMask, kPlay, kSep}) {
+    t.add_input_ids(id);
+    t.add_attention_mask(1);
+    t.add_token_type_ids(0);
+  }
+  return t;
+}
+
+TEST(InferWant, AsksForTheOutputsUnlessPredictionsOnlyAndForWhatPredictReads) {
+  const auto assets = SmallAssets();
+  v1::ForwardWant mlm = InferWant(SmallPlan(v1::BERT_FOR_MASKED_LM), *assets, 0, false);
+  EXPECT_TRUE(mlm.all_outputs());
+  EXPECT_EQ(mlm.masked_lm().output(), "logits");
+  EXPECT_EQ(mlm.masked_lm().mask_token_id(), kMask);
+  EXPECT_EQ(mlm.masked_lm().top_k(), 5);
+  EXPECT_EQ(mlm.masked_lm().vocab_limit(), 18);
+  EXPECT_FALSE(InferWant(SmallPlan(v1::BERT_FOR_MASKED_LM), *assets, 3, true).all_outputs());
+  EXPECT_EQ(InferWant(SmallPlan(v1::BERT_FOR_MASKED_LM), *assets, 3, true).masked_lm().top_k(), 3);
+
+  v1::ForwardWant pretraining = InferWant(SmallPlan(v1::BERT_FOR_PRE_TRAINING), *assets, 0, true);
+  EXPECT_EQ(pretraining.masked_lm().output(), "prediction_logits");
+  EXPECT_EQ(Outputs(pretraining), (std::vector<std::string>{"seq_relationship_logits"}));
+
+  v1::ForwardWant classify = InferWant(SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION), *assets, 0, true);
+  EXPECT_EQ(Outputs(classify), (std::vector<std::string>{"logits"}));
+  EXPECT_FALSE(classify.has_masked_lm());
+
+  v1::ForwardWant qa = InferWant(SmallPlan(v1::BERT_FOR_QUESTION_ANSWERING), *assets, 0, true);
+  EXPECT_EQ(qa.answer_spans().cls_token_id(), kCls);
+  EXPECT_EQ(std::vector<int64_t>(qa.answer_spans().special_ids().begin(), qa.answer_spans().special_ids().end()),
+            (std::vector<int64_t>{kCls, kSep, kPad}));
+
+  v1::ForwardWant encoder = InferWant(SmallPlan(v1::BERT_MODEL), *assets, 0, false);
+  EXPECT_TRUE(encoder.all_outputs());
+  EXPECT_FALSE(encoder.has_embeddings() || encoder.has_masked_lm() || encoder.has_answer_spans());
+}
+
+TEST(Predict, MaskedLmFromTheWorkersTopKWithTokenTexts) {
+  v1::ForwardRow row;
+  v1::MaskTop* top = row.add_masks();
+  top->set_position(2);
+  top->add_ids(kPlay);
+  top->add_ids(kThe);
+  top->add_scores(0.625);
+  top->add_scores(0.25);
+  google::protobuf::RepeatedPtrField<v1::NamedTensor> no_outputs;
+  auto p = Predict(SmallPlan(v1::BERT_FOR_MASKED_LM), *SmallAssets(), MaskedRow(), no_outputs, {row});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->size(), 1u);
+  ASSERT_EQ((*p)[0].masks_size(), 1);
+  const v1::MaskPrediction& m = (*p)[0].masks(0);
+  EXPECT_EQ(m.position(), 2);
+  ASSERT_EQ(m.top_size(), 2);
+  EXPECT_EQ(m.top(0).id(), kPlay);
+  EXPECT_EQ(m.top(0).token(), "play");
+  EXPECT_EQ(m.top(0).score(), 0.625f);
+  EXPECT_EQ(m.top(1).token(), "the");
+  // Rows that are not the batch's are no answer.
+  EXPECT_EQ(Predict(SmallPlan(v1::BERT_FOR_MASKED_LM), *SmallAssets(), MaskedRow(), no_outputs, {}).status().code(),
+            absl::StatusCode::kInternal);
+}
+
+TEST(Predict, AnswerSpanFromTheWorkersWithItsText) {
+  v1::ForwardRow row;
+  row.mutable_span()->set_start(1);
+  row.mutable_span()->set_end(3);
+  row.mutable_span()->set_score(0.5);
+  google::protobuf::RepeatedPtrField<v1::NamedTensor> no_outputs;
+  auto p = Predict(SmallPlan(v1::BERT_FOR_QUESTION_ANSWERING), *SmallAssets(), MaskedRow(), no_outputs, {row});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->size(), 1u);
+  EXPECT_EQ((*p)[0].answer().start(), 1);
+  EXPECT_EQ((*p)[0].answer().end(), 3);
+  EXPECT_EQ((*p)[0].answer().score(), 0.5f);
+  // Positions 1..3 of the row, decoded by the checkpoint's tokenizer.
+  EXPECT_EQ((*p)[0].answer().text(), SmallAssets()->tokenizer->Decode({kThe, kMask, kPlay}));
+  row.mutable_span()->set_end(5);  // past the row
+  EXPECT_EQ(Predict(SmallPlan(v1::BERT_FOR_QUESTION_ANSWERING), *SmallAssets(), MaskedRow(), no_outputs, {row})
+                .status()
+                .code(),
+            absl::StatusCode::kInternal);
+}
+
+TEST(Predict, ClassificationFromTheLogits) {
+  google::protobuf::RepeatedPtrField<v1::NamedTensor> outputs;
+  v1::NamedTensor* logits = outputs.Add();
+  logits->set_name("logits");
+  logits->add_shape(1);
+  logits->add_shape(2);
+  logits->add_values(0.0f);
+  logits->add_values(1.0f);
+  auto p = Predict(SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION), *SmallAssets(), MaskedRow(), outputs, {});
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ((*p)[0].labels_size(), 2);
+  EXPECT_EQ((*p)[0].labels(0).label(), "LABEL_1");
+  EXPECT_NEAR((*p)[0].labels(0).score(), 0.7310586, 1e-6);
+  EXPECT_EQ(
+      Predict(SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION), *SmallAssets(), MaskedRow(), {}, {}).status().code(),
+      absl::StatusCode::kInternal);
+}
+
+TEST(SetEmbeddings, TheWorkersVectorsOnePerRow) {
+  std::vector<v1::ForwardRow> rows(2);
+  rows[0].add_embedding(0.25f);
+  rows[1].add_embedding(-1.5f);
+  v1::EmbedResponse response;
+  ASSERT_TRUE(SetEmbeddings({serving::Pooling::kCls, true}, 2, rows, &response).ok());
+  ASSERT_EQ(response.embeddings_size(), 2);
+  EXPECT_EQ(response.embeddings(1).values(0), -1.5f);
+  EXPECT_EQ(response.pooling(), v1::POOLING_CLS);
+  EXPECT_TRUE(response.normalized());
+  v1::EmbedResponse short_response;
+  EXPECT_EQ(SetEmbeddings({}, 3, rows, &short_response).code(), absl::StatusCode::kInternal);
+}
+
+TEST(EmbedWant, ThePooledVectorsOnly) {
+  v1::ForwardWant want = EmbedWant({serving::Pooling::kMeanSqrtLen, true});
+  EXPECT_FALSE(want.all_outputs());
+  EXPECT_EQ(want.outputs_size(), 0);
+  EXPECT_EQ(want.embeddings().pooling(), "mean_sqrt_len");
+  EXPECT_TRUE(want.embeddings().normalize());
+}
+
+TEST(ResolveEmbeddingMode, TheRequestOverridesTheCheckpoint) {
+  serving::EmbeddingConfig config;
+  config.pooling = serving::Pooling::kCls;
+  config.normalize = true;
+  v1::EmbedRequest request;
+  auto same = ResolveEmbeddingMode(request, config);
+  ASSERT_TRUE(same.ok());
+  EXPECT_EQ(same->pooling, serving::Pooling::kCls);
+  EXPECT_TRUE(same->normalize);
+  request.set_pooling(v1::POOLING_MAX);
+  request.set_normalize(v1::NORMALIZE_OFF);
+  auto overridden = ResolveEmbeddingMode(request, config);
+  ASSERT_TRUE(overridden.ok());
+  EXPECT_EQ(overridden->pooling, serving::Pooling::kMax);
+  EXPECT_FALSE(overridden->normalize);
+  request.set_pooling(static_cast<v1::Pooling>(42));
+  EXPECT_EQ(ResolveEmbeddingMode(request, config).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace bertshard::server

@@ -1,0 +1,112 @@
+#include "server/rank_fanout.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_auth.h"
+#include "grpcpp/grpcpp.h"
+
+namespace bertshard::server {
+
+namespace {
+
+// What the calls of one fan-out share; every call's completion holds it, so it outlives an early
+// return.
+struct FanOut {
+  FanOut(size_t n, const v1::ForwardRequest& forward) : request(forward), responses(n), contexts(n) {}
+  const v1::ForwardRequest request;
+  absl::Mutex mu;
+  std::vector<v1::ForwardResponse> responses;                  // each written by its own call only
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;  // set before any call starts
+  size_t answered ABSL_GUARDED_BY(mu) = 0;
+  int failed_rank ABSL_GUARDED_BY(mu) = -1;
+  grpc::Status failure ABSL_GUARDED_BY(mu);
+  bool aborted ABSL_GUARDED_BY(mu) = false;
+};
+
+}  // namespace
+
+void ForwardAbort::Abort(const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  if (aborted_) return;
+  aborted_ = true;
+  reason_ = reason;
+  if (in_flight_) in_flight_(reason);
+}
+
+ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::ForwardRequest& forward,
+                                 absl::Time deadline, ForwardAbort* abort) {
+  auto fan = std::make_shared<FanOut>(ranks.size(), forward);
+  if (abort != nullptr) {
+    absl::MutexLock lock(&abort->mu_);
+    if (abort->aborted_) {
+      ForwardOutcome outcome;
+      outcome.aborted = true;
+      outcome.status = grpc::Status(grpc::StatusCode::UNAVAILABLE, abort->reason_);
+      return outcome;
+    }
+    abort->in_flight_ = [fan](const std::string& reason) {
+      absl::MutexLock fan_lock(&fan->mu);
+      if (fan->failed_rank >= 0 || fan->aborted) return;
+      fan->aborted = true;
+      fan->failure = grpc::Status(grpc::StatusCode::UNAVAILABLE, reason);
+    };
+  }
+  for (auto& context : fan->contexts) {
+    context = std::make_unique<grpc::ClientContext>();
+    context->set_deadline(absl::ToChronoTime(deadline));
+  }
+  for (size_t r = 0; r < ranks.size(); ++r) common::AttachToken(fan->contexts[r].get(), ranks[r].token);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    // gRPC's callback API: no thread per rank and forward. The completion owns the fan-out and the
+    // stub (so the channel), so after an early return the remaining calls end by cancellation on
+    // their own.
+    ranks[r].stub->async()->Forward(fan->contexts[r].get(), &fan->request, &fan->responses[r],
+                                    [fan, stub = ranks[r].stub, r](grpc::Status status) {
+                                      absl::MutexLock lock(&fan->mu);
+                                      ++fan->answered;
+                                      if (!status.ok() && fan->failed_rank < 0) {
+                                        fan->failed_rank = static_cast<int>(r);
+                                        fan->failure = std::move(status);
+                                      }
+                                    });
+  }
+  ForwardOutcome outcome;
+  {
+    absl::MutexLock lock(&fan->mu);
+    auto settled = [&fan, n = ranks.size()] { return fan->failed_rank >= 0 || fan->aborted || fan->answered == n; };
+    fan->mu.Await(absl::Condition(&settled));
+    if (fan->failed_rank >= 0 || fan->aborted) {
+      for (auto& context : fan->contexts) context->TryCancel();
+      outcome.failed_rank = fan->aborted ? -1 : fan->failed_rank;
+      outcome.aborted = fan->aborted;
+      outcome.status = fan->failure;
+    } else {
+      outcome.responses = std::move(fan->responses);
+    }
+  }
+  if (abort != nullptr) {
+    // Off the fan-out's lock: Abort takes its own lock first, then the fan-out's.
+    absl::MutexLock lock(&abort->mu_);
+    abort->in_flight_ = nullptr;
+  }
+  return outcome;
+}
+
+// The ping is the worker's gRPC health check: it changes nothing there (ReservePort, used before,
+// now hosts a rendezvous store for minutes) and needs no token. Pings need no lock.
+std::string Blame(const std::vector<RankStub>& ranks, const std::string& first_failure) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    grpc::health::v1::HealthCheckResponse ignored;
+    grpc::Status status = ranks[r].health->Check(&context, grpc::health::v1::HealthCheckRequest(), &ignored);
+    if (!status.ok()) {
+      return absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, ") at ", ranks[r].address,
+                          " is unreachable: ", status.error_message());
+    }
+  }
+  return first_failure;
+}
+
+}  // namespace bertshard::server
