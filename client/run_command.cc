@@ -448,7 +448,7 @@ absl::StatusOr<RunInputs> ParseTokenJson(const std::string& text, int depth) {
 
 absl::StatusOr<RunInputs> ParseRunInputs(const std::string& text, const v1::ShardPlan& plan) {
   ASSIGN_OR_RETURN(RunInputs in, ParseTokenJson(text, plan.variant() == v1::BERT_FOR_MULTIPLE_CHOICE ? 3 : 2));
-  RETURN_IF_ERROR(planner::CheckTokens(
+  RETURN_IF_ERROR(planner::CheckInputsAgainstPlan(
       {in.batch * in.choices, in.seq, in.choices, in.input_ids, in.attention_mask, in.token_type_ids}, plan));
   return in;
 }

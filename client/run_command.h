@@ -33,7 +33,7 @@ struct RunInputs {
   std::vector<int64_t> input_ids, attention_mask, token_type_ids;
 };
 
-// Parses input JSON and checks it against the plan (planner::CheckTokens): shape ([batch, seq],
+// Parses input JSON and checks it against the plan (planner::CheckInputsAgainstPlan): shape ([batch, seq],
 // or [batch, choices, seq] for BertForMultipleChoice), integers only, ids < vocab_size, token
 // types < type_vocab_size, mask of 0/1, seq <= max_position_embeddings, split_gather
 // divisibility. INVALID_ARGUMENT says which.

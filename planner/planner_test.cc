@@ -466,8 +466,8 @@ TEST(TokenCheck, RefusesWhatNoRankCouldRun) {
   r.mutable_parallel()->set_sp_mode(v1::SPLIT_GATHER);
   const v1::ShardPlan plan = *Plan(r);
   const std::vector<int64_t> ids = {1, 2, 3, 4}, mask = {1, 1, 1, 0}, types = {0, 0, 1, 1};
-  EXPECT_TRUE(CheckTokens({1, 4, 1, ids, mask, types}, plan).ok());
-  auto message = [&](TokenView t) { return std::string(CheckTokens(t, plan).message()); };
+  EXPECT_TRUE(CheckInputsAgainstPlan({1, 4, 1, ids, mask, types}, plan).ok());
+  auto message = [&](TokenView t) { return std::string(CheckInputsAgainstPlan(t, plan).message()); };
   const std::vector<int64_t> big = {1, 2, 3, 10}, bad_mask = {1, 2, 1, 1}, bad_types = {0, 0, 2, 0};
   EXPECT_TRUE(absl::StrContains(message({1, 4, 1, big, mask, types}), "ids must be in [0, vocab_size 10)"));
   EXPECT_TRUE(absl::StrContains(message({1, 4, 1, ids, bad_mask, types}), "must be 0 or 1"));

@@ -6,7 +6,7 @@
 
 namespace bertshard::planner {
 
-absl::Status CheckTokens(const TokenView& t, const v1::ShardPlan& plan) {
+absl::Status CheckInputsAgainstPlan(const TokenView& t, const v1::ShardPlan& plan) {
   const v1::BertConfig& c = plan.config();
   // rows x seq from a request can be anything: multiplied only when it cannot overflow (found by
   // fuzz/infer_request_fuzzer: 18 x 1224979098644774911 was undefined behaviour here).

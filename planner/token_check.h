@@ -6,7 +6,7 @@
 // either way.
 //
 // Example:
-//   RETURN_IF_ERROR(CheckTokens({.rows = 2, .seq = 8, .choices = 1, .input_ids = ids, ...}, plan));
+//   RETURN_IF_ERROR(CheckInputsAgainstPlan({.rows = 2, .seq = 8, .choices = 1, .input_ids = ids, ...}, plan));
 //
 // Thread safety: thread-safe (pure function).
 #ifndef BERTSHARD_PLANNER_TOKEN_CHECK_H_
@@ -23,8 +23,8 @@ namespace bertshard::planner {
 
 using TokenView = common::TokenView;
 
-// INVALID_ARGUMENT naming the first problem.
-absl::Status CheckTokens(const TokenView& tokens, const v1::ShardPlan& plan);
+// Whether `tokens` are inputs this plan can run; INVALID_ARGUMENT naming the first problem.
+absl::Status CheckInputsAgainstPlan(const TokenView& tokens, const v1::ShardPlan& plan);
 
 }  // namespace bertshard::planner
 

@@ -82,9 +82,9 @@ absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const 
   } else {
     return absl::InvalidArgumentError("the request needs tokens or text");
   }
-  RETURN_IF_ERROR(planner::CheckTokens({out.rows(), out.seq(), std::max<int64_t>(1, out.choices()), out.input_ids(),
-                                        out.attention_mask(), out.token_type_ids()},
-                                       plan));
+  RETURN_IF_ERROR(planner::CheckInputsAgainstPlan({out.rows(), out.seq(), std::max<int64_t>(1, out.choices()),
+                                                   out.input_ids(), out.attention_mask(), out.token_type_ids()},
+                                                  plan));
   if (text == nullptr) {
     for (int64_t r = 0; r < out.rows(); ++r) {
       int32_t count = 0;

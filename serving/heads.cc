@@ -40,7 +40,8 @@ void SoftmaxInPlace(std::vector<double>* values) {
   for (double& v : *values) v /= sum;
 }
 
-absl::Status CheckTokens(const TokenRows& tokens) {
+// The shape checks every head decoder starts with: rows and seq in range, each id array rows x seq.
+absl::Status CheckTokenRowShapes(const TokenRows& tokens) {
   if (tokens.rows < 0 || tokens.seq < 1 || tokens.seq > kMaxDim || tokens.rows > kMaxDim) {
     return absl::InvalidArgumentError(
         absl::StrCat("token rows need rows >= 0 and seq >= 1; got ", tokens.rows, " and ", tokens.seq));
@@ -190,7 +191,7 @@ absl::StatusOr<std::vector<std::vector<TokenLabel>>> ClassifyTokens(absl::Span<c
                                                                     const TokenRows& tokens, int64_t classes,
                                                                     const std::vector<std::string>& label_names,
                                                                     const std::vector<int64_t>& special_ids) {
-  RETURN_IF_ERROR(CheckTokens(tokens));
+  RETURN_IF_ERROR(CheckTokenRowShapes(tokens));
   RETURN_IF_ERROR(CheckClasses(classes, label_names));
   RETURN_IF_ERROR(CheckLogits(logits, "token classification logits", tokens.rows * tokens.seq * classes,
                               absl::StrCat("[", tokens.rows, ", ", tokens.seq, ", ", classes, "]")));
@@ -212,7 +213,7 @@ absl::StatusOr<std::vector<std::vector<TokenLabel>>> ClassifyTokens(absl::Span<c
 absl::StatusOr<std::vector<std::vector<MaskFill>>> MaskedLmTopK(
     absl::Span<const float> logits, int64_t vocab, const TokenRows& tokens, int64_t mask_token_id,
     const FillMaskOptions& options, const std::function<std::string(int64_t)>& id_to_token) {
-  RETURN_IF_ERROR(CheckTokens(tokens));
+  RETURN_IF_ERROR(CheckTokenRowShapes(tokens));
   if (options.top_k < 1) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 1; got ", options.top_k));
   if (options.vocab_limit < 0) {
     return absl::InvalidArgumentError(absl::StrCat("vocab_limit must be >= 0; got ", options.vocab_limit));
@@ -248,7 +249,7 @@ absl::StatusOr<std::vector<std::vector<MaskFill>>> MaskedLmTopK(
 absl::StatusOr<std::vector<AnswerSpan>> QuestionAnswerSpans(absl::Span<const float> start_logits,
                                                             absl::Span<const float> end_logits, const TokenRows& tokens,
                                                             const QaOptions& options) {
-  RETURN_IF_ERROR(CheckTokens(tokens));
+  RETURN_IF_ERROR(CheckTokenRowShapes(tokens));
   if (options.max_answer_len < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_answer_len must be >= 1; got ", options.max_answer_len));
   }
