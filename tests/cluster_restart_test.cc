@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -107,17 +108,30 @@ TEST_F(ShortDrainCluster, DrainingCoordinatorFailsNoJob) {
   ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
   const v1::Job waiting = Submit(kModel);  // every worker is busy: PENDING, and watched
   ASSERT_EQ(waiting.state(), v1::PENDING);
+  std::mutex mu;
+  std::condition_variable opened_cv;
+  bool opened = false;
   std::thread watcher([&] {
     v1::GetJobRequest request;
     request.set_job_id(waiting.id());
     auto context = Context();
     auto reader = stub_->WatchJob(context.get(), request);
     v1::JobEvent event;
+    bool first = true;
     while (reader->Read(&event)) {
+      if (!first) continue;
+      first = false;
+      std::lock_guard<std::mutex> lock(mu);
+      opened = true;  // the first event (the job as it is) came: the call is open on the server
+      opened_cv.notify_all();
     }
     reader->Finish();
   });
-  usleep(200 * 1000);  // the watch is open before the signal
+  {
+    // The watch is open before the signal.
+    std::unique_lock<std::mutex> lock(mu);
+    EXPECT_TRUE(opened_cv.wait_for(lock, std::chrono::seconds(30), [&] { return opened; })) << "the watch did not open";
+  }
   const absl::Time stopping = absl::Now();
   StopCoordinator();
   watcher.join();

@@ -120,9 +120,19 @@ TEST_F(Cluster, AWorkerStalledBrieflyKeepsItsJob) {
   ASSERT_GE(i, 0);
   const pid_t pid = workers_[static_cast<size_t>(i)];
   ASSERT_EQ(kill(pid, SIGSTOP), 0);
-  usleep(1600 * 1000);
+  usleep(1600 * 1000);  // the stall itself, not a wait for anything
+  const int64_t continued = absl::ToUnixMillis(absl::Now());
   ASSERT_EQ(kill(pid, SIGCONT), 0);
-  usleep(1500 * 1000);  // past the point where the stall would have been judged
+  // Past the point where the stall is judged: the coordinator has taken a heartbeat the worker
+  // sent after it, so the silence it could fail the job for is over.
+  bool beat = false;
+  for (int k = 0; k < 400 && !beat; ++k) {
+    v1::ListWorkersResponse workers;
+    ASSERT_TRUE(stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok());
+    for (const auto& w : workers.workers()) beat |= w.worker_id() == id && w.last_heartbeat_unix_millis() > continued;
+    if (!beat) usleep(20 * 1000);
+  }
+  ASSERT_TRUE(beat) << "no heartbeat from " << id << " within ~10 s of SIGCONT";
   v1::GetJobRequest get;
   get.set_job_id(job.id());
   v1::Job after;

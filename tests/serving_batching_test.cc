@@ -5,11 +5,17 @@
 // sentence-transformers files and refuses a pipeline it cannot run; a request whose deadline
 // passes while it waits behind a slow batch, or while its own batch runs, ends with
 // DEADLINE_EXCEEDED, and the job keeps serving correctly.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -37,6 +43,7 @@ using testing::LocalCluster;
 using testing::MaxDiff;
 using testing::NewServingCluster;
 using testing::Pool;
+using testing::ReadAll;
 using testing::ReferencePool;
 using testing::Shape;
 using testing::Shardctl;
@@ -51,6 +58,27 @@ namespace fs = std::filesystem;
 // surely merge; a batch holds at most 4096 padded tokens.
 
 constexpr int kMaxBatchTokens = 4096;
+
+// The body of `GET /metrics` on 127.0.0.1:`port`; "" if it cannot be read.
+std::string ScrapeMetrics(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[4096];
+      for (ssize_t n; (n = read(fd, buffer, sizeof buffer)) > 0;) response.append(buffer, static_cast<size_t>(n));
+    }
+  }
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
 
 class BatchingTest : public ::testing::Test {
  protected:
@@ -81,7 +109,8 @@ class BatchingTest : public ::testing::Test {
     std::ofstream(dense_dir_ + "/1_Pooling/config.json")
         << R"({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": true})";
     cluster_ = NewServingCluster("batching",
-                                 {"--max_batch_delay_ms=200", "--max_batch_tokens=" + std::to_string(kMaxBatchTokens)});
+                                 {"--max_batch_delay_ms=200", "--max_batch_tokens=" + std::to_string(kMaxBatchTokens),
+                                  "--metrics_listen=127.0.0.1:0"});
     *error_ = cluster_->Start(4);
     if (!error_->empty()) return;
     small_job_ = SubmitTp(*cluster_, small_dir_, 2, error_);
@@ -99,6 +128,18 @@ class BatchingTest : public ::testing::Test {
   void SetUp() override { ASSERT_TRUE(error_ != nullptr && error_->empty()) << (error_ ? *error_ : ""); }
 
   static v1::Coordinator::Stub& stub() { return cluster_->stub(); }
+
+  // Merged forwards the coordinator has dispatched so far (its batch-size histogram's count, which
+  // its batch queue adds to just before a forward runs); -1 if its metrics cannot be read.
+  static int64_t BatchesDispatched() {
+    const std::string log = ReadAll(cluster_->data_dir_ + ".log");
+    const size_t port_at = log.find("metrics listening on port ");
+    if (port_at == std::string::npos) return -1;
+    const std::string metrics = ScrapeMetrics(std::atoi(log.c_str() + port_at + 26));
+    const std::string name = "\nbertshard_coordinator_batch_tokens_count ";
+    const size_t at = metrics.find(name);
+    return at == std::string::npos ? -1 : std::atoll(metrics.c_str() + at + name.size());
+  }
 
   inline static std::string* error_ = nullptr;
   inline static LocalCluster* cluster_ = nullptr;
@@ -328,13 +369,21 @@ TEST_F(BatchingTest, DeadlinePassingWhileQueuedBehindASlowBatchLeavesTheJobServi
   grpc::Status big_status;
   v1::EmbedResponse big_response;
   Clock::time_point big_done;
+  const int64_t dispatched_before = BatchesDispatched();
+  ASSERT_GE(dispatched_before, 0) << "the coordinator's metrics cannot be read";
   const Clock::time_point big_start = Clock::now();
   std::thread slow([&] {
     big_status = stub().Embed(Context(std::chrono::seconds(120)).get(), big, &big_response);
     big_done = Clock::now();
   });
-  // The slow batch waits its 200 ms for company, then runs; the short request comes after that.
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  // The slow batch waits its 200 ms for company, then runs; the short request comes after that,
+  // once the coordinator has dispatched it.
+  bool running = false;
+  for (int i = 0; i < 3000 && !running; ++i) {
+    running = BatchesDispatched() > dispatched_before;
+    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(running) << "the slow batch was not dispatched within ~30 s";
   v1::EmbedResponse ignored;
   const grpc::Status expired = stub().Embed(Context(std::chrono::milliseconds(150)).get(), small, &ignored);
   const Clock::time_point expired_at = Clock::now();
