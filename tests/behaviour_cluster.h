@@ -72,15 +72,6 @@ inline std::pair<std::vector<int64_t>, std::vector<float>> ReadTensor(const std:
   return {std::vector<int64_t>(info->shape.begin(), info->shape.end()), values};
 }
 
-inline std::vector<int64_t> Shape(const v1::NamedTensor& t) { return {t.shape().begin(), t.shape().end()}; }
-
-inline const v1::NamedTensor* Output(const v1::InferResponse& response, const std::string& name) {
-  for (const auto& t : response.outputs()) {
-    if (t.name() == name) return &t;
-  }
-  return nullptr;
-}
-
 inline std::vector<v1::JobState> States(const v1::Job& job) {
   std::vector<v1::JobState> states;
   for (const auto& change : job.history()) states.push_back(change.state());

@@ -6,25 +6,14 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-#include <map>
-#include <memory>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "bertshard/v1/coordinator.grpc.pb.h"
-#include "bertshard/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "tests/behaviour_cluster.h"
 #include "tests/cluster_fixture.h"
 #include "tests/test_process.h"
@@ -34,16 +23,13 @@ namespace {
 
 using testing::BehaviourCluster;
 using testing::CancelledMessage;
-using testing::Cli;
 using testing::Context;
 using testing::DeadlineMessage;
 using testing::kModel;
 using testing::NowMillis;
 using testing::PollFor;
 using testing::ReadAll;
-using testing::Shardctl;
 using testing::States;
-using testing::TempDir;
 
 // 4. Cancel of a PENDING job and of a LOADING one (its workers held before reading a tensor): both
 // CANCELLED with their history, the workers idle at once and holding nothing, and the held loads,

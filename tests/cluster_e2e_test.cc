@@ -7,19 +7,14 @@
 #include <atomic>
 #include <cmath>
 #include <filesystem>
-#include <map>
 #include <mutex>
 #include <thread>
 
-#include "absl/time/clock.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
-#include "bertshard/v1/worker.grpc.pb.h"
 #include "checkpoint/safetensors.h"
-#include "common/grpc_auth.h"
 #include "common/grpc_tls.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "tests/cluster_fixture.h"
 #include "tests/test_process.h"
 
@@ -32,10 +27,7 @@ using testing::Context;
 using testing::kModel;
 using testing::ReadAll;
 using testing::Shardctl;
-using testing::Spawn;
 using testing::TempDir;
-using testing::WaitExit;
-using testing::WaitForPort;
 TEST_F(Cluster, SubmitWatchInferConcurrentlyAndCancel) {
   const v1::Job job = Submit(kModel);
   int progress_events = 0;

@@ -74,6 +74,16 @@ inline Cli Shardctl(std::vector<std::string> args) {
   return {c.exit_code, c.out + c.err, c.out, c.err};
 }
 
+// The output `name` of an Infer answer; null if it has none.
+inline const v1::NamedTensor* FindOutput(const v1::InferResponse& response, const std::string& name) {
+  for (const auto& t : response.outputs()) {
+    if (t.name() == name) return &t;
+  }
+  return nullptr;
+}
+
+inline std::vector<int64_t> Shape(const v1::NamedTensor& t) { return {t.shape().begin(), t.shape().end()}; }
+
 // A copy of `model`'s config.json and model.safetensors in TempDir()/`name`, with a vocab.txt of
 // the model's 99 ids: [PAD] [UNK] [CLS] [SEP] [MASK] are 0-4 and "wN" is id N, so a test can write
 // text whose token ids it knows. Returns the directory.

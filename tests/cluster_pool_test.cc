@@ -5,25 +5,15 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <map>
-#include <memory>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "bertshard/v1/coordinator.grpc.pb.h"
-#include "bertshard/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "tests/behaviour_cluster.h"
 #include "tests/cluster_fixture.h"
 #include "tests/test_process.h"
@@ -32,15 +22,11 @@ namespace bertshard {
 namespace {
 
 using testing::BehaviourCluster;
-using testing::Cli;
 using testing::Context;
 using testing::kModel;
-using testing::NowMillis;
 using testing::PollFor;
 using testing::ReadAll;
-using testing::Shardctl;
 using testing::States;
-using testing::TempDir;
 
 // 1. A PENDING job starts by itself when the job holding the workers is cancelled, and when a new
 // worker registers.

@@ -2,39 +2,25 @@
 // loopback, a fresh cluster per test): a restarted coordinator takes back the READY jobs whose
 // ranks all come back, fails the others naming the missing rank, and has workers unload what it
 // does not know; a draining coordinator fails no job.
-#include <algorithm>
-#include <atomic>
-#include <cmath>
 #include <condition_variable>
 #include <filesystem>
-#include <map>
 #include <mutex>
 #include <thread>
 
 #include "absl/time/clock.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
-#include "bertshard/v1/worker.grpc.pb.h"
-#include "checkpoint/safetensors.h"
-#include "common/grpc_auth.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "tests/cluster_fixture.h"
 #include "tests/test_process.h"
 
 namespace bertshard {
 namespace {
 
-using testing::Cli;
 using testing::Cluster;
 using testing::Context;
 using testing::kModel;
 using testing::ReadAll;
-using testing::Shardctl;
-using testing::Spawn;
-using testing::TempDir;
-using testing::WaitExit;
-using testing::WaitForPort;
 // Issue 7: a coordinator restart ends no job. The workers still hold the READY job's ranks and
 // report them when they register again; the job is READY again and inference continues where it
 // was (the workers refuse a forward numbered out of order, so a rebuilt sequence is checked too).

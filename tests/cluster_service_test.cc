@@ -5,22 +5,12 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
 #include <fstream>
-#include <map>
-#include <memory>
-#include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "bertshard/v1/coordinator.grpc.pb.h"
-#include "bertshard/v1/worker.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -36,10 +26,10 @@ using testing::CancelledMessage;
 using testing::Cli;
 using testing::Context;
 using testing::DeadlineMessage;
+using testing::FindOutput;
 using testing::kBertModel;
 using testing::kModel;
 using testing::kMultipleChoice;
-using testing::Output;
 using testing::ReadAll;
 using testing::ReadTensor;
 using testing::Shape;
@@ -76,8 +66,8 @@ TEST_F(BehaviourCluster, TextPairsAndMultipleChoiceThroughTheService) {
             (std::vector<int64_t>{0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0}));
   EXPECT_EQ(std::vector<int64_t>(t.attention_mask().begin(), t.attention_mask().end()),
             (std::vector<int64_t>{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0}));
-  const v1::NamedTensor* hidden = Output(response, "last_hidden_state");
-  const v1::NamedTensor* pooled = Output(response, "pooler_output");
+  const v1::NamedTensor* hidden = FindOutput(response, "last_hidden_state");
+  const v1::NamedTensor* pooled = FindOutput(response, "pooler_output");
   ASSERT_NE(hidden, nullptr);
   ASSERT_NE(pooled, nullptr);
   EXPECT_EQ(Shape(*hidden), (std::vector<int64_t>{2, 8, 32}));
@@ -116,7 +106,7 @@ TEST_F(BehaviourCluster, TextPairsAndMultipleChoiceThroughTheService) {
   v1::InferResponse flat;
   s = stub_->Infer(Context().get(), one_segment, &flat);
   ASSERT_TRUE(s.ok()) << s.error_message();
-  EXPECT_GT(MaxDiff(*Output(flat, "last_hidden_state"), want_hidden.second), 1e-3f);
+  EXPECT_GT(MaxDiff(*FindOutput(flat, "last_hidden_state"), want_hidden.second), 1e-3f);
   // One pair per text.
   infer.mutable_text()->mutable_text_pairs()->RemoveLast();
   s = stub_->Infer(Context().get(), infer, &response);
@@ -143,7 +133,7 @@ TEST_F(BehaviourCluster, TextPairsAndMultipleChoiceThroughTheService) {
   ASSERT_TRUE(s.ok()) << s.error_message();
   const auto want_logits = ReadTensor(std::string(kMultipleChoice) + "/expected.safetensors", "logits");
   ASSERT_EQ(want_logits.first, (std::vector<int64_t>{2, 2}));
-  const v1::NamedTensor* logits = Output(response, "logits");
+  const v1::NamedTensor* logits = FindOutput(response, "logits");
   ASSERT_NE(logits, nullptr);
   EXPECT_EQ(Shape(*logits), (std::vector<int64_t>{2, 2}));
   EXPECT_LE(MaxDiff(*logits, want_logits.second), 1e-5f);

@@ -4,38 +4,25 @@
 // stalled briefly keeps its job, one stopped past the threshold fails it and comes back idle, and
 // one sent SIGTERM leaves the pool at once. A killed worker's job stays FAILED across a coordinator
 // restart. (Faults at each phase of a job: tests/fault_matrix_test.cc.)
-#include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <filesystem>
-#include <map>
-#include <mutex>
 #include <thread>
 
 #include "absl/time/clock.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
-#include "bertshard/v1/worker.grpc.pb.h"
-#include "checkpoint/safetensors.h"
-#include "common/grpc_auth.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "tests/cluster_fixture.h"
 #include "tests/test_process.h"
 
 namespace bertshard {
 namespace {
 
-using testing::Cli;
 using testing::Cluster;
 using testing::Context;
 using testing::kModel;
 using testing::ReadAll;
-using testing::Shardctl;
-using testing::Spawn;
-using testing::TempDir;
 using testing::WaitExit;
-using testing::WaitForPort;
 TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   const v1::Job job = Submit(kModel);
   const v1::JobEvent ready = Watch(job.id());

@@ -2,8 +2,6 @@
 // ColossalAI's own code (tests/testdata/golden, provenance in its README), field by field, after
 // applying exactly the deliberate differences listed in docs/plan-contract.md (each is named where
 // it is applied) and nothing else.
-#include <map>
-#include <set>
 #include <string>
 #include <vector>
 

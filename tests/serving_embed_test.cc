@@ -5,18 +5,13 @@
 // only when asked; bad Embed and Infer requests and their exact codes and messages (unknown jobs,
 // a PENDING job, enum values this build does not know, empty segments).
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <fstream>
-#include <set>
 #include <string>
 #include <vector>
 
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "tests/serving_fixture.h"
 #include "tests/test_process.h"
 

@@ -124,15 +124,6 @@ inline std::string SubmitTp(LocalCluster& cluster, const std::string& checkpoint
   return job.id();
 }
 
-inline const v1::NamedTensor* FindOutput(const v1::InferResponse& r, const std::string& name) {
-  for (const auto& t : r.outputs()) {
-    if (t.name() == name) return &t;
-  }
-  return nullptr;
-}
-
-inline std::vector<int64_t> Shape(const v1::NamedTensor& t) { return {t.shape().begin(), t.shape().end()}; }
-
 enum class Pool { kMean, kCls, kMax, kMeanSqrtLen };
 
 // sentence-transformers' pooling (then Normalize), in double, from hidden states

@@ -3,7 +3,6 @@
 // and the question-answering span against softmax / top-k / span search computed here from the raw
 // logits; and shardctl embed / infer / jobs printing the same embeddings and predictions.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
