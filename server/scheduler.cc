@@ -392,7 +392,7 @@ std::vector<std::shared_ptr<grpc::ClientContext>> Scheduler::LoadContexts(const 
   // Every rank's load context is registered at once, and only while the job has not ended: a
   // cancel or failure while the port was being reserved found no context to cancel, and must not
   // be followed by loads of the ended job on workers that are idle again or serve another job
-  // (tests/cluster_behaviour_test.cc, CancelPendingAndLoadingJobs). Stopping: nothing would cancel
+  // (tests/cluster_cancel_test.cc, CancelPendingAndLoadingJobs). Stopping: nothing would cancel
   // loads started now; the job stays LOADING for the next coordinator.
   std::vector<std::shared_ptr<grpc::ClientContext>> contexts;
   absl::MutexLock lock(&mu_);

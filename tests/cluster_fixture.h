@@ -1,13 +1,23 @@
 // File: tests/cluster_fixture.h
 // -----------------------------------------------------------------------------
-// The end-to-end cluster fixture: a coordinator and four shard-worker processes on loopback, built
-// from this workspace's binaries, with helpers to submit, watch, infer, find and kill the worker
-// serving a rank, and ask a worker directly whether it still holds a job. Shared by the cluster
-// tests (cluster_e2e_test, fault_matrix_test, cluster_behaviour_test); a test file changes the
-// coordinator's flags by deriving a fixture that sets them in its constructor.
+// The one way tests start a cluster: LocalCluster runs a coordinator and shard-worker processes on
+// loopback, built from this workspace's binaries (start, restart on the same port, add, kill and
+// stop workers, wait for them to register, read the logs). Cluster is the per-test gtest fixture
+// on it (a coordinator and four workers per test) with helpers to submit, watch, infer, find and
+// kill the worker serving a rank, hold workers at pause points, and ask a worker directly whether
+// it still holds a job; the cluster tests derive their fixtures from it. A suite whose tests share
+// one cluster holds a LocalCluster of its own (tests/serving_fixture.h).
+//
+// Example:
+//   LocalCluster cluster("serving", {"--max_batch_delay_ms=200"});
+//   ASSERT_EQ(cluster.Start(/*workers=*/3), "");
+//   cluster.stub().Infer(Context().get(), request, &response);
+//
+// Failure model: a process that does not come up is an error string with its log (LocalCluster)
+// or a fatal test failure (Cluster's SetUp); the destructor stops whatever is still running.
 //
 // Thread safety: the helpers may be called from several test threads at once (each makes its own
-// gRPC context); SetUp, TearDown and the kill helpers only from the test's main thread.
+// gRPC context); starting, stopping and killing processes only from the test's main thread.
 #ifndef BERTSHARD_TESTS_CLUSTER_FIXTURE_H_
 #define BERTSHARD_TESTS_CLUSTER_FIXTURE_H_
 
@@ -22,6 +32,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -38,25 +49,40 @@ namespace bertshard::testing {
 
 inline constexpr char kModel[] = "tests/testdata/model/masked_lm_untied";
 
-// Carries $BERTSHARD_TOKEN when set (TokenCluster sets it for this process and the cluster's).
-inline std::unique_ptr<grpc::ClientContext> Context(int seconds = 60) {
+// A call's context with a deadline `timeout` from now. Carries $BERTSHARD_TOKEN when set
+// (TokenCluster sets it for this process and the cluster's).
+inline std::unique_ptr<grpc::ClientContext> Context(std::chrono::milliseconds timeout) {
   auto c = std::make_unique<grpc::ClientContext>();
-  c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  c->set_deadline(std::chrono::system_clock::now() + timeout);
   const char* token = std::getenv("BERTSHARD_TOKEN");
   common::AttachToken(c.get(), token == nullptr ? "" : token);
   return c;
 }
+inline std::unique_ptr<grpc::ClientContext> Context(int seconds = 60) { return Context(std::chrono::seconds(seconds)); }
 
+// What a shardctl run printed: `output` is stdout then stderr.
 struct Cli {
   int exit_code;
   std::string output;
+  std::string out, err;
+  std::string all() const { return output; }
 };
 
 inline Cli Shardctl(std::vector<std::string> args) {
   args.insert(args.begin(), "client/shardctl");
   testing::Captured c = testing::Run(args);
-  return {c.exit_code, c.out + c.err};
+  return {c.exit_code, c.out + c.err, c.out, c.err};
 }
+
+// The output `name` of an Infer answer; null if it has none.
+inline const v1::NamedTensor* FindOutput(const v1::InferResponse& response, const std::string& name) {
+  for (const auto& t : response.outputs()) {
+    if (t.name() == name) return &t;
+  }
+  return nullptr;
+}
+
+inline std::vector<int64_t> Shape(const v1::NamedTensor& t) { return {t.shape().begin(), t.shape().end()}; }
 
 // A copy of `model`'s config.json and model.safetensors in TempDir()/`name`, with a vocab.txt of
 // the model's 99 ids: [PAD] [UNK] [CLS] [SEP] [MASK] are 0-4 and "wN" is id N, so a test can write
@@ -73,67 +99,118 @@ inline std::string CheckpointWithWordVocabulary(const std::string& model, const 
   return dir;
 }
 
-class Cluster : public ::testing::Test {
- protected:
-  void SetUp() override {
-    data_dir_ = TempDir() + "/coordinator-" + std::to_string(++counter_);
-    StartCoordinator();
-    for (int i = 0; i < 4; ++i) {
-      spawn_index_.push_back(i);
-      std::vector<std::string> args = {"worker/shard-worker", "--listen=127.0.0.1:0", "--threads=1",
-                                       "--coordinator=127.0.0.1:" + std::to_string(port_)};
-      args.insert(args.end(), tls_flags_.begin(), tls_flags_.end());
-      workers_.push_back(Spawn(args, WorkerLog(i)));
-    }
-    ASSERT_TRUE(WaitForWorkers(4)) << ReadAll(WorkerLog(0));
+// A coordinator and shard-worker processes on loopback, from this workspace's binaries: the one
+// launcher of the tests. A test suite that shares one cluster among its tests holds one (started in
+// SetUpTestSuite); the Cluster fixture below is one per test. Settings are read when a process
+// starts, so a test sets them first (a derived fixture in its constructor).
+class LocalCluster {
+ public:
+  LocalCluster() = default;
+  // `name`: its data directory and logs go in TempDir()/name; `coordinator_flags` are added to the
+  // coordinator's own.
+  LocalCluster(const std::string& name, std::vector<std::string> coordinator_flags)
+      : data_dir_(TempDir() + "/" + name), coordinator_flags_(std::move(coordinator_flags)) {}
+  // Stops what is still running.
+  virtual ~LocalCluster() {
+    TerminateWorkers();
+    TerminateCoordinator();
+  }
+  LocalCluster(const LocalCluster&) = delete;
+  LocalCluster& operator=(const LocalCluster&) = delete;
+
+  // The coordinator and `workers` workers, waiting until every worker is registered and healthy;
+  // "" on success, else what went wrong (with the logs).
+  std::string Start(int workers) {
+    std::string error = LaunchCoordinator();
+    if (!error.empty()) return error;
+    for (int i = 0; i < workers; ++i) LaunchWorker();
+    return WaitForHealthy(workers) ? "" : "the workers did not register: " + Logs();
   }
 
-  void TearDown() override {
-    if (!fault_dir_.empty()) {
-      std::filesystem::remove_all(fault_dir_);  // no worker stays held
-      unsetenv("BERTSHARD_FAULT_DIR");
-    }
-    for (pid_t w : workers_) {
-      kill(w, SIGCONT);  // a worker a failed test left stopped would never handle SIGTERM
-      kill(w, SIGTERM);
-      WaitExit(w);
-    }
-    StopCoordinator();
-  }
-
-  std::string WorkerLog(size_t i) const { return data_dir_ + "-worker" + std::to_string(i) + ".log"; }
-
-  void StartCoordinator() {
+  // Starts the coordinator on port_ (any free port the first time, the same one again after a
+  // restart) and connects stub_ to it; "" on success, else why not (with its log).
+  std::string LaunchCoordinator() {
     const std::string log = data_dir_ + ".log";
     std::ofstream(log, std::ios::trunc).close();
-    std::vector<std::string> args = {"server/bertshard-coordinator",
-                                     "--listen=127.0.0.1:" + std::to_string(port_),
-                                     "--data_dir=" + data_dir_,
-                                     "--heartbeat_interval=" + heartbeat_interval_,
-                                     "--collective_timeout_s=" + collective_timeout_s_,
-                                     "--readopt_grace=6s",
-                                     "--drain_timeout=" + drain_timeout_};
+    std::vector<std::string> args = {"server/bertshard-coordinator", "--listen=127.0.0.1:" + std::to_string(port_),
+                                     "--data_dir=" + data_dir_, "--heartbeat_interval=" + heartbeat_interval_,
+                                     "--collective_timeout_s=" + collective_timeout_s_};
+    if (!readopt_grace_.empty()) args.push_back("--readopt_grace=" + readopt_grace_);
+    if (!drain_timeout_.empty()) args.push_back("--drain_timeout=" + drain_timeout_);
+    args.insert(args.end(), coordinator_flags_.begin(), coordinator_flags_.end());
     args.insert(args.end(), tls_flags_.begin(), tls_flags_.end());
     coordinator_ = Spawn(args, log);
     const int port = WaitForPort(log);
-    ASSERT_GT(port, 0) << ReadAll(log);
+    if (port <= 0) return "the coordinator did not start: " + ReadAll(log);
     port_ = port;
-    stub_ = v1::Coordinator::NewStub(
-        grpc::CreateChannel("127.0.0.1:" + std::to_string(port_),
-                            client_credentials_ != nullptr ? client_credentials_ : grpc::InsecureChannelCredentials()));
+    grpc::ChannelArguments channel_args;
+    if (max_receive_message_bytes_ > 0) channel_args.SetMaxReceiveMessageSize(max_receive_message_bytes_);
+    stub_ = v1::Coordinator::NewStub(grpc::CreateCustomChannel(
+        "127.0.0.1:" + std::to_string(port_),
+        client_credentials_ != nullptr ? client_credentials_ : grpc::InsecureChannelCredentials(), channel_args));
+    return "";
   }
 
-  void StopCoordinator() {
-    if (coordinator_ <= 0) return;
+  // SIGTERM to the coordinator; its exit status (-1 if none was running).
+  int TerminateCoordinator() {
+    if (coordinator_ <= 0) return -1;
     // Close this test's connection first. An idle client channel notices the server's GOAWAY only
     // at gRPC's backup poll (every 5 s), and the server's graceful shutdown waits for it: every
     // stop took 3-5 s before this.
     stub_.reset();
     kill(coordinator_, SIGTERM);
-    EXPECT_EQ(WaitExit(coordinator_), 0);
+    const int status = WaitExit(coordinator_);
     coordinator_ = -1;
+    return status;
   }
 
+  // Starts one more shard-worker process (its log: WorkerLog(spawn_index_.back())); returns its
+  // index in workers_.
+  int LaunchWorker() {
+    const int log = next_log_++;
+    std::vector<std::string> args = {"worker/shard-worker", "--listen=127.0.0.1:0", "--threads=1",
+                                     "--coordinator=127.0.0.1:" + std::to_string(port_)};
+    args.insert(args.end(), tls_flags_.begin(), tls_flags_.end());
+    workers_.push_back(Spawn(args, WorkerLog(static_cast<size_t>(log))));
+    spawn_index_.push_back(log);
+    return static_cast<int>(workers_.size()) - 1;
+  }
+
+  // SIGTERM to every worker (continued first: a stopped one would never handle it), then waits
+  // for them all.
+  void TerminateWorkers() {
+    for (pid_t w : workers_) {
+      kill(w, SIGCONT);
+      kill(w, SIGTERM);
+    }
+    for (pid_t w : workers_) WaitExit(w);
+    workers_.clear();
+    spawn_index_.clear();
+  }
+
+  void KillWorker(int i) {
+    kill(workers_[static_cast<size_t>(i)], SIGKILL);
+    WaitExit(workers_[static_cast<size_t>(i)]);
+    workers_.erase(workers_.begin() + i);
+    spawn_index_.erase(spawn_index_.begin() + i);
+  }
+
+  // The log of the `i`th worker process started (an index in spawn_index_'s terms, not workers_').
+  std::string WorkerLog(size_t i) const { return data_dir_ + "-worker" + std::to_string(i) + ".log"; }
+
+  // The coordinator's log and every worker's.
+  std::string Logs() const {
+    std::string logs = "--- coordinator:\n" + ReadAll(data_dir_ + ".log");
+    for (int i = 0; i < next_log_; ++i) {
+      logs += "--- worker " + std::to_string(i) + ":\n" + ReadAll(WorkerLog(static_cast<size_t>(i)));
+    }
+    return logs;
+  }
+
+  v1::Coordinator::Stub& stub() { return *stub_; }
+  std::string server() const { return "--server=127.0.0.1:" + std::to_string(port_); }
+
+  // Healthy workers with no job; -1 if the coordinator does not answer.
   int HealthyIdle() {
     v1::ListWorkersResponse workers;
     if (!stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok()) return -1;
@@ -142,8 +219,9 @@ class Cluster : public ::testing::Test {
     return n;
   }
 
-  // Heartbeats every second and death after 3 intervals of silence (the coordinator's default):
-  // slow enough that a loaded 2-core CI machine does not make healthy workers flap.
+  // Waits up to ~20 s for `n` healthy idle workers. Heartbeats every second and death after 3
+  // intervals of silence (the coordinator's default): slow enough that a loaded 2-core CI machine
+  // does not make healthy workers flap.
   bool WaitForWorkers(int n) {
     for (int i = 0; i < 400; ++i) {
       if (HealthyIdle() >= n) return true;
@@ -165,6 +243,82 @@ class Cluster : public ::testing::Test {
       usleep(50 * 1000);
     }
     return false;
+  }
+
+  // Watches `id` until it settles; "" if READY, else why not (with the logs).
+  std::string WaitReady(const std::string& id) {
+    v1::GetJobRequest request;
+    request.set_job_id(id);
+    auto context = Context(120);
+    auto reader = stub_->WatchJob(context.get(), request);
+    v1::JobEvent event, last;
+    while (reader->Read(&event)) last = event;
+    const grpc::Status s = reader->Finish();
+    if (!s.ok()) return "WatchJob(" + id + "): " + s.error_message();
+    if (last.job().state() != v1::READY) {
+      return "job " + id + " is " + v1::JobState_Name(last.job().state()) + ": " + last.job().failure_cause() + "\n" +
+             Logs();
+    }
+    return "";
+  }
+
+  v1::Job GetJob(const std::string& id) {
+    v1::GetJobRequest get;
+    get.set_job_id(id);
+    v1::Job job;
+    EXPECT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
+    return job;
+  }
+
+  // Settings: the coordinator's flags (an empty one is not passed), the flags given to the
+  // coordinator and every worker (TlsCluster), the test's own channel credentials and the most
+  // it takes in one answer (0: gRPC's default, 4 MiB).
+  std::string data_dir_;
+  std::vector<std::string> coordinator_flags_;
+  std::string heartbeat_interval_ = "1s";
+  std::string collective_timeout_s_ = "8";
+  std::string readopt_grace_ = "6s";
+  std::string drain_timeout_ = "10s";
+  std::vector<std::string> tls_flags_;
+  std::shared_ptr<grpc::ChannelCredentials> client_credentials_;
+  int max_receive_message_bytes_ = 0;
+  // State.
+  int port_ = 0;
+  pid_t coordinator_ = -1;
+  std::vector<pid_t> workers_;
+  std::vector<int> spawn_index_;  // which log each entry of workers_ writes
+  int next_log_ = 0;              // the next worker's log
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+};
+
+// One cluster per test: a coordinator and four workers started in SetUp, stopped in TearDown, with
+// helpers to submit, watch, infer, kill and probe. A test file changes the cluster's settings by
+// deriving a fixture that sets them in its constructor.
+class Cluster : public ::testing::Test, public LocalCluster {
+ protected:
+  void SetUp() override {
+    data_dir_ = TempDir() + "/coordinator-" + std::to_string(++counter_);
+    StartCoordinator();
+    for (int i = 0; i < 4; ++i) LaunchWorker();
+    ASSERT_TRUE(WaitForWorkers(4)) << ReadAll(WorkerLog(0));
+  }
+
+  void TearDown() override {
+    if (!fault_dir_.empty()) {
+      std::filesystem::remove_all(fault_dir_);  // no worker stays held
+      unsetenv("BERTSHARD_FAULT_DIR");
+    }
+    TerminateWorkers();
+    StopCoordinator();
+  }
+
+  void StartCoordinator() {
+    const std::string error = LaunchCoordinator();
+    ASSERT_TRUE(error.empty()) << error;
+  }
+
+  void StopCoordinator() {
+    if (coordinator_ > 0) EXPECT_EQ(TerminateCoordinator(), 0);
   }
 
   // Pause points (common/fault_point.h). UseFaultDir, called from a derived fixture's constructor,
@@ -277,13 +431,6 @@ class Cluster : public ::testing::Test {
     return seen;
   }
 
-  void KillWorker(int i) {
-    kill(workers_[static_cast<size_t>(i)], SIGKILL);
-    WaitExit(workers_[static_cast<size_t>(i)]);
-    workers_.erase(workers_.begin() + i);
-    spawn_index_.erase(spawn_index_.begin() + i);
-  }
-
   // SIGKILLs the worker process serving `rank` of `job`; returns its worker id ("" if none).
   std::string KillWorkerServing(const std::string& job, int rank) {
     std::string victim_id;
@@ -330,14 +477,6 @@ class Cluster : public ::testing::Test {
       usleep(50 * 1000);
     }
     return false;
-  }
-
-  v1::Job GetJob(const std::string& id) {
-    v1::GetJobRequest get;
-    get.set_job_id(id);
-    v1::Job job;
-    EXPECT_TRUE(stub_->GetJob(Context().get(), get, &job).ok());
-    return job;
   }
 
   // Infers the reference input on `job`; the largest difference from the reference logits.
@@ -399,20 +538,7 @@ class Cluster : public ::testing::Test {
   }
 
   inline static int counter_ = 0;
-  // Coordinator flags; a test fixture may change them before SetUp.
-  std::string heartbeat_interval_ = "1s";
-  std::string collective_timeout_s_ = "8";
-  std::string drain_timeout_ = "10s";
-  // Given to the coordinator and every worker (TlsCluster); the test's own channel credentials.
-  std::vector<std::string> tls_flags_;
-  std::shared_ptr<grpc::ChannelCredentials> client_credentials_;
-  std::string data_dir_;
   std::string fault_dir_;  // empty unless UseFaultDir
-  int port_ = 0;
-  pid_t coordinator_ = -1;
-  std::vector<pid_t> workers_;
-  std::vector<int> spawn_index_;  // which log each entry of workers_ writes
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
 };
 
 }  // namespace bertshard::testing
