@@ -168,6 +168,15 @@ TEST_F(BehaviourCluster, CancelAndReRegistrationWhileAJobIsPlanned) {
   const v1::Job failed = WaitState(second.id(), v1::FAILED);
   EXPECT_EQ(failed.state(), v1::FAILED);
   EXPECT_NE(failed.failure_cause().find(second.ranks(0).worker_id()), std::string::npos) << failed.failure_cause();
+  // The worker daemon itself comes back: its next heartbeat is NOT_FOUND (the registration above
+  // replaced its entry) and it registers again, replacing that entry. A job placed before then
+  // would go to the entry made above, and fail when the daemon registers without its shard.
+  EXPECT_TRUE(PollFor(10, [&] {
+    for (const auto& w : ListedWorkers()) {
+      if (w.address() == again.address()) return w.healthy() && w.worker_id() != registered.worker_id();
+    }
+    return false;
+  })) << Workers().DebugString();
   // The coordinator is alive and the pool usable: a job loads and answers on it.
   v1::Job next;
   ASSERT_NO_FATAL_FAILURE(SubmitUntilServing(&next));
