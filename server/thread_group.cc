@@ -1,5 +1,6 @@
 #include "server/thread_group.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace bertshard::server {
@@ -55,6 +56,15 @@ void ThreadGroup::JoinAll() {
 size_t ThreadGroup::Size() const {
   absl::MutexLock lock(&mu_);
   return threads_.size();
+}
+
+size_t ThreadGroup::Running() const {
+  absl::MutexLock lock(&mu_);
+  size_t running = 0;
+  for (const auto& [id, thread] : threads_) {
+    running += std::find(finished_.begin(), finished_.end(), id) == finished_.end() ? 1 : 0;
+  }
+  return running;
 }
 
 }  // namespace bertshard::server

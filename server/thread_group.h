@@ -42,6 +42,8 @@ class ThreadGroup {
   void JoinAll() ABSL_LOCKS_EXCLUDED(mu_);
   // Threads started and not yet joined (finished ones are joined at the next Start).
   size_t Size() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Threads whose function has not returned yet.
+  size_t Running() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // The threads that have finished, taken out of threads_ (joined by the caller, off the lock).
