@@ -115,6 +115,9 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
   const int64_t bytes = kHeaderBytes + 2 * (size + 1) * slot_bytes;
   void* base = MAP_FAILED;
   std::string why_not;  // why this rank has no mapping ("" when it has one)
+  // The segment file this rank created and has not unlinked yet: a wait for peers that throws
+  // (a peer died before answering) must not leave it in /dev/shm for good.
+  std::string created;
   try {
     if (rank == 0) {
       std::random_device random;
@@ -122,6 +125,7 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
       const std::string name = absl::StrCat("bertshard-tp-", getpid(), "-", absl::Hex(token));
       const std::string path = absl::StrCat(options.dir, "/", name);
       const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+      if (fd >= 0) created = path;
       if (fd < 0) {
         why_not = absl::StrCat("cannot create ", path, ": ", std::strerror(errno));
       } else {
@@ -140,13 +144,19 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
         close(fd);
       }
       store.set(prefix + "/segment", Bytes(why_not.empty() ? absl::StrCat(name, "\n", token) : ""));
-      if (!why_not.empty()) unlink(path.c_str());
+      if (!why_not.empty()) {
+        unlink(path.c_str());
+        created.clear();
+      }
       // Unlinked once every rank has answered (mapped or not): nothing to clean up after a crash.
       std::vector<std::string> answers;
       if (why_not.empty()) store.set(prefix + "/mapped/0", Bytes("1"));
       for (int r = why_not.empty() ? 1 : size; r < size; ++r)
         answers.push_back(String(store.get(absl::StrCat(prefix, "/mapped/", r))));
-      if (why_not.empty()) unlink(path.c_str());
+      if (why_not.empty()) {
+        unlink(path.c_str());
+        created.clear();
+      }
       for (const std::string& a : answers) {
         if (a != "1" && why_not.empty()) why_not = "a peer could not map the segment";
       }
@@ -180,6 +190,7 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
       }
     }
   } catch (const std::exception& e) {
+    if (!created.empty()) unlink(created.c_str());
     if (base != MAP_FAILED) munmap(base, bytes);
     return absl::UnavailableError(absl::StrCat("shared-memory rendezvous failed: ", e.what()));
   }

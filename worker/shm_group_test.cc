@@ -212,6 +212,18 @@ TEST(SharedMemoryGroup, AMissingPeerTimesOutAsUnavailable) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
+// A first rank whose peer never answers (it died before joining) leaves no segment file behind:
+// otherwise every such failure keeps its segment's pages in /dev/shm until the host reboots.
+TEST(SharedMemoryGroup, TheSegmentFileIsGoneWhenAPeerNeverAnswers) {
+  ShmOptions o = Small();
+  o.dir = testing::TempDir() + "/shm_peer_gone";
+  std::filesystem::create_directories(o.dir);
+  const auto store = HostStore(std::chrono::milliseconds(1500)).value();
+  const auto group = SharedMemoryGroup::Join(*store, "gone", 0, 2, o);
+  EXPECT_EQ(group.status().code(), absl::StatusCode::kUnavailable) << group.status();
+  EXPECT_TRUE(std::filesystem::is_empty(o.dir)) << "segment file left behind in " << o.dir;
+}
+
 TEST(SharedMemoryGroup, BadSizesAreInvalidArguments) {
   auto store = HostedStore();
   EXPECT_EQ(SharedMemoryGroup::Join(*store, "p", 0, 1, ShmOptions()).status().code(),
