@@ -1,14 +1,22 @@
 // File: common/file.h
 // -----------------------------------------------------------------------------
-// Reading a whole (small) file that a user named: request JSON, inputs, configs, reports.
+// Reading a whole (small) file: one a user named on the command line (request JSON, inputs,
+// configs, reports: any readable file, pipes included), or one of a checkpoint's small files that a
+// server reads on a request's behalf (config.json, vocab.txt, tokenizer_config.json), which must be
+// a regular file of bounded size, so that a FIFO cannot park a server thread and /dev/zero or a
+// sparse gigabyte cannot fill its memory.
 //
 // Example:
 //   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, "request file"));
+//   ASSIGN_OR_RETURN(std::string config, ReadCheckpointFile(dir + "/config.json", kMaxCheckpointJsonBytes));
+//
+// Failure model: errors are statuses naming the path; nothing is read past the cap.
 //
 // Thread safety: thread-safe.
 #ifndef BERTSHARD_COMMON_FILE_H_
 #define BERTSHARD_COMMON_FILE_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -19,6 +27,18 @@ namespace bertshard::common {
 // The file's bytes. INVALID_ARGUMENT "cannot read <what> <path>" when it cannot be opened: the
 // path was the caller's argument.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path, absl::string_view what);
+
+// The most bytes read of a checkpoint's JSON files (config.json, tokenizer_config.json): HF's are
+// a few KiB.
+inline constexpr int64_t kMaxCheckpointJsonBytes = int64_t{4} << 20;
+// The most bytes read of a vocab.txt: bert-base's is 226 KiB, multilingual BERT's under 1 MiB.
+inline constexpr int64_t kMaxVocabBytes = int64_t{64} << 20;
+
+// A checkpoint file's bytes, read only when it is a regular file of at most `max_bytes`: opened
+// without blocking (a FIFO is refused, not waited on) and without reading past the cap. NOT_FOUND
+// when it cannot be opened (callers say what it should have been); INVALID_ARGUMENT for anything
+// but a regular file, and for a larger one (both sizes said).
+absl::StatusOr<std::string> ReadCheckpointFile(const std::string& path, int64_t max_bytes);
 
 }  // namespace bertshard::common
 

@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/file.h"
 #include "common/proto_json.h"
 #include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
@@ -216,15 +217,14 @@ absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json) {
 
 absl::StatusOr<HfConfig> ReadCheckpointConfig(const std::string& directory) {
   const std::string path = directory + "/config.json";
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  absl::StatusOr<std::string> text = common::ReadCheckpointFile(path, common::kMaxCheckpointJsonBytes);
+  if (text.status().code() == absl::StatusCode::kNotFound) {
     return absl::NotFoundError(absl::StrCat("checkpoint config ", path,
                                             " cannot be read: the checkpoint must be a "
                                             "HuggingFace model directory with a config.json"));
   }
-  std::ostringstream text;
-  text << in.rdbuf();
-  auto parsed = ParseHfConfigJson(text.str());
+  if (!text.ok()) return text.status();
+  auto parsed = ParseHfConfigJson(*text);
   if (!parsed.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", parsed.status().message()));
   }

@@ -1,5 +1,8 @@
 #include "planner/model_config.h"
 
+#include <sys/stat.h>
+
+#include <filesystem>
 #include <fstream>
 
 #include "absl/strings/match.h"
@@ -60,6 +63,19 @@ TEST(HfConfig, CheckpointFillsOnlyUnsetFields) {
   absl::Status s = ResolveCheckpoint(&missing);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(s.message(), "absent/config.json")) << s;
+}
+
+// A config.json that is a FIFO or a device is refused at once (the read-only Plan RPC reads it):
+// it used to park the reading thread until a writer came, or read /dev/zero until memory ran out.
+TEST(HfConfig, ACheckpointConfigThatIsNotARegularFileIsRefused) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/fifo_checkpoint";
+  std::filesystem::create_directories(dir);
+  ASSERT_EQ(mkfifo((dir + "/config.json").c_str(), 0600), 0);
+  v1::PlanRequest request;
+  request.set_checkpoint(dir);
+  const absl::Status s = ResolveCheckpoint(&request);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "not a regular file")) << s;
 }
 
 TEST(VariantNames, AcceptsEnumAndHfNames) {

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "common/file.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -212,9 +213,13 @@ absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVoca
 
 absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVocabFile(const std::string& path,
                                                                                       const TokenizerOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read vocabulary ", path));
+  absl::StatusOr<std::string> text = common::ReadCheckpointFile(path, common::kMaxVocabBytes);
+  if (text.status().code() == absl::StatusCode::kNotFound) {
+    return absl::NotFoundError(absl::StrCat("cannot read vocabulary ", path));
+  }
+  if (!text.ok()) return text.status();
   std::vector<std::string> tokens;
+  std::istringstream in(*std::move(text));
   std::string line;
   while (std::getline(in, line)) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
@@ -471,11 +476,11 @@ std::optional<int64_t> WordPieceTokenizer::TokenToId(absl::string_view token) co
 
 absl::StatusOr<TokenizerOptions> ReadTokenizerConfig(const std::string& directory) {
   TokenizerOptions options;
-  std::ifstream in(directory + "/tokenizer_config.json");
-  if (!in) return options;
-  std::stringstream text;
-  text << in.rdbuf();
-  const auto j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  absl::StatusOr<std::string> text =
+      common::ReadCheckpointFile(directory + "/tokenizer_config.json", common::kMaxCheckpointJsonBytes);
+  if (text.status().code() == absl::StatusCode::kNotFound) return options;  // optional: BERT's defaults
+  if (!text.ok()) return text.status();
+  const auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(directory, "/tokenizer_config.json is not a JSON object"));
   }
