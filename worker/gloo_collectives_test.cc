@@ -24,6 +24,15 @@ class Rendezvous {
  public:
   Rendezvous() : store_(HostStore(std::chrono::seconds(30)).value()) {}
   int port() const { return store_->getPort(); }
+  // What rank `rank` of `world_size` joins with, on loopback.
+  RendezvousOptions For(int rank, int world_size, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
+    return {.master_addr = "127.0.0.1",
+            .master_port = port(),
+            .rank = rank,
+            .world_size = world_size,
+            .timeout = timeout,
+            .store = StoreFor(rank)};
+  }
   // RendezvousOptions::store for `rank`: the hosted store for rank 0, none for the others.
   c10::intrusive_ptr<c10d::Store> StoreFor(int rank) const {
     return rank == 0 ? c10::intrusive_ptr<c10d::Store>(store_) : c10::intrusive_ptr<c10d::Store>();
@@ -48,14 +57,7 @@ TEST_P(TpTransport, TensorParallelAndPipelineOpsOnFourRanks) {
   std::vector<std::string> failures(4);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
-    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
-                                       .master_port = rendezvous.port(),
-                                       .rank = rank,
-                                       .world_size = 4,
-                                       .timeout = std::chrono::milliseconds(30000),
-                                       .store = rendezvous.StoreFor(rank)},
-                        .tp_size = 2,
-                        .shared_memory = shared_memory()};
+    GlooOptions options{.rendezvous = rendezvous.For(rank, 4), .tp_size = 2, .shared_memory = shared_memory()};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
     if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
@@ -96,14 +98,7 @@ TEST_P(TpTransport, Bf16TravelsExactlyAndSumsInFloat32) {
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
     auto fail = [&](const std::string& what) { failures[rank] += what + "; "; };
-    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
-                                       .master_port = rendezvous.port(),
-                                       .rank = rank,
-                                       .world_size = 3,
-                                       .timeout = std::chrono::milliseconds(30000),
-                                       .store = rendezvous.StoreFor(rank)},
-                        .tp_size = 3,
-                        .shared_memory = shared_memory()};
+    GlooOptions options{.rendezvous = rendezvous.For(rank, 3), .tp_size = 3, .shared_memory = shared_memory()};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return fail(std::string(comm.status().message()));
     if ((*comm)->tp_transport() != want_transport()) fail("transport " + (*comm)->tp_transport());
@@ -145,13 +140,7 @@ TEST(GlooCollectives, TpRanksWithoutACommonShmFallBackToGloo) {
   const std::string base = testing::TempDir() + "/gloo_shm_fallback_";
   std::vector<std::string> failures(2);
   auto run = [&](int rank) {
-    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
-                                       .master_port = rendezvous.port(),
-                                       .rank = rank,
-                                       .world_size = 2,
-                                       .timeout = std::chrono::milliseconds(30000),
-                                       .store = rendezvous.StoreFor(rank)},
-                        .tp_size = 2};
+    GlooOptions options{.rendezvous = rendezvous.For(rank, 2), .tp_size = 2};
     options.shm.dir = base + std::to_string(rank);
     mkdir(options.shm.dir.c_str(), 0700);
     auto comm = GlooCollectives::Connect(options);
@@ -176,13 +165,7 @@ TEST(GlooCollectives, SendReturnsBeforeTheReceiverTakesIt) {
   std::vector<std::string> failures(2);
   const int64_t n = int64_t{16} << 20;  // floats
   auto run = [&](int rank) {
-    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
-                                       .master_port = rendezvous.port(),
-                                       .rank = rank,
-                                       .world_size = 2,
-                                       .timeout = std::chrono::milliseconds(60000),
-                                       .store = rendezvous.StoreFor(rank)},
-                        .tp_size = 1};
+    GlooOptions options{.rendezvous = rendezvous.For(rank, 2, std::chrono::milliseconds(60000)), .tp_size = 1};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
     if (rank == 0) {
@@ -212,13 +195,7 @@ TEST(GlooCollectives, BarrierWaitsForEveryRank) {
   std::atomic<int> arrived{0};
   std::vector<std::string> failures(3);
   auto run = [&](int rank) {
-    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
-                                       .master_port = rendezvous.port(),
-                                       .rank = rank,
-                                       .world_size = 3,
-                                       .timeout = std::chrono::milliseconds(30000),
-                                       .store = rendezvous.StoreFor(rank)},
-                        .tp_size = 1};
+    GlooOptions options{.rendezvous = rendezvous.For(rank, 3), .tp_size = 1};
     auto comm = GlooCollectives::Connect(options);
     if (!comm.ok()) return void(failures[rank] = std::string(comm.status().message()));
     for (int round = 1; round <= 2; ++round) {
@@ -240,23 +217,12 @@ TEST(GlooCollectives, BarrierWithoutPeersTimesOutAsUnavailable) {
   const Rendezvous rendezvous;
   std::thread peer([&] {
     // Rank 1 joins the rendezvous, then never calls Barrier.
-    GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
-                                       .master_port = rendezvous.port(),
-                                       .rank = 1,
-                                       .world_size = 2,
-                                       .timeout = std::chrono::milliseconds(1500)},
-                        .tp_size = 1};
+    GlooOptions options{.rendezvous = rendezvous.For(1, 2, std::chrono::milliseconds(1500)), .tp_size = 1};
     auto comm = GlooCollectives::Connect(options);
     ASSERT_TRUE(comm.ok()) << comm.status();
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   });
-  GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
-                                     .master_port = rendezvous.port(),
-                                     .rank = 0,
-                                     .world_size = 2,
-                                     .timeout = std::chrono::milliseconds(1500),
-                                     .store = rendezvous.StoreFor(0)},
-                      .tp_size = 1};
+  GlooOptions options{.rendezvous = rendezvous.For(0, 2, std::chrono::milliseconds(1500)), .tp_size = 1};
   auto comm = GlooCollectives::Connect(options);
   ASSERT_TRUE(comm.ok()) << comm.status();
   const auto start = std::chrono::steady_clock::now();
@@ -268,13 +234,7 @@ TEST(GlooCollectives, BarrierWithoutPeersTimesOutAsUnavailable) {
 
 TEST(GlooCollectives, RendezvousWithoutPeersTimesOutAsUnavailable) {
   const Rendezvous rendezvous;
-  GlooOptions options{.rendezvous = {.master_addr = "127.0.0.1",
-                                     .master_port = rendezvous.port(),
-                                     .rank = 0,
-                                     .world_size = 2,
-                                     .timeout = std::chrono::milliseconds(1500),
-                                     .store = rendezvous.StoreFor(0)},
-                      .tp_size = 1};
+  GlooOptions options{.rendezvous = rendezvous.For(0, 2, std::chrono::milliseconds(1500)), .tp_size = 1};
   auto comm = GlooCollectives::Connect(options);
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnavailable) << comm.status();
   options.rendezvous.world_size = 3;
