@@ -112,8 +112,16 @@ absl::Status SubmitCommand(const CommandLine& cl, std::FILE* out) {
 
 absl::Status JobsCommand(const CommandLine& cl, std::FILE* out) {
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
+  // Every page, in order (a coordinator of before pages sends one answer with no token).
   v1::ListJobsResponse jobs;
-  RETURN_IF_ERROR(c.Check(c.stub()->ListJobs(c.Context(30).get(), v1::ListJobsRequest(), &jobs)));
+  v1::ListJobsRequest request;
+  for (int pages = 0; pages < 10000; ++pages) {
+    v1::ListJobsResponse page;
+    RETURN_IF_ERROR(c.Check(c.stub()->ListJobs(c.Context(30).get(), request, &page)));
+    for (v1::Job& j : *page.mutable_jobs()) *jobs.add_jobs() = std::move(j);
+    if (page.next_page_token().empty() || page.next_page_token() == request.page_token()) break;
+    request.set_page_token(page.next_page_token());
+  }
   std::fputs(
       absl::StrFormat("%-26s %-10s %-32s %-8s %-5s %s\n", "JOB", "STATE", "VARIANT", "TPxPP", "AGE", "DETAIL").c_str(),
       out);

@@ -207,6 +207,18 @@ absl::StatusOr<Metric*> Family<Metric>::WithLabels(const std::vector<std::string
 }
 
 template <typename Metric>
+bool Family<Metric>::Remove(const std::vector<std::string>& label_values) {
+  absl::MutexLock lock(&mu_);
+  return children_.erase(label_values) > 0;
+}
+
+template <typename Metric>
+size_t Family<Metric>::size() const {
+  absl::MutexLock lock(&mu_);
+  return children_.size();
+}
+
+template <typename Metric>
 void Family<Metric>::RenderSamples(std::string* out) const {
   absl::MutexLock lock(&mu_);
   for (const auto& [values, child] : children_) {

@@ -13,8 +13,9 @@
 // health) are "collectors": a callback registered with a name, evaluated at every Render().
 //
 // There is no global registry: a server's main owns one and passes a pointer to whoever records.
-// Families live as long as the registry, so pointers to families and children stay valid; a
-// collector lives until its CollectorHandle is destroyed.
+// Families live as long as the registry, so pointers to families stay valid; a child stays valid
+// until its series is removed (Family::Remove: a job's series go when the job ends, so that ended
+// jobs do not pile up in the exposition); a collector lives until its CollectorHandle is destroyed.
 //
 // Example:
 //   MetricsRegistry registry;
@@ -206,9 +207,14 @@ class Family final : public MetricsRegistry::FamilyBase {
   using FamilyBase::FamilyBase;
 
   // The child for `label_values` (one per label name, in order), created at first use with value
-  // 0. The pointer stays valid as long as the registry.
+  // 0. The pointer stays valid until Remove(label_values) (else as long as the registry).
   // INTERNAL when the number of values is not the number of label names (a bug in the caller).
   absl::StatusOr<Metric*> WithLabels(const std::vector<std::string>& label_values);
+  // Drops the child for `label_values` (its series leaves the exposition); false when there was
+  // none. Whoever recorded into it must have stopped: its pointer is dangling after.
+  bool Remove(const std::vector<std::string>& label_values);
+  // Children now (for tests and bounds).
+  size_t size() const;
 
   void RenderSamples(std::string* out) const override;
 

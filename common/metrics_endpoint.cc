@@ -4,13 +4,19 @@
 #include <dlfcn.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/call_once.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 // Debian builds civetweb with USE_STACK_SIZE=102400: every thread it starts asks for a 100 KiB
 // stack. glibc carves the static TLS of every loaded library out of a thread's stack, and in a
@@ -68,10 +74,19 @@ void Respond(mg_connection* connection, int code, const char* reason, const std:
   mg_write(connection, body.data(), body.size());
 }
 
+// Compares in time that depends only on the lengths, not on where the first difference is.
+bool SameSecret(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const std::string& address,
-                                                                        MetricsRegistry* registry) {
+                                                                        MetricsRegistry* registry,
+                                                                        std::vector<std::string> bearer_tokens) {
   std::string listening;
   if (auto parsed = ListeningPort(address); parsed.ok()) {
     listening = *std::move(parsed);
@@ -82,10 +97,16 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
   static absl::once_flag init_once;
   absl::call_once(init_once, [] { mg_init_library(0); });
 
-  std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint(registry));
-  // Scrapes are rare and short: a couple of threads is plenty.
-  const char* options[] = {"listening_ports",    listening.c_str(), "num_threads", "2",
-                           "request_timeout_ms", "10000",           nullptr};
+  bearer_tokens.erase(std::remove(bearer_tokens.begin(), bearer_tokens.end(), ""), bearer_tokens.end());
+  std::unique_ptr<MetricsEndpoint> endpoint(new MetricsEndpoint(registry, std::move(bearer_tokens)));
+  // Scrapes are rare and short, but a thread is held by each open connection until it sends a
+  // request or times out: enough threads that a few silent sockets leave one for Prometheus, and a
+  // timeout that frees a silent one in seconds (a render takes milliseconds). No keep-alive: an
+  // idle kept connection would hold a thread too.
+  const std::string threads = std::to_string(kThreads);
+  const std::string timeout = std::to_string(kRequestTimeoutMs);
+  const char* options[] = {"listening_ports", listening.c_str(),   "num_threads", threads.c_str(), "request_timeout_ms",
+                           timeout.c_str(),   "enable_keep_alive", "no",          nullptr};
   mg_callbacks callbacks{};
   char error_text[256] = "";
   unsigned error_code = 0;
@@ -111,6 +132,21 @@ MetricsEndpoint::~MetricsEndpoint() {
   if (context_ != nullptr) mg_stop(context_);
 }
 
+bool MetricsEndpoint::Authorized(mg_connection* connection) const {
+  if (tokens_.empty()) return true;
+  const char* header = mg_get_header(connection, "Authorization");
+  if (header == nullptr) return false;
+  absl::string_view value(header);
+  constexpr absl::string_view kScheme = "Bearer ";
+  if (value.size() <= kScheme.size() || !absl::EqualsIgnoreCase(value.substr(0, kScheme.size()), kScheme)) {
+    return false;
+  }
+  value = absl::StripAsciiWhitespace(value.substr(kScheme.size()));
+  bool match = false;
+  for (const std::string& token : tokens_) match |= SameSecret(value, token);  // no early exit
+  return match;
+}
+
 int MetricsEndpoint::HandleRequest(mg_connection* connection, void* data) {
   auto* endpoint = static_cast<MetricsEndpoint*>(data);
   const mg_request_info* request = mg_get_request_info(connection);
@@ -122,6 +158,12 @@ int MetricsEndpoint::HandleRequest(mg_connection* connection, void* data) {
   if (std::strcmp(request->request_method, "GET") != 0) {
     Respond(connection, 405, "Method Not Allowed", "only GET is served\n", "Allow: GET\r\n");
     return 405;
+  }
+  if (!endpoint->Authorized(connection)) {
+    // The same answer for a missing and a wrong token, and never the token itself.
+    Respond(connection, 401, "Unauthorized", "a bearer token is needed (Authorization: Bearer <read token>)\n",
+            "WWW-Authenticate: Bearer\r\n");
+    return 401;
   }
   Respond(connection, 200, "OK", endpoint->registry_->Render());
   return 200;

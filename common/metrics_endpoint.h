@@ -5,6 +5,14 @@
 // any other path and 405 for any other method. Built on Debian's civetweb; it serves nothing else
 // (no files, no CGI).
 //
+// Access: with `bearer_tokens` given, a scrape must send `Authorization: Bearer <one of them>`
+// (Prometheus' bearer_token_file) or gets 401: the series name jobs, which the RPCs show only to
+// holders of the read token. Without, it is open.
+//
+// Connections: each is served by one of kThreads threads, with no keep-alive; a connection silent
+// for kRequestTimeoutMs (a half-open socket, a client that sends half a request) is dropped then,
+// so a few idle sockets cannot hold every thread and stall Prometheus' scrape.
+//
 // Example:
 //   MetricsRegistry registry;
 //   ASSIGN_OR_RETURN(auto endpoint, MetricsEndpoint::Start("0.0.0.0:9090", &registry));
@@ -18,6 +26,8 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/metrics.h"
@@ -32,7 +42,12 @@ class MetricsEndpoint {
   // Listens on `address`, HOST:PORT with an IPv4 address or host name (port 0 picks a free port).
   // INVALID_ARGUMENT if the address is not HOST:PORT with a port in 0..65535; UNAVAILABLE if it
   // cannot be bound (in use, or not an address of this machine).
-  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& address, MetricsRegistry* registry);
+  // `bearer_tokens`: the tokens a scrape may present (empty strings ignored); none: no token needed.
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& address, MetricsRegistry* registry,
+                                                                std::vector<std::string> bearer_tokens = {});
+
+  static constexpr int kThreads = 16;
+  static constexpr int kRequestTimeoutMs = 3000;
 
   // Stops listening and waits for requests in flight; up to ~2 s, as civetweb's accept loop only
   // looks for the stop every 2 s.
@@ -43,11 +58,15 @@ class MetricsEndpoint {
   int port() const { return port_; }
 
  private:
-  explicit MetricsEndpoint(MetricsRegistry* registry) : registry_(registry) {}
+  MetricsEndpoint(MetricsRegistry* registry, std::vector<std::string> tokens)
+      : registry_(registry), tokens_(std::move(tokens)) {}
+  // Whether the request carries one of tokens_ (or none is needed).
+  bool Authorized(mg_connection* connection) const;
   // civetweb's request handler; `endpoint` is this.
   static int HandleRequest(mg_connection* connection, void* endpoint);
 
   MetricsRegistry* const registry_;
+  const std::vector<std::string> tokens_;
   mg_context* context_ = nullptr;
   int port_ = 0;
 };

@@ -4,6 +4,7 @@
 
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
@@ -115,7 +116,9 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
                        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
                        "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, state INTEGER NOT NULL,"
                        " created_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, job BLOB NOT NULL, plan BLOB);"
-                       "CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_ms, id);"));
+                       "CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_ms, id);"
+                       // The active jobs (recovery) and the ended ones past retention, without a scan.
+                       "CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, updated_ms);"));
   std::string v;
   {
     Statement version(db, "SELECT value FROM meta WHERE key = 'schema_version'");
@@ -264,19 +267,104 @@ absl::StatusOr<std::optional<v1::ShardPlan>> JobStore::GetPlan(const std::string
   return std::optional<v1::ShardPlan>(std::move(plan));
 }
 
-absl::StatusOr<std::vector<v1::Job>> JobStore::List() {
-  absl::MutexLock lock(&mu_);
-  Statement stmt(db_, "SELECT job FROM jobs ORDER BY created_ms, id");
-  RETURN_IF_ERROR(stmt.status());
+namespace {
+
+// Every row `stmt` yields, column 0 parsed as a Job.
+absl::StatusOr<std::vector<v1::Job>> ReadJobs(sqlite3* db, sqlite3_stmt* stmt) {
   std::vector<v1::Job> jobs;
-  while (sqlite3_step(stmt.get()) == SQLITE_ROW) {
+  int rc;
+  while ((rc = sqlite3_step(stmt)) == SQLITE_ROW) {
     v1::Job job;
-    if (!job.ParseFromArray(sqlite3_column_blob(stmt.get(), 0), sqlite3_column_bytes(stmt.get(), 0))) {
+    if (!job.ParseFromArray(sqlite3_column_blob(stmt, 0), sqlite3_column_bytes(stmt, 0))) {
       return absl::DataLossError("a job is corrupt in the database");
     }
     jobs.push_back(std::move(job));
   }
+  if (rc != SQLITE_DONE) return WriteError(db, rc, "reading jobs");
   return jobs;
+}
+
+// A page token: the last listed job's position, "<created_ms>/<id>". Opaque to callers.
+std::string PageToken(const v1::Job& job) { return absl::StrCat(job.created_unix_millis(), "/", job.id()); }
+
+bool ParsePageToken(const std::string& token, int64_t* created_ms, std::string* id) {
+  const size_t slash = token.find('/');
+  if (slash == std::string::npos || slash + 1 >= token.size()) return false;
+  *id = token.substr(slash + 1);
+  return absl::SimpleAtoi(token.substr(0, slash), created_ms);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<v1::Job>> JobStore::List() {
+  absl::MutexLock lock(&mu_);
+  Statement stmt(db_, "SELECT job FROM jobs ORDER BY created_ms, id");
+  RETURN_IF_ERROR(stmt.status());
+  return ReadJobs(db_, stmt.get());
+}
+
+absl::StatusOr<JobStore::Page> JobStore::ListPage(int page_size, const std::string& page_token) {
+  if (page_size < 1) return absl::InvalidArgumentError(absl::StrCat("page_size must be >= 1, not ", page_size));
+  int64_t after_ms = -1;
+  std::string after_id;
+  if (!page_token.empty() && !ParsePageToken(page_token, &after_ms, &after_id)) {
+    return absl::InvalidArgumentError("page_token is not one a ListJobs answer gave");
+  }
+  absl::MutexLock lock(&mu_);
+  // One more than asked for: whether another page follows.
+  Statement stmt(db_, "SELECT job FROM jobs WHERE (created_ms, id) > (?1, ?2) ORDER BY created_ms, id LIMIT ?3");
+  RETURN_IF_ERROR(stmt.status());
+  sqlite3_bind_int64(stmt.get(), 1, after_ms);
+  sqlite3_bind_text(stmt.get(), 2, after_id.c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_int64(stmt.get(), 3, static_cast<int64_t>(page_size) + 1);
+  Page page;
+  ASSIGN_OR_RETURN(page.jobs, ReadJobs(db_, stmt.get()));
+  if (page.jobs.size() > static_cast<size_t>(page_size)) {
+    page.jobs.resize(static_cast<size_t>(page_size));
+    page.next_page_token = PageToken(page.jobs.back());
+  }
+  return page;
+}
+
+absl::StatusOr<std::vector<v1::Job>> JobStore::ListActive() {
+  absl::MutexLock lock(&mu_);
+  Statement stmt(db_, "SELECT job FROM jobs WHERE state IN (?1, ?2, ?3, ?4) ORDER BY created_ms, id");
+  RETURN_IF_ERROR(stmt.status());
+  int i = 0;
+  for (v1::JobState state : {v1::PENDING, v1::PLANNED, v1::LOADING, v1::READY}) {
+    sqlite3_bind_int(stmt.get(), ++i, state);
+  }
+  return ReadJobs(db_, stmt.get());
+}
+
+absl::StatusOr<std::map<v1::JobState, int64_t>> JobStore::CountByState() {
+  absl::MutexLock lock(&mu_);
+  Statement stmt(db_, "SELECT state, COUNT(*) FROM jobs GROUP BY state");
+  RETURN_IF_ERROR(stmt.status());
+  std::map<v1::JobState, int64_t> counts;
+  int rc;
+  while ((rc = sqlite3_step(stmt.get())) == SQLITE_ROW) {
+    const int state = sqlite3_column_int(stmt.get(), 0);
+    if (v1::JobState_IsValid(state)) counts[static_cast<v1::JobState>(state)] = sqlite3_column_int64(stmt.get(), 1);
+  }
+  if (rc != SQLITE_DONE) return WriteError(db_, rc, "counting jobs");
+  return counts;
+}
+
+absl::StatusOr<int> JobStore::DeleteEndedBefore(int64_t before_unix_millis, int limit) {
+  absl::MutexLock lock(&mu_);
+  Statement stmt(db_,
+                 "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs WHERE state IN (?1, ?2) AND updated_ms < ?3"
+                 " ORDER BY updated_ms LIMIT ?4)");
+  RETURN_IF_ERROR(stmt.status());
+  sqlite3_bind_int(stmt.get(), 1, v1::FAILED);
+  sqlite3_bind_int(stmt.get(), 2, v1::CANCELLED);
+  sqlite3_bind_int64(stmt.get(), 3, before_unix_millis);
+  sqlite3_bind_int(stmt.get(), 4, limit);
+  if (const int rc = sqlite3_step(stmt.get()); rc != SQLITE_DONE) {
+    return WriteError(db_, rc, "deleting ended jobs past retention");
+  }
+  return sqlite3_changes(db_);
 }
 
 }  // namespace bertshard::jobs

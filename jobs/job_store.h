@@ -7,7 +7,8 @@
 // are atomic; terminal states (FAILED, CANCELLED) are final.
 //
 // Schema versions: 1 (jobs only) is migrated in place to 2 (adds the plan column) on open; its
-// jobs read back with no stored plan. A newer version is refused.
+// jobs read back with no stored plan. A newer version is refused. Indexes (by creation, by state
+// and last change) are made on open when missing.
 //
 //   PENDING -> PLANNED -> LOADING -> READY        any non-terminal -> FAILED | CANCELLED
 //   PLANNED -> PENDING (workers lost before loading)
@@ -23,6 +24,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -75,8 +77,28 @@ class JobStore {
   absl::Status SetPendingReason(const std::string& id, const std::string& reason);
 
   absl::StatusOr<v1::Job> Get(const std::string& id);
-  // Every job, oldest first.
+  // Every job, oldest first. Reads the whole table: for tests and tools, not for a server's paths
+  // (ListPage, ListActive, CountByState are bounded or indexed).
   absl::StatusOr<std::vector<v1::Job>> List();
+
+  // One page of the jobs, oldest first: at most `page_size` (>= 1) jobs after the one
+  // `page_token` names ("" for the first page). `next_page_token` is "" on the last page. A
+  // token stays valid while jobs are added or deleted (it names a position, not a row).
+  // INVALID_ARGUMENT for a token this store did not make, or page_size < 1.
+  struct Page {
+    std::vector<v1::Job> jobs;
+    std::string next_page_token;
+  };
+  absl::StatusOr<Page> ListPage(int page_size, const std::string& page_token);
+  // The jobs that have not ended (PENDING, PLANNED, LOADING, READY), oldest first; read through
+  // the index on state, so ended jobs cost nothing here.
+  absl::StatusOr<std::vector<v1::Job>> ListActive();
+  // How many jobs are in each state (states with none are absent); one indexed count query.
+  absl::StatusOr<std::map<v1::JobState, int64_t>> CountByState();
+  // Deletes up to `limit` ended jobs (FAILED, CANCELLED) last changed before `before_unix_millis`,
+  // oldest first, with their plans; returns how many went. Job history is kept this long
+  // (--job_retention), not for good.
+  absl::StatusOr<int> DeleteEndedBefore(int64_t before_unix_millis, int limit);
 
   // Stores the plan job `id`'s workers load (kept apart from the Job: plans of big models are a
   // few MiB, and clients list jobs often). NOT_FOUND for an unknown id.

@@ -4,7 +4,10 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -200,6 +203,102 @@ TEST(JobStore, ConcurrentWritersAreSerialised) {
   }
   for (auto& t : threads) t.join();
   EXPECT_EQ((*store)->List()->size(), 100u);
+}
+
+// ListJobs pages through the table in creation order; tokens survive inserts and deletes.
+TEST(JobStore, PagesInCreationOrder) {
+  int64_t now = 1000;
+  auto store = JobStore::Open(":memory:", FixedClock(&now));
+  ASSERT_TRUE(store.ok());
+  for (int i = 0; i < 7; ++i) ASSERT_TRUE((*store)->Create(NewJob("job-" + std::to_string(i))).ok());
+  std::vector<std::string> seen;
+  std::string token;
+  int pages = 0;
+  do {
+    auto page = (*store)->ListPage(3, token);
+    ASSERT_TRUE(page.ok()) << page.status();
+    EXPECT_LE(page->jobs.size(), 3u);
+    for (const v1::Job& job : page->jobs) seen.push_back(job.id());
+    token = page->next_page_token;
+    if (++pages == 1) {
+      ASSERT_TRUE((*store)->Create(NewJob("job-7")).ok());  // added mid-listing: seen at the end
+    }
+  } while (!token.empty() && pages < 10);
+  EXPECT_EQ(pages, 3);
+  ASSERT_EQ(seen.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(seen[i], "job-" + std::to_string(i));
+  auto exact = (*store)->ListPage(8, "");
+  ASSERT_TRUE(exact.ok());
+  EXPECT_EQ(exact->jobs.size(), 8u);
+  EXPECT_EQ(exact->next_page_token, "");
+  EXPECT_EQ((*store)->ListPage(0, "").status().code(), absl::StatusCode::kInvalidArgument);
+  for (const char* bad : {"x", "12", "/job-1", "abc/job-1", "12/"}) {
+    EXPECT_EQ((*store)->ListPage(3, bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+// Recovery reads the active jobs only; metrics count by state; ended jobs past retention go.
+TEST(JobStore, ActiveJobsCountsAndRetention) {
+  int64_t now = 1000;
+  auto store = JobStore::Open(":memory:", FixedClock(&now));
+  ASSERT_TRUE(store.ok());
+  for (const char* id : {"pending", "ready", "failed", "cancelled", "late-cancelled"}) {
+    ASSERT_TRUE((*store)->Create(NewJob(id)).ok());
+  }
+  v1::ShardPlan plan;
+  ASSERT_TRUE((*store)->SetPlan("failed", plan).ok());
+  for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY}) ASSERT_TRUE((*store)->Transition("ready", s, "").ok());
+  ASSERT_TRUE((*store)->Transition("failed", v1::FAILED, "boom").ok());
+  ASSERT_TRUE((*store)->Transition("cancelled", v1::CANCELLED, "").ok());
+  const int64_t cutoff = now;
+  now += 1000;
+  ASSERT_TRUE((*store)->Transition("late-cancelled", v1::CANCELLED, "").ok());
+
+  auto active = (*store)->ListActive();
+  ASSERT_TRUE(active.ok());
+  ASSERT_EQ(active->size(), 2u);
+  EXPECT_EQ((*active)[0].id(), "pending");
+  EXPECT_EQ((*active)[1].id(), "ready");
+  auto counts = (*store)->CountByState();
+  ASSERT_TRUE(counts.ok());
+  EXPECT_EQ(*counts,
+            (std::map<v1::JobState, int64_t>{{v1::PENDING, 1}, {v1::READY, 1}, {v1::FAILED, 1}, {v1::CANCELLED, 2}}));
+
+  auto deleted = (*store)->DeleteEndedBefore(cutoff, 1);  // one at a time, oldest first
+  ASSERT_TRUE(deleted.ok());
+  EXPECT_EQ(*deleted, 1);
+  EXPECT_EQ((*store)->Get("failed").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*store)->GetPlan("failed").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(*(*store)->DeleteEndedBefore(cutoff, 100), 1);  // "cancelled"
+  EXPECT_EQ(*(*store)->DeleteEndedBefore(cutoff, 100), 0);  // "late-cancelled" is newer; active ones stay
+  EXPECT_TRUE((*store)->Get("late-cancelled").ok());
+  EXPECT_EQ((*store)->List()->size(), 3u);
+}
+
+// The queries a server runs per submit, scrape or restart use the indexes, not a table scan.
+TEST(JobStore, ServerQueriesUseIndexes) {
+  const std::string path = DbPath("plans.db");
+  { ASSERT_TRUE(JobStore::Open(path).ok()); }
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  const auto plan = [db](const std::string& sql) {
+    std::string out;
+    sqlite3_stmt* stmt = nullptr;
+    EXPECT_EQ(sqlite3_prepare_v2(db, ("EXPLAIN QUERY PLAN " + sql).c_str(), -1, &stmt, nullptr), SQLITE_OK) << sql;
+    while (sqlite3_step(stmt) == SQLITE_ROW)
+      out += std::string(reinterpret_cast<const char*>(sqlite3_column_text(stmt, 3))) + ";";
+    sqlite3_finalize(stmt);
+    return out;
+  };
+  for (const char* sql : {"SELECT job FROM jobs WHERE state IN (1, 2, 3, 4) ORDER BY created_ms, id",
+                          "SELECT id FROM jobs WHERE state IN (5, 6) AND updated_ms < 10 ORDER BY updated_ms LIMIT 5",
+                          "SELECT job FROM jobs WHERE (created_ms, id) > (1, 'a') ORDER BY created_ms, id LIMIT 3"}) {
+    const std::string explained = plan(sql);
+    // SEARCH: a range of an index; SCAN would read every row.
+    EXPECT_TRUE(explained.find("SEARCH") != std::string::npos && explained.find("INDEX") != std::string::npos)
+        << sql << ": " << explained;
+  }
+  sqlite3_close(db);
 }
 
 TEST(JobStore, RefusesFilesThatAreNotJobDatabases) {

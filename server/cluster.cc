@@ -48,7 +48,11 @@ absl::StatusOr<v1::Job> Cluster::SubmitJob(const v1::SubmitJobRequest& request, 
 
 absl::StatusOr<v1::Job> Cluster::GetJob(const std::string& id) { return scheduler_->GetJob(id); }
 
-absl::StatusOr<std::vector<v1::Job>> Cluster::ListJobs() { return scheduler_->ListJobs(); }
+absl::StatusOr<jobs::JobStore::Page> Cluster::ListJobs(int page_size, const std::string& page_token) {
+  return scheduler_->ListJobs(page_size, page_token);
+}
+
+absl::StatusOr<std::map<v1::JobState, int64_t>> Cluster::CountJobsByState() { return scheduler_->CountJobsByState(); }
 
 absl::StatusOr<v1::Job> Cluster::CancelJob(const std::string& id) { return scheduler_->CancelJob(id); }
 

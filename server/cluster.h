@@ -69,14 +69,17 @@ class Cluster {
   // lists the held jobs the worker must unload.
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
   v1::ListWorkersResponse ListWorkers();
-  // Per job that has a runtime here: Infer calls queued or running on it (metrics).
+  // Per job that has not ended: Infer calls queued or running on it (metrics).
   std::map<std::string, int> InferQueueDepths();
 
   // `client`: who submits (Job.submitted_by); RESOURCE_EXHAUSTED when it already has
   // ClusterOptions::max_jobs_per_client jobs that have not ended.
   absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request, const std::string& client = "");
   absl::StatusOr<v1::Job> GetJob(const std::string& id);
-  absl::StatusOr<std::vector<v1::Job>> ListJobs();
+  // One page of the jobs, oldest first (jobs::JobStore::ListPage: INVALID_ARGUMENT for a bad token).
+  absl::StatusOr<jobs::JobStore::Page> ListJobs(int page_size, const std::string& page_token = "");
+  // Jobs by state (the store's count; states with none absent).
+  absl::StatusOr<std::map<v1::JobState, int64_t>> CountJobsByState();
   absl::StatusOr<v1::Job> CancelJob(const std::string& id);
   // Calls `emit` with the job's state and load progress whenever they change, until the job is
   // READY (and not recovering), FAILED or CANCELLED, `emit` returns false, `cancelled` turns true (checked at least

@@ -47,8 +47,17 @@ struct ClusterOptions {
   // reads itself (config.json, the tokenizer and head files).
   common::ModelRoot model_root;
   // Jobs one client may have that have not ended (PENDING to READY); 0: no limit. Ended jobs do
-  // not count, so cancelling one makes room.
+  // not count, so cancelling one makes room. A client is the common name of its verified TLS
+  // certificate, else its host: every client of one host (or one certificate) shares the quota.
+  // (Tokens name no client: every submitter holds the one cluster token.)
   int max_jobs_per_client = 16;
+  // Ended jobs (FAILED, CANCELLED) stay in the job database this long after they ended (GetJob,
+  // ListJobs show them), then the monitor deletes them; absl::InfiniteDuration(): kept for good.
+  // Jobs that have not ended are never deleted. The memory a job takes in the coordinator is freed
+  // when it ends, whatever this is.
+  absl::Duration job_retention = absl::Hours(24 * 7);
+  // How often the monitor looks for ended jobs past job_retention.
+  absl::Duration retention_sweep_interval = absl::Minutes(1);
   // Sent with every call to a worker (their --auth_token_file); empty: none.
   std::string worker_token;
   // The channels to the workers (TLS, common/grpc_tls.h); null: plaintext.

@@ -1,9 +1,11 @@
 #include "server/coordinator_server.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "common/grpc_auth.h"
 #include "common/grpc_serving.h"
@@ -29,19 +31,24 @@ grpc::Status Reply(absl::StatusOr<T> result, T* response) {
   return grpc::Status::OK;
 }
 
+// ListJobs' page sizes: when the request leaves it 0, and the most one page holds.
+constexpr int kDefaultJobsPage = 1000;
+constexpr int kMaxJobsPage = 1000;
+
 // Jobs by state and workers by health, read from the cluster when scraped (cheaper than keeping
 // gauges in step with every transition). Every state and both health values are always present, so
 // a state that empties reads 0 rather than vanishing.
 absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterCoordinatorMetrics(
     common::MetricsRegistry* registry, Cluster* cluster) {
   auto jobs_by_state = [cluster]() -> absl::StatusOr<std::vector<common::Sample>> {
-    ASSIGN_OR_RETURN(const std::vector<v1::Job> jobs, cluster->ListJobs());
-    std::map<int, int> count;
-    for (const v1::Job& job : jobs) ++count[job.state()];
+    // Counted by the database (one query), not by reading every job at every scrape.
+    using Counts = std::map<v1::JobState, int64_t>;
+    ASSIGN_OR_RETURN(Counts count, cluster->CountJobsByState());
     std::vector<common::Sample> samples;
     for (int state = v1::JobState_MIN; state <= v1::JobState_MAX; ++state) {
       if (!v1::JobState_IsValid(state) || state == v1::JOB_STATE_UNSPECIFIED) continue;
-      samples.push_back({{v1::JobState_Name(static_cast<v1::JobState>(state))}, static_cast<double>(count[state])});
+      const auto s = static_cast<v1::JobState>(state);
+      samples.push_back({{v1::JobState_Name(s)}, static_cast<double>(count[s])});
     }
     return samples;
   };
@@ -169,12 +176,18 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     RETURN_IF_DENIED(context, common::Access::kRead);
     return Reply(cluster_->GetJob(request->job_id()), response);
   }
-  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest*,
+  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request,
                         v1::ListJobsResponse* response) override {
     RETURN_IF_DENIED(context, common::Access::kRead);
-    auto jobs = cluster_->ListJobs();
-    if (!jobs.ok()) return common::ToGrpcStatus(jobs.status());
-    for (auto& j : *jobs) *response->add_jobs() = std::move(j);
+    if (request->page_size() < 0) {
+      return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("page_size must be >= 0, not ", request->page_size())};
+    }
+    // 0 (older clients): the default page; larger than the most: the most.
+    const int page_size = request->page_size() == 0 ? kDefaultJobsPage : std::min(request->page_size(), kMaxJobsPage);
+    auto page = cluster_->ListJobs(page_size, request->page_token());
+    if (!page.ok()) return common::ToGrpcStatus(page.status());
+    for (auto& j : page->jobs) *response->add_jobs() = std::move(j);
+    response->set_next_page_token(page->next_page_token);
     return grpc::Status::OK;
   }
   grpc::Status CancelJob(grpc::ServerContext* context, const v1::GetJobRequest* request, v1::Job* response) override {

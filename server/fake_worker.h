@@ -55,6 +55,12 @@ class FakeWorker final : public v1::Worker::Service {
   FakeWorker& operator=(const FakeWorker&) = delete;
 
   std::string Address() const { return address_; }
+  // Stops keeping the load and unload requests it gets (Loads(), WaitForUnload): for tests that
+  // measure the coordinator's memory over thousands of jobs in this process.
+  void KeepNoRequests() {
+    absl::MutexLock lock(&mu_);
+    keep_ = false;
+  }
 
   // Stops serving (calls in flight are cancelled): the worker is gone.
   void Shutdown() {
@@ -79,7 +85,7 @@ class FakeWorker final : public v1::Worker::Service {
                          grpc::ServerWriter<v1::LoadProgress>* writer) override {
     {
       absl::MutexLock lock(&mu_);
-      loads_.push_back(*request);
+      if (keep_) loads_.push_back(*request);
     }
     v1::LoadProgress progress;
     progress.set_phase(v1::LoadProgress::READY);
@@ -88,7 +94,7 @@ class FakeWorker final : public v1::Worker::Service {
   }
   grpc::Status Unload(grpc::ServerContext*, const v1::UnloadRequest* request, v1::UnloadResponse*) override {
     absl::MutexLock lock(&mu_);
-    unloaded_.push_back(request->job_id());
+    if (keep_) unloaded_.push_back(request->job_id());
     return grpc::Status::OK;
   }
   grpc::Status Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
@@ -137,6 +143,7 @@ class FakeWorker final : public v1::Worker::Service {
   std::string address_;
   std::unique_ptr<grpc::Server> server_;
   mutable absl::Mutex mu_;
+  bool keep_ ABSL_GUARDED_BY(mu_) = true;
   std::vector<v1::LoadShardRequest> loads_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> unloaded_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ForwardRequest> requests_ ABSL_GUARDED_BY(mu_);

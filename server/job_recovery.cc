@@ -53,7 +53,8 @@ absl::StatusOr<v1::PlanRequest> LocalPlanRequest(const common::ModelRoot& root, 
 absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
     jobs::JobStore& store, const common::ModelRoot& root, absl::Time deadline,
     const std::function<void(const absl::Status&, const std::string&)>& record) {
-  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, store.List());
+  // Only the jobs that have not ended (the index on state): the history is no work at start.
+  ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, store.ListActive());
   // A job this coordinator cannot take back: FAILED, saying why.
   const auto fail = [&](const v1::Job& job, absl::string_view why, const absl::Status& status) {
     record(store

@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -58,7 +59,11 @@ ABSL_FLAG(std::string, read_token_file, "",
           "a read-only bearer token (file; else $BERTSHARD_READ_TOKEN; needs --auth_token_file): when set, every "
           "other RPC (plans, listings, watches, inference) needs it or the cluster token");
 ABSL_FLAG(int, max_jobs_per_client, 16,
-          "jobs one client (TLS certificate name, else host) may have that have not ended; 0: no limit");
+          "jobs one client may have that have not ended; 0: no limit. A client is its verified TLS certificate's "
+          "common name, else its host: every client of one host shares it (tokens name no client)");
+ABSL_FLAG(absl::Duration, job_retention, absl::Hours(24 * 7),
+          "how long ended (FAILED, CANCELLED) jobs stay in the job database, listed and readable, before they are "
+          "deleted (e.g. 168h, 30m; inf: kept for good). Jobs that have not ended are never deleted");
 ABSL_FLAG(int, max_message_bytes, 256 << 20, "largest request or response message, bytes");
 
 namespace bertshard::server {
@@ -69,6 +74,7 @@ struct ServeOptions {
   CoordinatorOptions coordinator;
   std::string data_dir;  // created at start when the database lies in it; empty: none to create
   std::string metrics_listen;
+  std::vector<std::string> metrics_tokens;  // what a scrape must present; empty: open
   absl::Duration drain;
 };
 
@@ -113,6 +119,10 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
   }
   options.cluster.collective_timeout_seconds = absl::GetFlag(FLAGS_collective_timeout_s);
   options.cluster.readopt_grace = absl::GetFlag(FLAGS_readopt_grace);
+  options.cluster.job_retention = absl::GetFlag(FLAGS_job_retention);
+  if (options.cluster.job_retention < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--job_retention must be >= 0 (inf: keep ended jobs for good)");
+  }
   auto& batching = options.cluster.batching;
   batching.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   batching.max_batch_requests = absl::GetFlag(FLAGS_max_batch_requests);
@@ -126,6 +136,9 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
         batching.max_batch_tokens, ", ", batching.max_batch_requests, ", ", delay_ms, ", ", regroup_ms, ")"));
   }
   serve.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  // /metrics names jobs (the queue depth per job), which the RPCs show only to holders of the read
+  // token when one is set: so does the endpoint (Prometheus' bearer_token_file).
+  if (!read->empty()) serve.metrics_tokens = {*read, admin};
   serve.drain = absl::GetFlag(FLAGS_drain_timeout);
   return serve;
 }
@@ -146,7 +159,7 @@ int RunServer(ServeOptions serve) {
   common::MetricsRegistry metrics;
   std::unique_ptr<common::MetricsEndpoint> metrics_endpoint;
   if (!serve.metrics_listen.empty()) {
-    auto endpoint = common::MetricsEndpoint::Start(serve.metrics_listen, &metrics);
+    auto endpoint = common::MetricsEndpoint::Start(serve.metrics_listen, &metrics, serve.metrics_tokens);
     if (!endpoint.ok()) {
       std::fprintf(stderr, "bertshard-coordinator: --metrics_listen: %s\n", endpoint.status().ToString().c_str());
       return 1;

@@ -20,9 +20,9 @@
 // Thread safety: thread-safe. One lock (mu_) guards the jobs' runtimes, the index of PENDING jobs
 // and the scheduler's flags; it is taken before the pool's (never the other way round) and never
 // held during a gRPC call or while the whole job table is read (scheduling reads the PENDING index,
-// ListJobs lists the store before taking it; only Create reads the table under it, before anything
-// is served). Under it the store is read and written one job at a time. Each job load and each batch queue destroyed
-// off the lock runs on a thread of a ThreadGroup that is joined as the threads end.
+// ListJobs reads its page of the store before taking it; only Create reads the active jobs under
+// it, before anything is served). Under it the store is read and written one job at a time. Each job load and each
+// batch queue destroyed off the lock runs on a thread of a ThreadGroup that is joined as the threads end.
 #ifndef BERTSHARD_SERVER_SCHEDULER_H_
 #define BERTSHARD_SERVER_SCHEDULER_H_
 
@@ -52,7 +52,9 @@
 
 namespace bertshard::server {
 
-// One job as this coordinator runs it. Fields are guarded by the Scheduler's lock.
+// One job as this coordinator runs it, from its submission (or its recovery at start) until it
+// ends: then it is erased (a load in flight keeps its pointer until it sees `ended`), so memory
+// follows the live jobs, not the history. Fields are guarded by the Scheduler's lock.
 struct JobRuntime {
   v1::ShardPlan plan;
   std::string checkpoint;
@@ -107,7 +109,10 @@ class Scheduler final : public ForwardTargets {
   absl::StatusOr<v1::Job> SubmitJob(const v1::SubmitJobRequest& request, const std::string& client)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::Job> GetJob(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<std::vector<v1::Job>> ListJobs() ABSL_LOCKS_EXCLUDED(mu_);
+  // One page of the jobs, oldest first (jobs::JobStore::ListPage), recovering filled in.
+  absl::StatusOr<jobs::JobStore::Page> ListJobs(int page_size, const std::string& page_token) ABSL_LOCKS_EXCLUDED(mu_);
+  // Jobs by state, counted by the store (metrics).
+  absl::StatusOr<std::map<v1::JobState, int64_t>> CountJobsByState() ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::Job> CancelJob(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status WatchJob(const std::string& id, absl::Time deadline,
                         const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled)
@@ -125,7 +130,7 @@ class Scheduler final : public ForwardTargets {
                                   const std::function<absl::Status(const std::shared_ptr<JobRuntime>& serving,
                                                                    const absl::StatusOr<v1::Job>& job)>& use)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Calls `visit` under the lock for every job with a runtime here.
+  // Calls `visit` under the lock for every job with a runtime here (the jobs that have not ended).
   void ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit)
       ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -190,6 +195,9 @@ class Scheduler final : public ForwardTargets {
   // StoreErrorLocked when `status` is not OK: for writes whose refusal changes nothing else here.
   void RecordLocked(const absl::Status& status, const std::string& what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MonitorLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Deletes ended jobs older than options_.job_retention from the store, at most once per
+  // retention_sweep_interval (sooner while a backlog remains).
+  void SweepEndedJobsLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ClusterOptions options_;
   const std::unique_ptr<jobs::JobStore> store_;  // thread-safe on its own
@@ -202,6 +210,7 @@ class Scheduler final : public ForwardTargets {
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
   // A planning the job database refused: the monitor schedules again until it is taken.
   bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time next_retention_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::string last_store_error_ ABSL_GUARDED_BY(mu_);  // the last one logged, not repeated
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;  // Drain() was called

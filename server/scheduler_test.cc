@@ -3,6 +3,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "server/fake_worker.h"
@@ -179,10 +181,67 @@ TEST_F(SchedulerTest, SaysWhyAJobDoesNotServeAndListsWithoutTheServingLock) {
   ASSERT_TRUE(seen.ok()) << seen.status();
   EXPECT_EQ(seen->state(), v1::PENDING);
   // ListJobs from inside the serving lock would deadlock if it listed under that lock.
-  auto listed = scheduler_->ListJobs();
+  auto listed = scheduler_->ListJobs(10, "");
   ASSERT_TRUE(listed.ok()) << listed.status();
-  ASSERT_EQ(listed->size(), 1u);
-  EXPECT_EQ((*listed)[0].id(), job.id());
+  ASSERT_EQ(listed->jobs.size(), 1u);
+  EXPECT_EQ(listed->jobs[0].id(), job.id());
+}
+
+// An ended job keeps no runtime (its plan, progress, serving state): memory follows the live jobs.
+// Its record stays in the store.
+TEST_F(SchedulerTest, AnEndedJobKeepsNoRuntime) {
+  FakeWorker worker;
+  Register(worker);
+  const v1::Job ready = Settled(Submit(1).id());
+  ASSERT_EQ(ready.state(), v1::READY);
+  const v1::Job waiting = Submit(1);  // PENDING: the one worker is taken
+  const auto runtimes = [this] {
+    std::vector<std::string> ids;
+    scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime&) { ids.push_back(id); });
+    return ids;
+  };
+  EXPECT_EQ(runtimes(), (std::vector<std::string>{ready.id(), waiting.id()}));
+  ASSERT_TRUE(scheduler_->CancelJob(ready.id()).ok());
+  const v1::Job placed = Settled(waiting.id());  // the freed worker takes the waiting job
+  EXPECT_EQ(placed.state(), v1::READY);
+  EXPECT_EQ(runtimes(), std::vector<std::string>{waiting.id()});
+  ASSERT_TRUE(scheduler_->CancelJob(waiting.id()).ok());
+  EXPECT_TRUE(runtimes().empty());
+  EXPECT_EQ(scheduler_->GetJob(ready.id())->state(), v1::CANCELLED);
+  EXPECT_EQ(scheduler_->CountJobsByState()->at(v1::CANCELLED), 2);
+  // Ended jobs do not count against the client's quota, and cannot be cancelled again.
+  EXPECT_EQ(scheduler_->CancelJob(ready.id()).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// --job_retention: ended jobs older than it leave the database at the monitor's next sweep; jobs
+// that have not ended stay, however old.
+TEST(SchedulerRetention, EndedJobsPastRetentionAreDeleted) {
+  ClusterOptions options;
+  options.heartbeat_interval = absl::Milliseconds(40);  // the monitor looks every 10 ms
+  options.job_retention = absl::Milliseconds(200);
+  options.retention_sweep_interval = absl::Milliseconds(20);
+  WorkerPool pool(options, "test");
+  auto store = jobs::JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  auto scheduler = Scheduler::Create(options, *std::move(store), &pool);
+  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  const std::filesystem::path dir = std::filesystem::path(testing::TempDir()) / "retention_model";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
+  v1::SubmitJobRequest submit;
+  submit.mutable_request()->set_checkpoint(dir.string());
+  auto ended = (*scheduler)->SubmitJob(submit, "test");
+  auto waiting = (*scheduler)->SubmitJob(submit, "test");  // PENDING: no workers
+  ASSERT_TRUE(ended.ok() && waiting.ok());
+  ASSERT_TRUE((*scheduler)->CancelJob(ended->id()).ok());
+  EXPECT_TRUE((*scheduler)->GetJob(ended->id()).ok());  // kept for the retention period
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while ((*scheduler)->GetJob(ended->id()).ok() && absl::Now() < give_up) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ((*scheduler)->GetJob(ended->id()).status().code(), absl::StatusCode::kNotFound);
+  absl::SleepFor(absl::Milliseconds(300));  // well past retention
+  auto still = (*scheduler)->GetJob(waiting->id());
+  ASSERT_TRUE(still.ok()) << still.status();
+  EXPECT_EQ(still->state(), v1::PENDING);
 }
 
 }  // namespace

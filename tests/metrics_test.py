@@ -211,6 +211,17 @@ def main():
         status, headers = http_status("http://%s/metrics" % address, "POST")
         expect(status, 405, "POST /metrics on %s" % address)
         expect(headers.get("Allow"), "GET", "Allow header of the 405")
+    # Once the job ends its series go, on the coordinator at once and on each worker with its
+    # unload (sent in the background): /metrics follows the live jobs, not the history.
+    run(["cancel", job])
+    c3 = Scrape(args.coordinator_metrics)
+    expect(c3.children("bertshard_coordinator_infer_queue_depth").get((("job", job),)), None,
+           "queue depth of the cancelled job")
+    expect(c3.get("bertshard_coordinator_jobs", state="CANCELLED"), 1.0, "CANCELLED jobs")
+    deadline = time.time() + 30
+    while any(job in Scrape(w).text for w in workers):
+        assert time.time() < deadline, "a worker still exposes the cancelled job's series"
+        time.sleep(0.1)
     print("metrics_test: OK (coordinator %s, workers %s, job %s)" % (args.coordinator_metrics, workers, job))
 
 

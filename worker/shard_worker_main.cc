@@ -12,12 +12,14 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "common/grpc_auth.h"
 #include "common/grpc_serving.h"
 #include "common/metrics.h"
 #include "common/metrics_endpoint.h"
@@ -41,6 +43,9 @@ ABSL_FLAG(std::string, coordinator, "", "coordinator host:port to register with 
 ABSL_FLAG(std::string, advertise, "", "host:port the coordinator reaches this worker at; default 127.0.0.1:<port>");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port for the Prometheus endpoint GET /metrics (port 0: any free port; empty: none)");
+ABSL_FLAG(std::string, read_token_file, "",
+          "the cluster's read token (file; else $BERTSHARD_READ_TOKEN; needs --auth_token_file): when set, GET "
+          "/metrics (which names jobs) needs it or the cluster token as a bearer token");
 ABSL_FLAG(std::string, gemm, "auto",
           "CPU matrix products of loaded shards: blas (at::linear), onednn (MKL-DNN, weights prepacked at "
           "load), or auto (time both for each job's shape and threads at its load, take the faster)");
@@ -56,8 +61,9 @@ struct ServeOptions {
   WorkerServiceOptions service;  // its metrics are set at start
   std::string listen;
   std::string metrics_listen;
-  std::string coordinator;  // empty: serve unregistered
-  std::string advertise;    // empty: 127.0.0.1:<the port served>
+  std::vector<std::string> metrics_tokens;  // what a scrape must present; empty: open
+  std::string coordinator;                  // empty: serve unregistered
+  std::string advertise;                    // empty: 127.0.0.1:<the port served>
   std::string device;
   std::string gpu_bus_id;
   std::shared_ptr<grpc::ServerCredentials> server_credentials;
@@ -105,6 +111,13 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
                    .gpu = *gpu};
   serve.listen = absl::GetFlag(FLAGS_listen);
   serve.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  const absl::StatusOr<std::string> read =
+      common::LoadToken(absl::GetFlag(FLAGS_read_token_file), "BERTSHARD_READ_TOKEN");
+  if (!read.ok()) return absl::InvalidArgumentError(read.status().message());
+  if (!read->empty() && security->token.empty()) {
+    return absl::InvalidArgumentError("a read token needs the cluster token (--auth_token_file)");
+  }
+  if (!read->empty()) serve.metrics_tokens = {*read, security->token};
   serve.coordinator = absl::GetFlag(FLAGS_coordinator);
   serve.server_credentials = security->server_credentials;
   serve.coordinator_credentials = security->peer_credentials;
@@ -122,7 +135,7 @@ int RunServer(ServeOptions serve) {
   std::unique_ptr<common::MetricsEndpoint> metrics_endpoint;
   if (!serve.metrics_listen.empty()) {
     auto registered = WorkerMetrics::Register(&metrics);
-    auto endpoint = common::MetricsEndpoint::Start(serve.metrics_listen, &metrics);
+    auto endpoint = common::MetricsEndpoint::Start(serve.metrics_listen, &metrics, serve.metrics_tokens);
     if (!registered.ok() || !endpoint.ok()) {
       const absl::Status error = !registered.ok() ? registered.status() : endpoint.status();
       std::fprintf(stderr, "shard-worker: --metrics_listen: %s\n", error.ToString().c_str());

@@ -5,7 +5,10 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/fault_point.h"
@@ -23,20 +26,46 @@
 namespace bertshard::worker {
 namespace {
 
-// A job's children of the worker's metric families; all null without metrics.
+// A job's children of the worker's metric families; all null without metrics. The series stay
+// while any copy does (`hold`), then leave the families.
 struct JobMetrics {
   common::Counter* loaded_bytes = nullptr;
   common::Histogram* forward_seconds = nullptr;
   common::Histogram* forward_rows = nullptr;
+  std::shared_ptr<void> hold;
 };
 
+}  // namespace
+
+struct WorkerMetrics::SeriesHolders {
+  absl::Mutex mu;
+  std::map<std::vector<std::string>, int> count ABSL_GUARDED_BY(mu);  // by {job, rank}
+};
+
+namespace {
+
+// Called once the load request has been checked, as the load begins: a refused request makes no
+// series. Two loads of one job and rank (one refused as a duplicate) share them.
 absl::StatusOr<JobMetrics> MetricsForJob(const WorkerMetrics* metrics, const std::string& job_id, int rank) {
   JobMetrics job;
   if (metrics == nullptr) return job;
   const std::vector<std::string> labels = {job_id, std::to_string(rank)};
+  absl::MutexLock lock(&metrics->holders->mu);
   ASSIGN_OR_RETURN(job.loaded_bytes, metrics->loaded_bytes->WithLabels(labels));
   ASSIGN_OR_RETURN(job.forward_seconds, metrics->forward_seconds->WithLabels(labels));
   ASSIGN_OR_RETURN(job.forward_rows, metrics->forward_rows->WithLabels(labels));
+  ++metrics->holders->count[labels];
+  // Released by the last copy: the failed load's, or the loaded shard's once unloaded and its last
+  // forward done (no one records into the series after).
+  job.hold = std::shared_ptr<void>(nullptr, [m = *metrics, labels](void*) {
+    absl::MutexLock lock(&m.holders->mu);
+    auto it = m.holders->count.find(labels);
+    if (it == m.holders->count.end() || --it->second > 0) return;
+    m.holders->count.erase(it);
+    m.loaded_bytes->Remove(labels);
+    m.forward_seconds->Remove(labels);
+    m.forward_rows->Remove(labels);
+  });
   return job;
 }
 
@@ -44,6 +73,7 @@ absl::StatusOr<JobMetrics> MetricsForJob(const WorkerMetrics* metrics, const std
 
 absl::StatusOr<WorkerMetrics> WorkerMetrics::Register(common::MetricsRegistry* registry) {
   WorkerMetrics metrics;
+  metrics.holders = std::make_shared<SeriesHolders>();
   ASSIGN_OR_RETURN(
       metrics.loaded_bytes,
       registry->AddCounter("bertshard_worker_loaded_bytes_total",

@@ -34,6 +34,9 @@ namespace bertshard::worker {
 //   bertshard_worker_loaded_bytes_total{job,rank}        checkpoint bytes read loading the shard
 //   bertshard_worker_forward_duration_seconds{job,rank}  histogram of successful forwards' time
 //   bertshard_worker_forward_rows{job,rank}              histogram of rows per forward (batch size)
+// A job's series exist while it loads or is loaded here: made once its LoadShard request has been
+// checked, removed when the load fails or the shard is let go (so refused or made-up loads leave
+// nothing behind in /metrics).
 struct WorkerMetrics {
   // Registers the families in `registry` (which must outlive the service). Errors as
   // MetricsRegistry::AddCounter (ALREADY_EXISTS if the names are taken by something else).
@@ -42,6 +45,9 @@ struct WorkerMetrics {
   common::CounterFamily* loaded_bytes = nullptr;
   common::HistogramFamily* forward_seconds = nullptr;
   common::HistogramFamily* forward_rows = nullptr;
+  // How many loads and shards hold each job's series (worker_service.cc); shared by copies.
+  struct SeriesHolders;
+  std::shared_ptr<SeriesHolders> holders;
 };
 
 struct WorkerServiceOptions {

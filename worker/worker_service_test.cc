@@ -313,6 +313,39 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   EXPECT_TRUE(worker.service->HeldShards().empty());
 }
 
+// A job's series exist while it loads or is loaded: refused loads with made-up job ids leave
+// /metrics as it was (3,000 of them grew it from 8.4 KB to 8.4 MB for good), and a loaded job's
+// series go with its unload.
+TEST(WorkerService, MetricSeriesOnlyForLoadedJobs) {
+  common::MetricsRegistry registry;
+  auto metrics = WorkerMetrics::Register(&registry);
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  RunningWorker worker = StartWorker({.metrics = &*metrics});
+  const size_t before = registry.Render().size();
+  v1::LoadShardRequest load = OneRankLoad("/nonexistent/checkpoint", 0);
+  for (int i = 0; i < 3000; ++i) {
+    load.set_job_id("made-up-" + std::to_string(i));
+    const grpc::Status s = LoadToTheEnd(worker, load);
+    ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  }
+  const std::string after = registry.Render();
+  EXPECT_EQ(after.find("made-up-"), std::string::npos);
+  EXPECT_LE(after.size(), before + 64) << "refused loads left series behind";  // loose: same lines
+  EXPECT_EQ(metrics->loaded_bytes->size(), 0u);
+
+  load = OneRankLoad(kModel, ReservePort(worker));
+  ASSERT_TRUE(LoadToTheEnd(worker, load).ok());
+  const std::string loaded = registry.Render();
+  EXPECT_NE(loaded.find("bertshard_worker_loaded_bytes_total{job=\"j\",rank=\"0\"}"), std::string::npos) << loaded;
+  EXPECT_NE(loaded.find("bertshard_worker_forward_rows_count{job=\"j\",rank=\"0\"} 0"), std::string::npos);
+  // A second load of the loaded job is refused and leaves its series alone.
+  EXPECT_EQ(LoadToTheEnd(worker, load).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_NE(registry.Render().find("job=\"j\""), std::string::npos);
+  EXPECT_TRUE(worker.service->UnloadJob("j"));
+  EXPECT_EQ(registry.Render().find("job=\"j\""), std::string::npos);
+  EXPECT_EQ(metrics->forward_seconds->size(), 0u);
+}
+
 // A GPU worker (--device=cuda:N) serves NCCL only; built without NCCL (CI's build), it refuses
 // its loads before reading anything.
 TEST(WorkerService, AGpuWorkerServesNcclOnly) {
