@@ -67,8 +67,8 @@ TEST(JobChurn, EndedJobsLeaveNoMemoryLatencyOrMetricsBehind) {
   options.cluster.heartbeat_interval = absl::Hours(1);         // the fake never heartbeats
   auto server = CoordinatorServer::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = v1::Coordinator::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()),
-                                                           grpc::InsecureChannelCredentials()));
+  auto stub = v1::Coordinator::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials()));
   FakeWorker worker;
   worker.KeepNoRequests();
   {

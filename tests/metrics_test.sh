@@ -2,7 +2,8 @@
 # Starts a real coordinator and two workers on loopback, each with --metrics_listen, and runs
 # tests/metrics_test.py against them: real requests through shardctl, then both kinds of /metrics
 # scraped and parsed with prometheus_client's text parser (the reference client's), and the
-# counters checked to have moved by exactly the requests sent.
+# counters checked to have moved by exactly the requests sent; then a coordinator and a worker with a
+# read token, whose /metrics need it.
 #
 # Needs the project venv (BERTSHARD_VENV, from tools/python_env.sh; tools/test.sh passes it).
 # Without it the test says SKIPPED and passes, except under CI=true, where it fails.
@@ -46,3 +47,38 @@ refused "--metrics_listen: UNAVAILABLE: cannot serve metrics on $coordinator_met
   --model tests/testdata/model/bert_model
 # Every server drains and exits 0 with its metrics endpoint running.
 stop_cluster
+
+# With a read token, /metrics (which names jobs) needs it, or the cluster token, as a bearer token:
+# 401 without, as ListJobs is refused without. Prometheus sends it from bearer_token_file.
+printf 'metrics-cluster-secret\n' >"$WORK/cluster.token"
+printf 'metrics-read-secret\n' >"$WORK/read.token"
+"$COORDINATOR_BIN" --listen=127.0.0.1:0 --data_dir="$WORK/tokens" --metrics_listen=127.0.0.1:0 \
+  --auth_token_file="$WORK/cluster.token" --read_token_file="$WORK/read.token" --drain_timeout=1s \
+  >"$WORK/token-coordinator.log" 2>&1 &
+token_pids=($!)
+"$WORKER_BIN" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 --auth_token_file="$WORK/cluster.token" \
+  --read_token_file="$WORK/read.token" --drain_timeout=1s >"$WORK/token-worker.log" 2>&1 &
+token_pids+=($!)
+trap 'status=$?; kill "${token_pids[@]}" 2>/dev/null || true; [ "$status" -eq 0 ] || tail -n 40 "$WORK"/*.log >&2; exit "$status"' EXIT
+for log in token-coordinator token-worker; do
+  port=$(wait_for_metrics_port "$WORK/$log.log")
+  "$venv/bin/python" - "127.0.0.1:$port" "$log" <<'PY'
+import sys, urllib.error, urllib.request
+address, name = sys.argv[1], sys.argv[2]
+def status(token):
+    request = urllib.request.Request("http://%s/metrics" % address)
+    if token is not None:
+        request.add_header("Authorization", "Bearer " + token)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as e:
+        return e.code
+for token, expected in ((None, 401), ("wrong", 401), ("metrics-read-secret", 200), ("metrics-cluster-secret", 200)):
+    got = status(token)
+    assert got == expected, "%s /metrics with token %r: %d, expected %d" % (name, token, got, expected)
+print("metrics_test: %s /metrics needs the read token" % name)
+PY
+done
+kill -TERM "${token_pids[@]}"
+wait "${token_pids[@]}"
