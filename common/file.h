@@ -12,7 +12,7 @@
 //
 // Failure model: errors are statuses naming the path; nothing is read past the cap.
 //
-// Thread safety: thread-safe.
+// Thread safety: thread-safe. A ScopedFd is thread-compatible (one owner).
 #ifndef BERTSHARD_COMMON_FILE_H_
 #define BERTSHARD_COMMON_FILE_H_
 
@@ -39,6 +39,34 @@ inline constexpr int64_t kMaxVocabBytes = int64_t{64} << 20;
 // when it cannot be opened (callers say what it should have been); INVALID_ARGUMENT for anything
 // but a regular file, and for a larger one (both sizes said).
 absl::StatusOr<std::string> ReadCheckpointFile(const std::string& path, int64_t max_bytes);
+
+// A file descriptor that is closed when it goes. Move-only; -1 holds nothing.
+class ScopedFd {
+ public:
+  ScopedFd() = default;
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd();
+  ScopedFd(ScopedFd&& other) noexcept : fd_(other.release()) {}
+  ScopedFd& operator=(ScopedFd&& other) noexcept;
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// The bytes of the open file `fd` (`path` names it in errors), read as ReadCheckpointFile reads
+// them: INVALID_ARGUMENT for anything but a regular file and for one over `max_bytes`; never read
+// past the size fstat says (a file growing meanwhile is read as it was).
+absl::StatusOr<std::string> ReadOpenRegularFile(int fd, const std::string& path, int64_t max_bytes);
 
 }  // namespace bertshard::common
 

@@ -56,6 +56,9 @@ namespace bertshard::server {
 struct JobRuntime {
   v1::ShardPlan plan;
   std::string checkpoint;
+  // Read at submit (or when taken back after a restart) through the checkpoint's descriptors, off
+  // the lock; what the job serves with, whatever becomes of the files' names later.
+  std::shared_ptr<const JobAssets> assets;
   std::string backend = "gloo";  // "gloo" (CPU workers) or "nccl" (one rank per GPU)
   std::string submitted_by;      // counted against ClusterOptions::max_jobs_per_client until ended
   // FAILED or CANCELLED here (FailJobLocked), whether or not the store took the write: no load
