@@ -63,10 +63,10 @@ absl::Status System(const std::string& shown, int err) {
 
 absl::Status CheckLinkCount(const struct stat& st, const std::string& shown) {
   if (st.st_nlink == 1) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      shown, " has ", st.st_nlink,
-      " hard links; under a model root a checkpoint's files must have one (a hard link to a file outside "
-      "the root is that file)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(shown, " has ", st.st_nlink,
+                   " hard links; under a model root a checkpoint's files must have one (a hard link to a file outside "
+                   "the root is that file)"));
 }
 
 // `relative` walked beneath the root from `steps`, one component at a time, every step opened
@@ -103,8 +103,8 @@ absl::StatusOr<Walked> Walk(const ModelRoot& root, std::vector<Step> steps, absl
     struct stat st {};
     if (fstatat(at, c.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
       if (errno != ENOENT) return System(shown, errno);
-      return absl::NotFoundError(absl::StrCat(
-          shown, links > 0 ? " is a symbolic link to nothing" : " does not exist under the model root"));
+      return absl::NotFoundError(
+          absl::StrCat(shown, links > 0 ? " is a symbolic link to nothing" : " does not exist under the model root"));
     }
     if (S_ISLNK(st.st_mode)) {
       if (++links > kMaxLinks) {
@@ -146,8 +146,8 @@ absl::StatusOr<Walked> Walk(const ModelRoot& root, std::vector<Step> steps, absl
     }
     if (S_ISDIR(st.st_mode)) return absl::InvalidArgumentError(absl::StrCat(shown, " is a directory, not a file"));
     if (!S_ISREG(st.st_mode)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          shown, " is not a regular file (a FIFO, device or socket); a checkpoint's files must be"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(shown, " is not a regular file (a FIFO, device or socket); a checkpoint's files must be"));
     }
     // O_NONBLOCK: should it have become a FIFO since fstatat, the open does not wait for a writer.
     ScopedFd fd(openat(at, c.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC));
@@ -158,8 +158,8 @@ absl::StatusOr<Walked> Walk(const ModelRoot& root, std::vector<Step> steps, absl
     }
     if (fstat(fd.get(), &walked.st) != 0) return System(shown, errno);
     if (!S_ISREG(walked.st.st_mode)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          shown, " is not a regular file (a FIFO, device or socket); a checkpoint's files must be"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(shown, " is not a regular file (a FIFO, device or socket); a checkpoint's files must be"));
     }
     RETURN_IF_ERROR(CheckLinkCount(walked.st, shown));
     walked.file = std::move(fd);
@@ -244,8 +244,7 @@ absl::StatusOr<std::shared_ptr<const CheckpointDir>> CheckpointDir::Open(const M
   if (!root.confined()) {
     auto dir = std::make_shared<const ScopedFd>(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     const int err = dir->valid() ? 0 : errno;
-    return std::shared_ptr<const CheckpointDir>(
-        new CheckpointDir(root, {}, dir->valid() ? dir : nullptr, path, err));
+    return std::shared_ptr<const CheckpointDir>(new CheckpointDir(root, {}, dir->valid() ? dir : nullptr, path, err));
   }
   if (path.empty()) return absl::InvalidArgumentError("the checkpoint path is empty");
   std::string relative = path;
@@ -301,8 +300,8 @@ absl::StatusOr<MappableFile> CheckpointDir::OpenFile(absl::string_view name) con
       return errno == ENOENT ? absl::NotFoundError(why) : absl::InvalidArgumentError(why);
     }
     if (fstat(file.fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          shown, " is not a regular file (a FIFO, device or directory); a checkpoint's files must be"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(shown, " is not a regular file (a FIFO, device or directory); a checkpoint's files must be"));
     }
   }
   file.size = static_cast<int64_t>(st.st_size);

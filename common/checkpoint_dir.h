@@ -87,7 +87,7 @@ class CheckpointDir {
   absl::StatusOr<MappableFile> OpenFile(absl::string_view name) const;
 
   const ModelRoot root_;
-  const std::vector<Step> steps_;             // from the root down to the checkpoint (confined)
+  const std::vector<Step> steps_;              // from the root down to the checkpoint (confined)
   const std::shared_ptr<const ScopedFd> dir_;  // the checkpoint directory itself
   const std::string path_;
   const int open_errno_ = 0;  // unconfined: why the directory could not be opened (then dir_ is empty)

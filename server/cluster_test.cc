@@ -262,6 +262,9 @@ TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
   std::ofstream(base / "models" / "bert" / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
   std::ofstream(base / "outside" / "passwd") << "root:x:0:0:root:/root:/bin/bash\n";
   fs::create_symlink(base / "outside" / "passwd", base / "models" / "evil" / "config.json");
+  fs::create_directories(base / "models" / "hard");
+  std::ofstream(base / "outside" / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
+  fs::create_hard_link(base / "outside" / "config.json", base / "models" / "hard" / "config.json");
 
   for (const bool confined : {true, false}) {
     ClusterOptions options;
@@ -285,6 +288,10 @@ TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
       EXPECT_NE(refused.message().find("config.json is a symbolic link that leads outside the model root"),
                 std::string::npos)
           << refused;
+      // A hard link to a file outside the root is that file: refused (issue 21; it was planned).
+      const absl::Status hard = submit_path("hard");
+      EXPECT_EQ(hard.code(), absl::StatusCode::kInvalidArgument) << hard;
+      EXPECT_NE(hard.message().find("config.json has 2 hard links"), std::string::npos) << hard;
       const absl::Status outside = submit_path((base / "outside").string());
       EXPECT_EQ(outside.code(), absl::StatusCode::kInvalidArgument);
       EXPECT_NE(outside.message().find("outside the model root"), std::string::npos) << outside;
