@@ -184,19 +184,30 @@ std::string PathOf(const ModelRoot& root, const std::vector<Step>& steps) {
 // (symbolic or hard links), dangling links, more than kMaxEntries entries. Links to directories
 // inside the root are followed and their contents checked too, each directory once.
 absl::Status CheckTree(const ModelRoot& root, const std::vector<Step>& top, const std::string& path) {
+  // A directory still to list: named from its parent's steps, and opened only when listed, so that
+  // a wide tree holds a few descriptors at a time (its parents'), not one per directory found.
   struct Pending {
-    std::vector<Step> steps;
+    std::vector<Step> parent;
+    std::string name;      // "" for the checkpoint itself
     std::string relative;  // "" or "sub/"
   };
-  std::vector<Pending> pending = {{top, ""}};
+  std::vector<Pending> pending = {{top, "", ""}};
   std::set<std::pair<dev_t, ino_t>> visited;
   struct stat top_st {};
   if (fstat(CurrentFd(root, top), &top_st) == 0) visited.insert({top_st.st_dev, top_st.st_ino});
   int entries = 0;
   while (!pending.empty()) {
-    const Pending current = std::move(pending.back());
+    Pending current = std::move(pending.back());
     pending.pop_back();
-    const int at = CurrentFd(root, current.steps);
+    std::vector<Step> steps = std::move(current.parent);
+    if (!current.name.empty()) {
+      const std::string shown = absl::StrCat("checkpoint ", path, ": ", current.relative);
+      absl::StatusOr<Walked> reached = Walk(root, steps, current.name, Want::kAny, shown);
+      if (!reached.ok()) return absl::InvalidArgumentError(reached.status().message());
+      if (!S_ISDIR(reached->st.st_mode)) continue;  // changed since it was found; read time decides
+      steps = std::move(reached->steps);
+    }
+    const int at = CurrentFd(root, steps);
     // A descriptor of its own to list with: a dup would share the read position with other lists.
     DIR* listing = fdopendir(openat(at, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (listing == nullptr) {
@@ -214,8 +225,10 @@ absl::Status CheckTree(const ModelRoot& root, const std::vector<Step>& top, cons
       names.push_back(name);
     }
     closedir(listing);
+    const auto parent = std::make_shared<const std::vector<Step>>(std::move(steps));
     for (const std::string& name : names) {
-      const std::string shown = absl::StrCat("checkpoint ", path, ": ", current.relative, name);
+      const std::string relative = absl::StrCat(current.relative, name);
+      const std::string shown = absl::StrCat("checkpoint ", path, ": ", relative);
       struct stat st {};
       if (fstatat(at, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;  // gone meanwhile
       if (S_ISREG(st.st_mode)) {
@@ -223,14 +236,16 @@ absl::Status CheckTree(const ModelRoot& root, const std::vector<Step>& top, cons
         continue;
       }
       if (!S_ISLNK(st.st_mode) && !S_ISDIR(st.st_mode)) continue;  // refused when read, if read
-      absl::StatusOr<Walked> reached = Walk(root, current.steps, name, Want::kAny, shown);
+      absl::StatusOr<Walked> reached = Walk(root, *parent, name, Want::kAny, shown);
       if (!reached.ok()) {
         // A dangling link reads as nothing; refused anyway, since what it names may appear later.
         return absl::InvalidArgumentError(reached.status().message());
       }
       if (S_ISREG(reached->st.st_mode)) RETURN_IF_ERROR(CheckLinkCount(reached->st, shown));
+      // Linked directories too (what is read through a link must be checked as well), each once:
+      // links between directories cannot make the walk loop.
       if (S_ISDIR(reached->st.st_mode) && visited.insert({reached->st.st_dev, reached->st.st_ino}).second) {
-        pending.push_back({std::move(reached->steps), absl::StrCat(current.relative, name, "/")});
+        pending.push_back({*parent, name, absl::StrCat(relative, "/")});
       }
     }
   }

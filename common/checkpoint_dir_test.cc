@@ -2,6 +2,7 @@
 // opened is what is read, whatever is renamed, linked or swapped in afterwards.
 #include "common/checkpoint_dir.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -151,6 +152,20 @@ TEST_F(CheckpointDirTest, TheRootItselfAndLinkLoopsAndLimits) {
   ASSERT_TRUE(small.ok());
   EXPECT_EQ(small->limits().max_json_bytes, 7);
   EXPECT_EQ(CheckpointDir::Open(*small, "x").value()->limits().max_vocab_bytes, 9);
+}
+
+// Open's check of the tree holds a few descriptors at a time (the parents of what it lists), not
+// one per directory found: a wide checkpoint cannot run the server out of descriptors.
+TEST_F(CheckpointDirTest, AWideTreeIsCheckedWithFewDescriptors) {
+  for (int i = 0; i < 600; ++i) fs::create_directories(base_ / "models" / "bert" / ("d" + std::to_string(i)));
+  struct rlimit saved {};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  struct rlimit low = saved;
+  low.rlim_cur = 128;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  const absl::Status opened = CheckpointDir::Open(root_, "bert").status();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_TRUE(opened.ok()) << opened;
 }
 
 }  // namespace

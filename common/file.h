@@ -1,10 +1,11 @@
 // File: common/file.h
 // -----------------------------------------------------------------------------
 // Reading a whole (small) file: one a user named on the command line (request JSON, inputs,
-// configs, reports: any readable file, pipes included), or one of a checkpoint's small files that a
-// server reads on a request's behalf (config.json, vocab.txt, tokenizer_config.json), which must be
-// a regular file of bounded size, so that a FIFO cannot park a server thread and /dev/zero or a
-// sparse gigabyte cannot fill its memory.
+// configs, reports: any readable file, pipes included), or one of a checkpoint's small files, which
+// must be a regular file of bounded size, so that a FIFO cannot park a server thread and /dev/zero
+// or a sparse gigabyte cannot fill its memory. Servers read checkpoints through
+// common/checkpoint_dir.h (descriptors opened beneath the model root), which reads with
+// ReadOpenRegularFile; ReadCheckpointFile is the same rule for a file named by path (tools).
 //
 // Example:
 //   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, "request file"));

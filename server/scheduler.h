@@ -20,9 +20,10 @@
 // Thread safety: thread-safe. One lock (mu_) guards the jobs' runtimes, the index of PENDING jobs
 // and the scheduler's flags; it is taken before the pool's (never the other way round) and never
 // held during a gRPC call or while the whole job table is read (scheduling reads the PENDING index,
-// ListJobs lists the store before taking it; only Create reads the table under it, before anything
-// is served). Under it the store is read and written one job at a time. Each job load and each batch queue destroyed
-// off the lock runs on a thread of a ThreadGroup that is joined as the threads end.
+// ListJobs lists the store before taking it; only Create reads the table, and the taken-back jobs'
+// checkpoint assets, under it, before anything is served). Under it the store is read and written one job at a time.
+// Each job load and each batch queue destroyed off the lock runs on a thread of a ThreadGroup that is joined as the
+// threads end.
 #ifndef BERTSHARD_SERVER_SCHEDULER_H_
 #define BERTSHARD_SERVER_SCHEDULER_H_
 
