@@ -117,6 +117,7 @@ absl::StatusOr<Walked> Walk(const ModelRoot& root, std::vector<Step> steps, absl
         continue;
       }
       if (n <= 0) return System(shown, n < 0 ? errno : ENOENT);
+      if (static_cast<size_t>(n) >= sizeof(target) - 1) return System(shown, ENAMETOOLONG);  // maybe cut short
       const absl::string_view to(target, static_cast<size_t>(n));
       if (to.front() == '/') {
         std::optional<std::string> rest = UnderRoot(root.root(), to);
