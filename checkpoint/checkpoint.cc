@@ -1,44 +1,45 @@
 #include "checkpoint/checkpoint.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace bertshard::checkpoint {
-namespace {
-
-// Whether `path` names anything, readable or not: an unreadable file is then reported by the
-// open that fails ("Permission denied"), not mistaken for an absent one.
-bool Exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& directory) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const common::CheckpointDir> dir,
+                   common::CheckpointDir::Open(common::ModelRoot(), directory));
+  return Open(*dir);
+}
+
+absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const common::CheckpointDir& dir) {
   auto ckpt = std::unique_ptr<Checkpoint>(new Checkpoint());
+  const std::string& directory = dir.path();
   ckpt->directory_ = directory;
-  const std::string single = directory + "/model.safetensors";
   const std::string index_path = directory + "/model.safetensors.index.json";
-  std::vector<std::string> shard_names;
+  // Every file is opened once, through the directory's descriptor, and mapped from that
+  // descriptor: what was checked is what is read.
+  std::vector<common::MappableFile> shards;
   // With both present, the single file wins and the index is not read: transformers'
   // from_pretrained looks for model.safetensors first, and serving the weights HF would load keeps
   // the parity tests' promise (save_pretrained deletes the other form, so both only meet when a
   // directory was assembled by hand).
-  if (Exists(single)) {
-    shard_names.push_back("model.safetensors");
-  } else if (Exists(index_path)) {
-    std::ifstream in(index_path);
-    std::stringstream text;
-    text << in.rdbuf();
-    const auto index = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  absl::StatusOr<common::MappableFile> single = dir.OpenForMap("model.safetensors");
+  if (single.ok()) {
+    shards.push_back(*std::move(single));
+  } else if (single.status().code() != absl::StatusCode::kNotFound) {
+    return single.status();
+  } else {
+    absl::StatusOr<std::string> text = dir.ReadSmallFile("model.safetensors.index.json", dir.limits().max_json_bytes);
+    if (text.status().code() == absl::StatusCode::kNotFound) {
+      return absl::NotFoundError(
+          absl::StrCat("checkpoint ", directory, " has neither model.safetensors nor model.safetensors.index.json"));
+    }
+    if (!text.ok()) return text.status();
+    const auto index = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
     if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
         !index["weight_map"].is_object()) {
       return absl::InvalidArgumentError(
@@ -47,6 +48,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
     if (index["weight_map"].empty()) {
       return absl::InvalidArgumentError(absl::StrCat(index_path, " has an empty weight_map: it names no shard file"));
     }
+    std::vector<std::string> names;    // each shard file once, in the index's order
     std::vector<std::string> missing;  // shard files the index names that are not there
     for (const auto& [tensor, file] : index["weight_map"].items()) {
       // A bare file name in this directory: no path (a separator, "." or "..") may lead elsewhere.
@@ -57,9 +59,16 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
             absl::StrCat(index_path, ": tensor ", tensor, " maps to a bad shard file name"));
       }
       const std::string name = file.get<std::string>();
-      if (std::find(shard_names.begin(), shard_names.end(), name) != shard_names.end()) continue;
-      shard_names.push_back(name);
-      if (!Exists(directory + "/" + name)) missing.push_back(name);
+      if (std::find(names.begin(), names.end(), name) != names.end()) continue;
+      names.push_back(name);
+      absl::StatusOr<common::MappableFile> shard = dir.OpenForMap(name);
+      if (shard.ok()) {
+        shards.push_back(*std::move(shard));
+      } else if (shard.status().code() == absl::StatusCode::kNotFound) {
+        missing.push_back(name);
+      } else {
+        return shard.status();
+      }
     }
     // All of them at once: a partly copied checkpoint lacks several, and one error per retry would
     // hide how much is missing.
@@ -68,12 +77,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
           "checkpoint ", directory, ": model.safetensors.index.json names shard file", missing.size() == 1 ? " " : "s ",
           absl::StrJoin(missing, ", "), missing.size() == 1 ? ", which is" : ", which are", " missing"));
     }
-  } else {
-    return absl::NotFoundError(
-        absl::StrCat("checkpoint ", directory, " has neither model.safetensors nor model.safetensors.index.json"));
   }
-  for (const std::string& name : shard_names) {
-    auto file = SafetensorsFile::Open(directory + "/" + name);
+  for (const common::MappableFile& shard : shards) {
+    auto file = SafetensorsFile::OpenDescriptor(shard.fd.get(), shard.path);
     if (!file.ok()) return file.status();
     for (const auto& [tensor, info] : (*file)->tensors()) {
       if (!ckpt->index_.emplace(tensor, file->get()).second) {

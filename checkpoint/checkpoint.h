@@ -6,6 +6,7 @@
 //
 // Example:
 //   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open("/models/bert-base-uncased"));
+//   ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(*dir));  // a CheckpointDir (common/checkpoint_dir.h)
 //   ASSIGN_OR_RETURN(auto where, ckpt->Find("bert.pooler.dense.weight", {}));
 //
 // Thread safety: thread-compatible after Open.
@@ -19,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "checkpoint/safetensors.h"
+#include "common/checkpoint_dir.h"
 
 namespace bertshard::checkpoint {
 
@@ -36,6 +38,11 @@ class Checkpoint {
   // malformed index (no weight_map object, an empty one, a shard name that is not a bare file
   // name) or shard, or a tensor stored in two shards.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& directory);
+  // As above, from a directory opened (and, under a model root, confined) beforehand: every file
+  // is opened through it and mapped from its descriptor (common/checkpoint_dir.h), so a name
+  // swapped for a link after the check is never followed. INVALID_ARGUMENT as the directory's
+  // reads refuse (a link leading out, a hard link under a root, anything but a regular file).
+  static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const common::CheckpointDir& dir);
 
   // The tensor stored under `name`, or else under the first of `aliases` that is stored (HF
   // stores tied tensors once). NOT_FOUND names the tensor and the aliases tried.

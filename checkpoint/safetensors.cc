@@ -142,22 +142,22 @@ int64_t TensorInfo::numel() const {
 }
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO is refused below (not a regular file) instead of waiting for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
   }
-  struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Bad(path, "not a regular file");
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    return Bad(path, absl::StrCat("file is ", size, " bytes, shorter than the 8-byte header length"));
-  }
-  void* map = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  auto file = OpenDescriptor(fd, path);
   ::close(fd);
+  return file;
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::OpenDescriptor(int fd, const std::string& path) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return Bad(path, "not a regular file");
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < 8) return Bad(path, absl::StrCat("file is ", size, " bytes, shorter than the 8-byte header length"));
+  void* map = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   if (map == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot map ", path, ": ", std::strerror(errno)));
   const auto* bytes = static_cast<const uint8_t*>(map);
   uint64_t header_len = 0;

@@ -69,6 +69,10 @@ class SafetensorsFile {
   // (begin > end) or outside the data section, shape x dtype size != byte length, tensors not
   // contiguous or overlapping. NOT_FOUND if the file cannot be opened.
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  // As Open, mapping the file `fd` is open on (`path` names it in errors); the caller keeps `fd`
+  // (the mapping does not need it once this returns). How a checkpoint's weights are read: from
+  // the descriptor its directory opened and checked (common/checkpoint_dir.h), never by path again.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> OpenDescriptor(int fd, const std::string& path);
 
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;

@@ -22,18 +22,32 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path, absl::stri
   return text.str();
 }
 
+ScopedFd::~ScopedFd() {
+  if (fd_ >= 0) close(fd_);
+}
+
+ScopedFd& ScopedFd::operator=(ScopedFd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = other.release();
+  }
+  return *this;
+}
+
 absl::StatusOr<std::string> ReadCheckpointFile(const std::string& path, int64_t max_bytes) {
   // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, for good.
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
+  ScopedFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
+  if (!fd.valid()) return absl::NotFoundError(absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
+  return ReadOpenRegularFile(fd.get(), path, max_bytes);
+}
+
+absl::StatusOr<std::string> ReadOpenRegularFile(int fd, const std::string& path, int64_t max_bytes) {
   struct stat st {};
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat(path, " is not a regular file (a FIFO, device or directory); a checkpoint's files must be"));
   }
   if (st.st_size > max_bytes) {
-    close(fd);
     return absl::InvalidArgumentError(
         absl::StrCat(path, " is ", st.st_size, " bytes; at most ", max_bytes, " are read of such a file"));
   }
@@ -42,17 +56,12 @@ absl::StatusOr<std::string> ReadCheckpointFile(const std::string& path, int64_t 
   size_t done = 0;
   // Up to the size fstat said: a file that grows meanwhile is read as it was, never past the cap.
   while (done < bytes.size()) {
-    const ssize_t n = read(fd, bytes.data() + done, bytes.size() - done);
+    const ssize_t n = pread(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      close(fd);
-      return absl::InvalidArgumentError(absl::StrCat("error reading ", path, ": ", std::strerror(err)));
-    }
+    if (n < 0) return absl::InvalidArgumentError(absl::StrCat("error reading ", path, ": ", std::strerror(errno)));
     if (n == 0) break;  // shrank meanwhile
     done += static_cast<size_t>(n);
   }
-  close(fd);
   bytes.resize(done);
   return bytes;
 }

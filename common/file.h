@@ -1,10 +1,11 @@
 // File: common/file.h
 // -----------------------------------------------------------------------------
 // Reading a whole (small) file: one a user named on the command line (request JSON, inputs,
-// configs, reports: any readable file, pipes included), or one of a checkpoint's small files that a
-// server reads on a request's behalf (config.json, vocab.txt, tokenizer_config.json), which must be
-// a regular file of bounded size, so that a FIFO cannot park a server thread and /dev/zero or a
-// sparse gigabyte cannot fill its memory.
+// configs, reports: any readable file, pipes included), or one of a checkpoint's small files, which
+// must be a regular file of bounded size, so that a FIFO cannot park a server thread and /dev/zero
+// or a sparse gigabyte cannot fill its memory. Servers read checkpoints through
+// common/checkpoint_dir.h (descriptors opened beneath the model root), which reads with
+// ReadOpenRegularFile; ReadCheckpointFile is the same rule for a file named by path (tools).
 //
 // Example:
 //   ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, "request file"));
@@ -12,7 +13,7 @@
 //
 // Failure model: errors are statuses naming the path; nothing is read past the cap.
 //
-// Thread safety: thread-safe.
+// Thread safety: thread-safe. A ScopedFd is thread-compatible (one owner).
 #ifndef BERTSHARD_COMMON_FILE_H_
 #define BERTSHARD_COMMON_FILE_H_
 
@@ -39,6 +40,34 @@ inline constexpr int64_t kMaxVocabBytes = int64_t{64} << 20;
 // when it cannot be opened (callers say what it should have been); INVALID_ARGUMENT for anything
 // but a regular file, and for a larger one (both sizes said).
 absl::StatusOr<std::string> ReadCheckpointFile(const std::string& path, int64_t max_bytes);
+
+// A file descriptor that is closed when it goes. Move-only; -1 holds nothing.
+class ScopedFd {
+ public:
+  ScopedFd() = default;
+  explicit ScopedFd(int fd) : fd_(fd) {}
+  ~ScopedFd();
+  ScopedFd(ScopedFd&& other) noexcept : fd_(other.release()) {}
+  ScopedFd& operator=(ScopedFd&& other) noexcept;
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    const int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// The bytes of the open file `fd` (`path` names it in errors), read as ReadCheckpointFile reads
+// them: INVALID_ARGUMENT for anything but a regular file and for one over `max_bytes`; never read
+// past the size fstat says (a file growing meanwhile is read as it was).
+absl::StatusOr<std::string> ReadOpenRegularFile(int fd, const std::string& path, int64_t max_bytes);
 
 }  // namespace bertshard::common
 

@@ -1,4 +1,5 @@
-// Model-root confinement on real directory trees made per test (symbolic links included).
+// Model-root confinement on real directory trees made per test (symbolic links included): which
+// checkpoint directories CheckpointDir::Open takes under a root.
 #include "common/model_root.h"
 
 #include <unistd.h>
@@ -7,6 +8,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/checkpoint_dir.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::common {
@@ -30,9 +32,14 @@ class ModelRootTest : public testing::Test {
     root_ = *root;
   }
   static void Write(const fs::path& p, const std::string& text) { std::ofstream(p) << text; }
+  absl::StatusOr<std::string> Resolve(const std::string& path) {
+    absl::StatusOr<std::shared_ptr<const CheckpointDir>> dir = CheckpointDir::Open(root_, path);
+    if (!dir.ok()) return dir.status();
+    return (*dir)->path();
+  }
   // The refusal's message, or "" when `path` resolved.
   std::string Refusal(const std::string& path) {
-    auto r = root_.Resolve(path);
+    auto r = Resolve(path);
     if (r.ok()) return "";
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
     EXPECT_EQ(std::string(r.status().message()).find("root:x"), std::string::npos) << "a file's contents leaked";
@@ -45,10 +52,10 @@ class ModelRootTest : public testing::Test {
 
 TEST_F(ModelRootTest, ACheckpointInsideResolvesToItsCanonicalPath) {
   const std::string want = fs::canonical(base_ / "models" / "bert").string();
-  EXPECT_EQ(*root_.Resolve("bert"), want);
-  EXPECT_EQ(*root_.Resolve("./bert/"), want);
-  EXPECT_EQ(*root_.Resolve((base_ / "models" / "bert").string()), want);
-  EXPECT_EQ(*root_.Resolve("bert/1_Pooling/.."), want);
+  EXPECT_EQ(*Resolve("bert"), want);
+  EXPECT_EQ(*Resolve("./bert/"), want);
+  EXPECT_EQ(*Resolve((base_ / "models" / "bert").string()), want);
+  EXPECT_EQ(*Resolve("bert/1_Pooling/.."), want);
 }
 
 TEST_F(ModelRootTest, DotDotAndAbsolutePathsOutsideAreRefused) {
@@ -113,7 +120,11 @@ TEST_F(ModelRootTest, AHugeDirectoryIsRefused) {
 TEST(ModelRoot, UnconfinedPassesPathsThroughAndABadRootIsRefused) {
   ModelRoot none;
   EXPECT_FALSE(none.confined());
-  EXPECT_EQ(*none.Resolve("../anything"), "../anything");
+  EXPECT_EQ(none.fd(), -1);
+  auto dir = CheckpointDir::Open(none, "../anything");
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  EXPECT_EQ((*dir)->path(), "../anything");
+  EXPECT_EQ((*dir)->ReadSmallFile("config.json", 100).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ModelRoot::Open("/no/such/dir").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ModelRoot::Open("/etc/passwd").status().code(), absl::StatusCode::kInvalidArgument);
 }

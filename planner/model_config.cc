@@ -216,8 +216,14 @@ absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json) {
 }
 
 absl::StatusOr<HfConfig> ReadCheckpointConfig(const std::string& directory) {
-  const std::string path = directory + "/config.json";
-  absl::StatusOr<std::string> text = common::ReadCheckpointFile(path, common::kMaxCheckpointJsonBytes);
+  ASSIGN_OR_RETURN(std::shared_ptr<const common::CheckpointDir> dir,
+                   common::CheckpointDir::Open(common::ModelRoot(), directory));
+  return ReadCheckpointConfig(*dir);
+}
+
+absl::StatusOr<HfConfig> ReadCheckpointConfig(const common::CheckpointDir& dir) {
+  const std::string path = dir.path() + "/config.json";
+  absl::StatusOr<std::string> text = dir.ReadSmallFile("config.json", dir.limits().max_json_bytes);
   if (text.status().code() == absl::StatusCode::kNotFound) {
     return absl::NotFoundError(absl::StrCat("checkpoint config ", path,
                                             " cannot be read: the checkpoint must be a "
@@ -233,7 +239,13 @@ absl::StatusOr<HfConfig> ReadCheckpointConfig(const std::string& directory) {
 
 absl::Status ResolveCheckpoint(v1::PlanRequest* request) {
   if (request->checkpoint().empty()) return absl::OkStatus();
-  auto hf = ReadCheckpointConfig(request->checkpoint());
+  ASSIGN_OR_RETURN(std::shared_ptr<const common::CheckpointDir> dir,
+                   common::CheckpointDir::Open(common::ModelRoot(), request->checkpoint()));
+  return ResolveCheckpoint(*dir, request);
+}
+
+absl::Status ResolveCheckpoint(const common::CheckpointDir& dir, v1::PlanRequest* request) {
+  auto hf = ReadCheckpointConfig(dir);
   if (!hf.ok()) {
     // A missing checkpoint is the caller's argument, not server state.
     return absl::InvalidArgumentError(hf.status().message());

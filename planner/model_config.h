@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "bertshard/v1/plan.pb.h"
+#include "common/checkpoint_dir.h"
 
 namespace bertshard::planner {
 
@@ -61,13 +62,20 @@ struct HfConfig {
 // type, a non-integer size, or an architecture that is not one of the nine BERT classes.
 absl::StatusOr<HfConfig> ParseHfConfigJson(absl::string_view json);
 
-// Reads `<directory>/config.json`. NOT_FOUND when it does not exist; INVALID_ARGUMENT when it is
-// not a valid config.
+// Reads `<directory>/config.json` (a regular file of at most the directory's max_json_bytes, read
+// through its descriptor: common/checkpoint_dir.h). NOT_FOUND when it does not exist;
+// INVALID_ARGUMENT when it is not a valid config, or the directory refuses it.
+absl::StatusOr<HfConfig> ReadCheckpointConfig(const common::CheckpointDir& dir);
+// As above, `directory` opened unconfined.
 absl::StatusOr<HfConfig> ReadCheckpointConfig(const std::string& directory);
 
 // Fills the request's unset config fields and unset variant from its checkpoint's config.json
-// (explicit request fields win). No-op without a checkpoint.
+// (explicit request fields win). No-op without a checkpoint. The checkpoint is opened unconfined:
+// a server opens it under its model root and calls the overload below.
 absl::Status ResolveCheckpoint(v1::PlanRequest* request);
+// As above, from `dir` (whatever the request's checkpoint field says). INVALID_ARGUMENT when the
+// config cannot be read or is not valid.
+absl::Status ResolveCheckpoint(const common::CheckpointDir& dir, v1::PlanRequest* request);
 
 }  // namespace bertshard::planner
 

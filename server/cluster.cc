@@ -102,13 +102,14 @@ absl::StatusOr<std::shared_ptr<JobServing>> Cluster::ServingFor(const std::strin
           serving_options.batching = options_.batching;
           serving_options.batch_observer = options_.batch_observer;
           serving_options.forward_timeout = options_.forward_timeout;
-          // The checkpoint as the coordinator reads it, resolved again on the first request (off
-          // the lock): the directory may have changed since the job was submitted.
-          auto checkpoint_dir = [root = options_.model_root, checkpoint = runtime.checkpoint] {
-            return root.Resolve(checkpoint);
-          };
-          runtime.job_serving = std::make_shared<JobServing>(job_id, runtime.plan, std::move(checkpoint_dir),
-                                                             scheduler_.get(), serving_options);
+          // The assets read when the job was submitted (or taken back), through the checkpoint's
+          // descriptors: never looked up by path again, so no later change to the directory can
+          // turn a serving job's requests away, and no request waits on a file.
+          std::shared_ptr<const JobAssets> assets =
+              runtime.assets != nullptr ? runtime.assets
+                                        : RefusedJobAssets(absl::InternalError("the job's assets were not read"));
+          runtime.job_serving =
+              std::make_shared<JobServing>(job_id, runtime.plan, std::move(assets), scheduler_.get(), serving_options);
         }
         serving = runtime.job_serving;
         return absl::OkStatus();

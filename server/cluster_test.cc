@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/model_root.h"
 #include "gtest/gtest.h"
 #include "jobs/job_store.h"
 #include "planner/planner.h"
@@ -21,16 +22,17 @@ std::string Address(int rank) { return "127.0.0.1:" + std::to_string(9 + rank); 
 class ClusterRestart : public ::testing::Test {
  protected:
   // Stores job `id` as a stopped coordinator left it in `state` (PLANNED, LOADING or READY).
-  void StoreJob(const std::string& id, v1::JobState state) {
+  void StoreJob(const std::string& id, v1::JobState state, v1::ModelVariant variant = v1::BERT_FOR_MASKED_LM,
+                const std::string& checkpoint = "/models/unused") {
     auto store = jobs::JobStore::Open(path_);
     ASSERT_TRUE(store.ok()) << store.status();
     v1::PlanRequest request;
-    request.set_variant(v1::BERT_FOR_MASKED_LM);
+    request.set_variant(variant);
     request.mutable_parallel()->set_tp_size(2);
     request.mutable_parallel()->set_pp_size(2);
     auto plan = planner::Plan(request);  // BERT-base's configuration: no checkpoint to read
     ASSERT_TRUE(plan.ok()) << plan.status();
-    request.set_checkpoint("/models/unused");  // what a submitted job has; never read here
+    request.set_checkpoint(checkpoint);  // what a submitted job has; "/models/unused" is never there
     v1::Job job;
     job.set_id(id);
     *job.mutable_request() = request;
@@ -51,8 +53,9 @@ class ClusterRestart : public ::testing::Test {
     }
   }
 
-  void Start(absl::Duration grace = absl::Seconds(30)) {
+  void Start(absl::Duration grace = absl::Seconds(30), const common::ModelRoot& root = common::ModelRoot()) {
     ClusterOptions options;
+    options.model_root = root;
     options.database_path = path_;
     options.heartbeat_interval = absl::Seconds(2);
     options.readopt_grace = grace;
@@ -119,6 +122,41 @@ TEST_F(ClusterRestart, TakesBackAJobWhoseRanksAllReturn) {
   v1::RegisterWorkerResponse told = cluster_->RegisterWorker(stray);
   ASSERT_EQ(told.unload_job_ids_size(), 1);
   EXPECT_EQ(told.unload_job_ids(0), "job-1");
+}
+
+// Issue 21: the serving assets re-checked the checkpoint directory at the first Embed and kept the
+// refusal, so a READY job whose directory changed meanwhile (the race flipped model.safetensors to
+// a link leading out) answered every Embed FAILED_PRECONDITION for good. The assets are read when
+// the job is taken back (or submitted), through the directory's descriptors, and served as read.
+TEST_F(ClusterRestart, AReadyJobKeepsItsAssetsWhateverHappensToItsDirectoryLater) {
+  namespace fs = std::filesystem;
+  const fs::path base = fs::path(std::getenv("TEST_TMPDIR")) / "cluster_assets_kept";
+  fs::remove_all(base);
+  fs::create_directories(base / "models" / "bert");
+  fs::create_directories(base / "outside");
+  std::ofstream(base / "models" / "bert" / "config.json") << R"({"architectures": ["BertModel"]})";
+  std::ofstream(base / "models" / "bert" / "modules.json")
+      << R"([{"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}])";
+  fs::create_directories(base / "models" / "bert" / "1_Pooling");
+  std::ofstream(base / "models" / "bert" / "1_Pooling" / "config.json") << R"({"pooling_mode_cls_token": true})";
+  std::ofstream(base / "outside" / "model.safetensors") << "not these weights";
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY, v1::BERT_MODEL, "bert"));
+  ASSERT_NO_FATAL_FAILURE(Start(absl::Seconds(30), common::ModelRoot::Open((base / "models").string()).value()));
+  for (int r = 0; r < kWorld; ++r) Register(r, {Held("job-1", r, 3)});
+  ASSERT_EQ(Job("job-1").state(), v1::READY);
+  // Now the directory holds a link out of the root, as the race leaves it half the time.
+  fs::create_symlink(base / "outside" / "model.safetensors", base / "models" / "bert" / "model.safetensors");
+  v1::EmbedRequest embed;
+  embed.set_job_id("job-1");
+  v1::TokenInputs* tokens = embed.mutable_tokens();
+  tokens->set_rows(1);
+  tokens->set_seq(3);
+  for (int64_t id : {101, 7592, 102}) tokens->add_input_ids(id);
+  // The assets hold: the request gets as far as the ranks (which this test does not run, so the
+  // forward is UNAVAILABLE), not turned away for the checkpoint's configuration.
+  const absl::Status served = cluster_->Embed(embed, absl::Now() + absl::Seconds(10)).status();
+  EXPECT_EQ(served.code(), absl::StatusCode::kUnavailable) << served;
+  EXPECT_EQ(served.message().find("sentence-transformers"), std::string::npos) << served;
 }
 
 // Not a restart: a worker that lost touch and registers again keeps its job if it holds its rank.
@@ -224,6 +262,9 @@ TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
   std::ofstream(base / "models" / "bert" / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
   std::ofstream(base / "outside" / "passwd") << "root:x:0:0:root:/root:/bin/bash\n";
   fs::create_symlink(base / "outside" / "passwd", base / "models" / "evil" / "config.json");
+  fs::create_directories(base / "models" / "hard");
+  std::ofstream(base / "outside" / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
+  fs::create_hard_link(base / "outside" / "config.json", base / "models" / "hard" / "config.json");
 
   for (const bool confined : {true, false}) {
     ClusterOptions options;
@@ -247,6 +288,10 @@ TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
       EXPECT_NE(refused.message().find("config.json is a symbolic link that leads outside the model root"),
                 std::string::npos)
           << refused;
+      // A hard link to a file outside the root is that file: refused (issue 21; it was planned).
+      const absl::Status hard = submit_path("hard");
+      EXPECT_EQ(hard.code(), absl::StatusCode::kInvalidArgument) << hard;
+      EXPECT_NE(hard.message().find("config.json has 2 hard links"), std::string::npos) << hard;
       const absl::Status outside = submit_path((base / "outside").string());
       EXPECT_EQ(outside.code(), absl::StatusCode::kInvalidArgument);
       EXPECT_NE(outside.message().find("outside the model root"), std::string::npos) << outside;
@@ -258,7 +303,10 @@ TEST(ClusterModelRoot, SubmitsOnlyCheckpointsUnderTheRootAndNeverQuotesAFile) {
       plan.set_checkpoint("bert");
       auto local = (*cluster)->LocalRequest(plan);
       ASSERT_TRUE(local.ok()) << local.status();
-      EXPECT_EQ(local->checkpoint(), fs::canonical(base / "models" / "bert").string());
+      // config.json read once, through the directory's descriptor: the planner gets its fields,
+      // not a path to read again.
+      EXPECT_EQ(local->variant(), v1::BERT_FOR_MASKED_LM);
+      EXPECT_EQ(local->checkpoint(), "");
     } else {
       EXPECT_NE(refused.message().find("config.json is not a valid JSON object"), std::string::npos) << refused;
     }

@@ -4,13 +4,13 @@
 
 namespace bertshard::server {
 
-std::shared_ptr<const JobAssets> LoadJobAssets(const v1::ShardPlan& plan, const std::string& checkpoint) {
+std::shared_ptr<const JobAssets> LoadJobAssets(const v1::ShardPlan& plan, const common::CheckpointDir& checkpoint) {
   auto assets = std::make_shared<JobAssets>();
   auto options = tokenizer::ReadTokenizerConfig(checkpoint);
   if (!options.ok()) {
     assets->tokenizer_status = options.status();
   } else {
-    auto tok = tokenizer::WordPieceTokenizer::FromVocabFile(checkpoint + "/vocab.txt", *options);
+    auto tok = tokenizer::WordPieceTokenizer::FromCheckpoint(checkpoint, *options);
     if (tok.ok()) {
       assets->tokenizer = *std::move(tok);
     } else {

@@ -2,10 +2,14 @@
 // -----------------------------------------------------------------------------
 // What serving a job needs from its checkpoint besides the weights: the WordPiece tokenizer and
 // the ids it adds, the sentence-transformers pooling configuration (BertModel jobs) and the
-// classification labels. Read once, when the job is first served (server/job_serving.h).
+// classification labels. Read once, when the job is submitted (or taken back after a restart),
+// through the checkpoint directory's descriptors (common/checkpoint_dir.h): the files that were
+// checked are the ones served, whatever becomes of their names later, and no request ever waits
+// on a file read (server/job_serving.h holds the assets without a lock).
 //
 // Example:
-//   std::shared_ptr<const JobAssets> assets = LoadJobAssets(plan, "/models/bert-base-uncased");
+//   ASSIGN_OR_RETURN(auto dir, common::CheckpointDir::Open(model_root, "bert-base-uncased"));
+//   std::shared_ptr<const JobAssets> assets = LoadJobAssets(plan, *dir);
 //   if (assets->tokenizer == nullptr) return assets->tokenizer_status;
 //
 // Failure model: loading never fails as a whole; each missing or malformed piece keeps its error,
@@ -21,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "bertshard/v1/plan.pb.h"
+#include "common/checkpoint_dir.h"
 #include "serving/heads.h"
 #include "serving/pooling.h"
 #include "tokenizer/wordpiece.h"
@@ -43,8 +48,9 @@ struct JobAssets {
 };
 
 // Reads what it can; never fails as a whole (see JobAssets).
-std::shared_ptr<const JobAssets> LoadJobAssets(const v1::ShardPlan& plan, const std::string& checkpoint);
-// Assets of a checkpoint that may not be read (`why`: outside the model root): each part says why.
+std::shared_ptr<const JobAssets> LoadJobAssets(const v1::ShardPlan& plan, const common::CheckpointDir& checkpoint);
+// Assets of a checkpoint that cannot be read (`why`: refused by the model root, gone after a
+// restart): each part says why.
 std::shared_ptr<const JobAssets> RefusedJobAssets(const absl::Status& why);
 
 }  // namespace bertshard::server

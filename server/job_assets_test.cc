@@ -17,6 +17,10 @@ v1::ShardPlan Plan(v1::ModelVariant variant) {
   return planner::Plan(request).value();  // BERT-base's configuration
 }
 
+std::shared_ptr<const JobAssets> Load(const v1::ShardPlan& plan, const fs::path& dir) {
+  return LoadJobAssets(plan, *common::CheckpointDir::Open(common::ModelRoot(), dir.string()).value());
+}
+
 fs::path Checkpoint(const std::string& name, bool with_vocab) {
   const fs::path dir = fs::path(testing::TempDir()) / name;
   fs::create_directories(dir);
@@ -26,7 +30,7 @@ fs::path Checkpoint(const std::string& name, bool with_vocab) {
 }
 
 TEST(LoadJobAssets, ReadsTheTokenizerItsIdsAndTheLabels) {
-  auto assets = LoadJobAssets(Plan(v1::BERT_MODEL), Checkpoint("full", true).string());
+  auto assets = Load(Plan(v1::BERT_MODEL), Checkpoint("full", true));
   ASSERT_NE(assets->tokenizer, nullptr) << assets->tokenizer_status;
   EXPECT_EQ(assets->cls_id, 2);
   EXPECT_EQ(assets->sep_id, 3);
@@ -39,7 +43,7 @@ TEST(LoadJobAssets, ReadsTheTokenizerItsIdsAndTheLabels) {
 }
 
 TEST(LoadJobAssets, AMissingVocabularyIsAnErrorOfItsOwn) {
-  auto assets = LoadJobAssets(Plan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION), Checkpoint("no_vocab", false).string());
+  auto assets = Load(Plan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION), Checkpoint("no_vocab", false));
   EXPECT_EQ(assets->tokenizer, nullptr);
   EXPECT_FALSE(assets->tokenizer_status.ok());
   EXPECT_EQ(assets->mask_id, -1);

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "planner/model_config.h"
 #include "planner/planner.h"
 #include "server/placement.h"
 
@@ -41,13 +42,20 @@ void JobRecovery::ForgetWorker(const std::string& worker_id) {
       reports.end());
 }
 
-absl::StatusOr<v1::PlanRequest> LocalPlanRequest(const common::ModelRoot& root, const v1::PlanRequest& request) {
-  v1::PlanRequest local = request;
-  if (!request.checkpoint().empty()) {
-    ASSIGN_OR_RETURN(std::string dir, root.Resolve(request.checkpoint()));
-    local.set_checkpoint(dir);
-  }
+absl::StatusOr<LocalCheckpoint> OpenLocalCheckpoint(const common::ModelRoot& root, const v1::PlanRequest& request) {
+  LocalCheckpoint local;
+  local.request = request;
+  if (request.checkpoint().empty()) return local;
+  ASSIGN_OR_RETURN(local.dir, common::CheckpointDir::Open(root, request.checkpoint()));
+  RETURN_IF_ERROR(planner::ResolveCheckpoint(*local.dir, &local.request));
+  // Read once, from the descriptor: the planner must not read config.json again by path.
+  local.request.clear_checkpoint();
   return local;
+}
+
+absl::StatusOr<v1::PlanRequest> LocalPlanRequest(const common::ModelRoot& root, const v1::PlanRequest& request) {
+  ASSIGN_OR_RETURN(LocalCheckpoint local, OpenLocalCheckpoint(root, request));
+  return std::move(local.request);
 }
 
 absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
@@ -89,6 +97,9 @@ absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
     RecoveredJob r;
     r.plan = *std::move(plan);
     r.backend = *backend;
+    const absl::StatusOr<std::shared_ptr<const common::CheckpointDir>> dir =
+        common::CheckpointDir::Open(root, job.request().checkpoint());
+    r.assets = dir.ok() ? LoadJobAssets(r.plan, **dir) : RefusedJobAssets(dir.status());
     if (job.state() == v1::PLANNED) {
       // Nothing was loading yet: place it again. Refused, the job stays PLANNED in the database and
       // is not placed; the next restart tries again (said on stderr).

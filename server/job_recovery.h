@@ -35,8 +35,10 @@
 #include "bertshard/v1/coordinator.pb.h"
 #include "bertshard/v1/job.pb.h"
 #include "bertshard/v1/worker.pb.h"
+#include "common/checkpoint_dir.h"
 #include "common/model_root.h"
 #include "jobs/job_store.h"
+#include "server/job_assets.h"
 #include "server/readoption.h"
 
 namespace bertshard::server {
@@ -59,8 +61,17 @@ struct JobRecovery {
   void ForgetWorker(const std::string& worker_id);
 };
 
-// `request` with its checkpoint resolved under `root` (common/model_root.h), for the coordinator's
-// own reads; INVALID_ARGUMENT when it is outside or not a checkpoint directory.
+// A request's checkpoint as this coordinator reads it: opened once under `root` (common/
+// checkpoint_dir.h), its config.json read through that descriptor and applied to the request, so
+// that the planner reads nothing by path.
+struct LocalCheckpoint {
+  v1::PlanRequest request;  // config and variant filled in from config.json; checkpoint cleared
+  std::shared_ptr<const common::CheckpointDir> dir;  // null when the request names no checkpoint
+};
+// INVALID_ARGUMENT when the checkpoint is outside the root, not a checkpoint directory, or its
+// config.json cannot be read or is not valid.
+absl::StatusOr<LocalCheckpoint> OpenLocalCheckpoint(const common::ModelRoot& root, const v1::PlanRequest& request);
+// OpenLocalCheckpoint's request, for the read-only Plan RPC.
 absl::StatusOr<v1::PlanRequest> LocalPlanRequest(const common::ModelRoot& root, const v1::PlanRequest& request);
 
 // What a restarted coordinator makes of one stored job that has not ended.
@@ -71,10 +82,14 @@ struct RecoveredJob {
   // Why it is PENDING again ("the coordinator restarted before loading"); empty otherwise.
   std::string pending_note;
   std::unique_ptr<JobRecovery> recovery;  // READY and LOADING jobs: waiting for their ranks
+  // Its serving assets, read again from its checkpoint under the root (each part's error, should
+  // the checkpoint be gone or refused now, is the requests' that need it).
+  std::shared_ptr<const JobAssets> assets;
 };
 
 // The stored jobs that have not ended, in the store's order: PENDING as they are, PLANNED back to
-// PENDING (ranks cleared), READY and LOADING recovering until `deadline`. Jobs stored without a
+// PENDING (ranks cleared), READY and LOADING recovering until `deadline`, each with its assets
+// read (before anything is served: the files are read here, never on a request). Jobs stored without a
 // plan are planned again (and the plan stored); jobs that cannot be are FAILED. The store's other
 // refusals go to `record(status, what was being done)`. Fails only when the store cannot be listed.
 absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(

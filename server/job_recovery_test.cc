@@ -1,7 +1,16 @@
 #include "server/job_recovery.h"
 
+#include <fcntl.h>
+#include <stdio.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
 #include <string>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "planner/planner.h"
@@ -229,6 +238,52 @@ TEST(SortHeldShards, AWorkerKeepsTheShardItServes) {
   EXPECT_FALSE(sorted.taken_back.has_value());
   EXPECT_TRUE(recovery.reports.empty());
   EXPECT_TRUE(sorted.decide.empty());
+}
+
+// Issue 21's rename race on the coordinator's side: config.json swapped with a link leading out of
+// the root (to a config of another shape) as fast as the box allows, for 2 s, while the Plan RPC's
+// path (LocalPlanRequest, then the planner) runs. No plan is ever made from the outside config.
+TEST(LocalPlanRequest, ARenameRaceNeverPlansFromAFileOutsideTheRoot) {
+  namespace fs = std::filesystem;
+  const fs::path base = fs::path(std::getenv("TEST_TMPDIR")) / "plan_race";
+  fs::remove_all(base);
+  fs::create_directories(base / "models" / "bert");
+  fs::create_directories(base / "models" / "spare");
+  fs::create_directories(base / "outside");
+  const auto config = [](int hidden) {
+    return R"({"architectures": ["BertForMaskedLM"], "hidden_size": )" + std::to_string(hidden) +
+           R"(, "num_attention_heads": 2, "intermediate_size": 64, "num_hidden_layers": 2})";
+  };
+  std::ofstream(base / "models" / "bert" / "config.json") << config(32);
+  std::ofstream(base / "outside" / "config.json") << config(64);
+  fs::create_symlink(base / "outside" / "config.json", base / "models" / "spare" / "config.json");
+  const std::string inside = (base / "models" / "bert" / "config.json").string();
+  const std::string spare = (base / "models" / "spare" / "config.json").string();
+  const common::ModelRoot root = common::ModelRoot::Open((base / "models").string()).value();
+
+  std::atomic<bool> stop{false};
+  std::thread swapper([&] {
+    while (!stop.load()) renameat2(AT_FDCWD, inside.c_str(), AT_FDCWD, spare.c_str(), RENAME_EXCHANGE);
+  });
+  int inside_plans = 0, outside_plans = 0, refused = 0;
+  v1::PlanRequest request;
+  request.set_checkpoint("bert");
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (std::chrono::steady_clock::now() < end) {
+    absl::StatusOr<v1::PlanRequest> local = LocalPlanRequest(root, request);
+    absl::StatusOr<v1::ShardPlan> plan = local.ok() ? planner::Plan(*local) : local.status();
+    if (!plan.ok()) {
+      ++refused;
+      continue;
+    }
+    (plan->config().hidden_size() == 32 ? inside_plans : outside_plans) += 1;
+  }
+  stop = true;
+  swapper.join();
+  std::cerr << "plans of the inside config " << inside_plans << ", of the outside one " << outside_plans << ", refused "
+            << refused << "\n";
+  EXPECT_GT(inside_plans + refused, 0);
+  EXPECT_EQ(outside_plans, 0);
 }
 
 }  // namespace

@@ -47,12 +47,11 @@ BatchPadding PaddingFor(const v1::ShardPlan& plan) {
 
 }  // namespace
 
-JobServing::JobServing(std::string job_id, v1::ShardPlan plan,
-                       std::function<absl::StatusOr<std::string>()> checkpoint_dir, ForwardTargets* targets,
-                       const JobServingOptions& options)
+JobServing::JobServing(std::string job_id, v1::ShardPlan plan, std::shared_ptr<const JobAssets> assets,
+                       ForwardTargets* targets, const JobServingOptions& options)
     : job_id_(std::move(job_id)),
       plan_(std::move(plan)),
-      checkpoint_dir_(std::move(checkpoint_dir)),
+      assets_(std::move(assets)),
       targets_(targets),
       forward_timeout_(options.forward_timeout),
       queue_(
@@ -63,16 +62,6 @@ JobServing::JobServing(std::string job_id, v1::ShardPlan plan,
           options.batch_observer) {}
 
 void JobServing::Close(const std::string& reason) { queue_.Close(reason); }
-
-std::shared_ptr<const JobAssets> JobServing::Assets() {
-  absl::MutexLock lock(&assets_mu_);
-  if (assets_ == nullptr) {
-    // Resolved now, not when the job was submitted: the directory may have changed since.
-    absl::StatusOr<std::string> dir = checkpoint_dir_();
-    assets_ = dir.ok() ? LoadJobAssets(plan_, *dir) : RefusedJobAssets(dir.status());
-  }
-  return assets_;
-}
 
 absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, int micro_batches,
                                                  const v1::ForwardWant& want) {
@@ -124,7 +113,7 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
 absl::StatusOr<v1::InferResponse> JobServing::Infer(const v1::InferRequest& request, absl::Time deadline,
                                                     const std::function<bool()>& cancelled) {
   CallCount count(&calls_);
-  const std::shared_ptr<const JobAssets> assets = Assets();
+  const std::shared_ptr<const JobAssets>& assets = assets_;
   if (request.top_k() < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", request.top_k()));
   ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
                                                      request.has_text() ? &request.text() : nullptr, plan_, *assets,
@@ -153,7 +142,7 @@ absl::StatusOr<v1::InferResponse> JobServing::Infer(const v1::InferRequest& requ
 absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                                     const std::function<bool()>& cancelled) {
   CallCount count(&calls_);
-  const std::shared_ptr<const JobAssets> assets = Assets();
+  const std::shared_ptr<const JobAssets>& assets = assets_;
   if (plan_.variant() != v1::BERT_MODEL) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", request.job_id(), " runs ", planner::HfClassName(plan_.variant()),

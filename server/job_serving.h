@@ -1,14 +1,14 @@
 // File: server/job_serving.h
 // -----------------------------------------------------------------------------
 // One served job's request path, the counterpart of text-embeddings-inference's router `Infer`:
-// a JobServing owns the job's serving assets (tokenizer, pooling configuration, labels: read on
-// first use), the preparation of each request's tokens, the job's BatchQueue, and the decoding of
-// what comes back. It asks the cluster only for the job's ranks for each forward, through
-// ForwardTargets; the forward itself goes to every rank at once (server/rank_fanout.h), and asks
-// the last stage for the small results when that is all the caller wants (server/output_decoding.h).
+// a JobServing holds the job's serving assets (tokenizer, pooling configuration, labels: read
+// before the job serves, server/job_assets.h, so no request waits on a file), the preparation of each request's tokens,
+// the job's BatchQueue, and the decoding of what comes back. It asks the cluster only for the job's ranks for each
+// forward, through ForwardTargets; the forward itself goes to every rank at once (server/rank_fanout.h), and asks the
+// last stage for the small results when that is all the caller wants (server/output_decoding.h).
 //
 // Example:
-//   JobServing serving("job-1", plan, [] { return std::string("/models/bert"); }, &cluster, options);
+//   JobServing serving("job-1", plan, LoadJobAssets(plan, *checkpoint_dir), &cluster, options);
 //   ASSIGN_OR_RETURN(v1::EmbedResponse response, serving.Embed(request, deadline, cancelled));
 //
 // Failure model: bad requests are INVALID_ARGUMENT (FAILED_PRECONDITION for what the job cannot
@@ -28,9 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.pb.h"
 #include "server/batch_queue.h"
@@ -67,10 +65,10 @@ struct JobServingOptions {
 
 class JobServing {
  public:
-  // `checkpoint_dir` says where the coordinator reads the checkpoint's serving files; it is called
-  // once, on the first request (an error there is each request's that needs the files).
-  JobServing(std::string job_id, v1::ShardPlan plan, std::function<absl::StatusOr<std::string>()> checkpoint_dir,
-             ForwardTargets* targets, const JobServingOptions& options);
+  // `assets` were read from the checkpoint beforehand (a part's error is each request's that needs
+  // that part); they are served as they are, never read again.
+  JobServing(std::string job_id, v1::ShardPlan plan, std::shared_ptr<const JobAssets> assets, ForwardTargets* targets,
+             const JobServingOptions& options);
   JobServing(const JobServing&) = delete;
   JobServing& operator=(const JobServing&) = delete;
 
@@ -87,18 +85,16 @@ class JobServing {
   int calls() const { return calls_.load(); }
 
  private:
-  std::shared_ptr<const JobAssets> Assets() ABSL_LOCKS_EXCLUDED(assets_mu_);
   // One merged forward on every rank of the job; runs on the queue's thread.
   absl::StatusOr<BatchOutputs> Forward(const v1::TokenInputs& merged, int micro_batches, const v1::ForwardWant& want);
 
   const std::string job_id_;
   const v1::ShardPlan plan_;
-  const std::function<absl::StatusOr<std::string>()> checkpoint_dir_;
+  // Immutable: read without a lock by every request (token ids included), never waiting on I/O.
+  const std::shared_ptr<const JobAssets> assets_;
   ForwardTargets* const targets_;
   const absl::Duration forward_timeout_;
   std::atomic<int> calls_{0};
-  absl::Mutex assets_mu_;  // reading the assets once
-  std::shared_ptr<const JobAssets> assets_ ABSL_GUARDED_BY(assets_mu_);
   BatchQueue queue_;  // last: destroyed first, its thread calls Forward
 };
 

@@ -71,6 +71,11 @@ v1::TokenInputs TwoRows() {
   return t;
 }
 
+// The assets of an empty checkpoint directory: the defaults.
+std::shared_ptr<const JobAssets> TempDirAssets(const v1::ShardPlan& plan) {
+  return LoadJobAssets(plan, *common::CheckpointDir::Open(common::ModelRoot(), testing::TempDir()).value());
+}
+
 class JobServingTest : public ::testing::Test {
  protected:
   void Serve(v1::ModelVariant variant) {
@@ -78,8 +83,8 @@ class JobServingTest : public ::testing::Test {
     JobServingOptions options;
     options.forward_timeout = absl::Seconds(30);
     // The checkpoint's files are SmallAssets' here: an empty directory gives the defaults.
-    serving_ = std::make_unique<JobServing>(
-        "job-1", SmallPlan(variant), [] { return std::string(testing::TempDir()); }, targets_.get(), options);
+    serving_ = std::make_unique<JobServing>("job-1", SmallPlan(variant), TempDirAssets(SmallPlan(variant)),
+                                            targets_.get(), options);
   }
   static absl::Time Soon() { return absl::Now() + absl::Seconds(30); }
 
@@ -153,9 +158,9 @@ TEST_F(JobServingTest, AFailedRankFailsTheJobAndTheRequest) {
     return grpc::Status(grpc::StatusCode::INTERNAL, "collective timed out");
   });
   targets_ = std::make_unique<Targets>(std::vector<RankStub>{first_.Rank("w0"), failing.Rank("w1")});
-  serving_ = std::make_unique<JobServing>(
-      "job-1", SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION), [] { return std::string(testing::TempDir()); },
-      targets_.get(), JobServingOptions());
+  serving_ = std::make_unique<JobServing>("job-1", SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION),
+                                          TempDirAssets(SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION)),
+                                          targets_.get(), JobServingOptions());
   v1::InferRequest request;
   *request.mutable_tokens() = TwoRows();
   auto response = serving_->Infer(request, Soon(), nullptr);

@@ -32,8 +32,13 @@ ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "host:port to serve on (port 0: 
 ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10), "how long in-flight calls may run after SIGTERM/SIGINT");
 ABSL_FLAG(std::string, data_dir, "bertshard-data", "directory for the coordinator's state");
 ABSL_FLAG(std::string, model_root, "",
-          "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; "
-          "symbolic links leading out are refused); empty: any path the coordinator can read");
+          "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; symbolic links "
+          "leading out and files with more than one hard link are refused); empty: any path the coordinator can read");
+ABSL_FLAG(int64_t, max_checkpoint_json_bytes, bertshard::common::kMaxCheckpointJsonBytes,
+          "most bytes read of a checkpoint's JSON files (config.json, tokenizer_config.json, the sentence-transformers "
+          "files); larger ones are refused");
+ABSL_FLAG(int64_t, max_vocab_bytes, bertshard::common::kMaxVocabBytes,
+          "most bytes read of a checkpoint's vocab.txt; a larger one is refused");
 ABSL_FLAG(std::string, database, "", "job database (SQLite); default <data_dir>/jobs.db");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Seconds(1),
           "workers' heartbeat interval; a worker silent for --missed_heartbeats intervals is dead");
@@ -88,7 +93,9 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
     serve.data_dir = absl::GetFlag(FLAGS_data_dir);
     options.cluster.database_path = serve.data_dir + "/jobs.db";
   }
-  absl::StatusOr<common::ModelRoot> root = common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root));
+  absl::StatusOr<common::ModelRoot> root = common::ModelRoot::Open(
+      absl::GetFlag(FLAGS_model_root), {.max_json_bytes = absl::GetFlag(FLAGS_max_checkpoint_json_bytes),
+                                        .max_vocab_bytes = absl::GetFlag(FLAGS_max_vocab_bytes)});
   if (!root.ok()) return absl::InvalidArgumentError(absl::StrCat("--model_root: ", root.status().message()));
   options.cluster.model_root = *root;
   absl::StatusOr<common::ServerSecurity> security = common::LoadServerSecurity(common::SecurityFlags());

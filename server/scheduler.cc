@@ -65,6 +65,7 @@ absl::Status Scheduler::RecoverJobsLocked() {
     auto runtime = std::make_shared<JobRuntime>();
     runtime->plan = std::move(job.plan);
     runtime->checkpoint = job.job.request().checkpoint();
+    runtime->assets = std::move(job.assets);
     runtime->backend = std::move(job.backend);
     runtime->submitted_by = job.job.submitted_by();
     runtime->pending_note = std::move(job.pending_note);
@@ -224,8 +225,11 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
     return absl::InvalidArgumentError("SubmitJob needs request.checkpoint: the model directory the workers load");
   }
   ASSIGN_OR_RETURN(const std::string backend, NormaliseBackend(request.backend()));
-  ASSIGN_OR_RETURN(const v1::PlanRequest local, LocalPlanRequest(options_.model_root, request.request()));
-  ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(local));
+  // The checkpoint opened once under the model root: config.json for the plan and the serving
+  // assets are read through its descriptors, here, off the lock.
+  ASSIGN_OR_RETURN(const LocalCheckpoint local, OpenLocalCheckpoint(options_.model_root, request.request()));
+  ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(local.request));
+  std::shared_ptr<const JobAssets> assets = LoadJobAssets(plan, *local.dir);
   absl::MutexLock lock(&mu_);
   if (options_.max_jobs_per_client > 0) {
     // Every job that has not ended has a runtime here (taken back at start, or submitted since),
@@ -259,6 +263,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   auto runtime = std::make_shared<JobRuntime>();
   runtime->plan = std::move(plan);
   runtime->checkpoint = request.request().checkpoint();
+  runtime->assets = std::move(assets);
   runtime->backend = backend;
   runtime->submitted_by = client;
   runtimes_[job.id()] = runtime;

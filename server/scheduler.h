@@ -20,9 +20,10 @@
 // Thread safety: thread-safe. One lock (mu_) guards the jobs' runtimes, the index of PENDING jobs
 // and the scheduler's flags; it is taken before the pool's (never the other way round) and never
 // held during a gRPC call or while the whole job table is read (scheduling reads the PENDING index,
-// ListJobs reads its page of the store before taking it; only Create reads the active jobs under
-// it, before anything is served). Under it the store is read and written one job at a time. Each job load and each
-// batch queue destroyed off the lock runs on a thread of a ThreadGroup that is joined as the threads end.
+// ListJobs reads its page of the store before taking it; only Create reads the active jobs, and the
+// taken-back jobs' checkpoint assets, under it, before anything is served). Under it the store is read
+// and written one job at a time. Each job load and each batch queue destroyed off the lock runs on a
+// thread of a ThreadGroup that is joined as the threads end.
 #ifndef BERTSHARD_SERVER_SCHEDULER_H_
 #define BERTSHARD_SERVER_SCHEDULER_H_
 
@@ -58,6 +59,9 @@ namespace bertshard::server {
 struct JobRuntime {
   v1::ShardPlan plan;
   std::string checkpoint;
+  // Read at submit (or when taken back after a restart) through the checkpoint's descriptors, off
+  // the lock; what the job serves with, whatever becomes of the files' names later.
+  std::shared_ptr<const JobAssets> assets;
   std::string backend = "gloo";  // "gloo" (CPU workers) or "nccl" (one rank per GPU)
   std::string submitted_by;      // counted against ClusterOptions::max_jobs_per_client until ended
   // FAILED or CANCELLED here (FailJobLocked), whether or not the store took the write: no load

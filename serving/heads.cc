@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/file.h"
+#include "common/checkpoint_dir.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -97,9 +97,18 @@ absl::Status CheckClasses(int64_t classes, const std::vector<std::string>& label
 }  // namespace
 
 absl::StatusOr<Labels> ReadLabels(const std::string& checkpoint_dir) {
-  const std::string path = checkpoint_dir + "/config.json";
-  ASSIGN_OR_RETURN(const std::string text, common::ReadFileToString(path, "model config"));
-  const json config = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  ASSIGN_OR_RETURN(std::shared_ptr<const common::CheckpointDir> dir,
+                   common::CheckpointDir::Open(common::ModelRoot(), checkpoint_dir));
+  return ReadLabels(*dir);
+}
+
+absl::StatusOr<Labels> ReadLabels(const common::CheckpointDir& dir) {
+  const std::string path = dir.path() + "/config.json";
+  absl::StatusOr<std::string> text = dir.ReadSmallFile("config.json", dir.limits().max_json_bytes);
+  if (!text.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot read model config ", path, ": ", text.status().message()));
+  }
+  const json config = json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (config.is_discarded() || !config.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
   }

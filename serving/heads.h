@@ -27,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "common/checkpoint_dir.h"
 #include "common/token_view.h"
 
 namespace bertshard::serving {
@@ -46,7 +47,10 @@ struct Labels {
 
 // Reads `checkpoint_dir`/config.json. INVALID_ARGUMENT, naming the file, when it cannot be read,
 // is not a JSON object, or has an id2label whose keys are not the integers 0..n-1 (JSON keys are
-// strings: "0", "1", ...) or whose values are not strings.
+// strings: "0", "1", ...) or whose values are not strings. Read through `dir`'s descriptor, a
+// regular file of at most its max_json_bytes (common/checkpoint_dir.h).
+absl::StatusOr<Labels> ReadLabels(const common::CheckpointDir& dir);
+// As above, `checkpoint_dir` opened unconfined.
 absl::StatusOr<Labels> ReadLabels(const std::string& checkpoint_dir);
 
 // Next sentence prediction's two classes (BertForNextSentencePrediction / the pre-training head's

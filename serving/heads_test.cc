@@ -1,5 +1,7 @@
 #include "serving/heads.h"
 
+#include <sys/stat.h>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -390,6 +392,15 @@ TEST_F(LabelsTest, BadConfigsNameTheFile) {
     WriteConfig(bad);
     EXPECT_EQ(ReadLabels(dir()).status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
+}
+
+// Issue 21: config.json's labels were read by path, a FIFO parking the reader for good. Refused at
+// once now, as anything but a regular file is.
+TEST_F(LabelsTest, AConfigThatIsAFifoIsRefusedAtOnce) {
+  ASSERT_EQ(mkfifo((dir_ / "config.json").c_str(), 0600), 0);
+  const absl::Status refused = ReadLabels(dir()).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), HasSubstr("config.json is not a regular file"));
 }
 
 }  // namespace

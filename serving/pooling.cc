@@ -3,12 +3,11 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <filesystem>
 #include <limits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "common/file.h"
+#include "common/checkpoint_dir.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -23,14 +22,15 @@ constexpr char kLegacyBert[] = "sentence_transformers.models.BERT";
 constexpr char kPooling[] = "sentence_transformers.models.Pooling";
 constexpr char kNormalize[] = "sentence_transformers.models.Normalize";
 
-// The JSON in `path`, or nullopt when the file does not exist (every file read here is optional
-// at some level; the caller decides).
-absl::StatusOr<std::optional<json>> ReadJsonFile(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return std::optional<json>();
-  ASSIGN_OR_RETURN(const std::string text, common::ReadFileToString(path, "sentence-transformers file"));
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, " is not valid JSON"));
+// The JSON of `dir`'s file `name`, or nullopt when the file does not exist (every file read here
+// is optional at some level; the caller decides). Read through the directory's descriptor, capped
+// at its max_json_bytes, regular files only (common/checkpoint_dir.h).
+absl::StatusOr<std::optional<json>> ReadJsonFile(const common::CheckpointDir& dir, const std::string& name) {
+  absl::StatusOr<std::string> text = dir.ReadSmallFile(name, dir.limits().max_json_bytes);
+  if (text.status().code() == absl::StatusCode::kNotFound) return std::optional<json>();
+  if (!text.ok()) return text.status();
+  json j = json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(dir.path(), "/", name, " is not valid JSON"));
   return std::optional<json>(std::move(j));
 }
 
@@ -134,10 +134,17 @@ const char* PoolingName(Pooling pooling) {
 }
 
 absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const std::string& checkpoint_dir) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const common::CheckpointDir> dir,
+                   common::CheckpointDir::Open(common::ModelRoot(), checkpoint_dir));
+  return ReadEmbeddingConfig(*dir);
+}
+
+absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const common::CheckpointDir& dir) {
   EmbeddingConfig config;
+  const std::string& checkpoint_dir = dir.path();
 
   const std::string sbert_path = checkpoint_dir + "/sentence_bert_config.json";
-  ASSIGN_OR_RETURN(const std::optional<json> sbert, ReadJsonFile(sbert_path));
+  ASSIGN_OR_RETURN(const std::optional<json> sbert, ReadJsonFile(dir, "sentence_bert_config.json"));
   if (sbert.has_value()) {
     if (!sbert->is_object()) return absl::InvalidArgumentError(absl::StrCat(sbert_path, " is not a JSON object"));
     if (sbert->contains("max_seq_length") && !(*sbert)["max_seq_length"].is_null()) {
@@ -150,7 +157,7 @@ absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const std::string& checkpoin
   }
 
   const std::string modules_path = checkpoint_dir + "/modules.json";
-  ASSIGN_OR_RETURN(const std::optional<json> modules, ReadJsonFile(modules_path));
+  ASSIGN_OR_RETURN(const std::optional<json> modules, ReadJsonFile(dir, "modules.json"));
   if (!modules.has_value()) return config;
   config.from_files = true;
   if (!modules->is_array()) return absl::InvalidArgumentError(absl::StrCat(modules_path, " is not a JSON list"));
@@ -184,9 +191,10 @@ absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const std::string& checkpoin
   if (!pooling_dir.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(modules_path, " lists no ", kPooling, " module"));
   }
-  const std::string pooling_path =
-      pooling_dir->empty() ? checkpoint_dir + "/config.json" : checkpoint_dir + "/" + *pooling_dir + "/config.json";
-  ASSIGN_OR_RETURN(const std::optional<json> pooling, ReadJsonFile(pooling_path));
+  // The module's path is the file's to say; under a model root the directory keeps it inside.
+  const std::string pooling_name = pooling_dir->empty() ? "config.json" : *pooling_dir + "/config.json";
+  const std::string pooling_path = checkpoint_dir + "/" + pooling_name;
+  ASSIGN_OR_RETURN(const std::optional<json> pooling, ReadJsonFile(dir, pooling_name));
   if (!pooling.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat("the Pooling module's ", pooling_path, " is missing"));
   }

@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "common/checkpoint_dir.h"
 
 namespace bertshard::serving {
 
@@ -56,7 +57,11 @@ struct EmbeddingConfig {
 // Pooling config without exactly one supported mode set (weighted mean and last-token pooling
 // are named as unsupported), modules.json without a Pooling module, or any module besides
 // Transformer, Pooling and Normalize (e.g. Dense): those would change the vectors, and ignoring
-// them would serve wrong embeddings. Without modules.json: defaults, from_files = false.
+// them would serve wrong embeddings. Without modules.json: defaults, from_files = false. Each file
+// is read through `dir`'s descriptor, a regular file of at most its max_json_bytes (a FIFO or a
+// sparse giant is INVALID_ARGUMENT at once; common/checkpoint_dir.h).
+absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const common::CheckpointDir& dir);
+// As above, `checkpoint_dir` opened unconfined.
 absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const std::string& checkpoint_dir);
 
 // One vector of `dim` floats per row of `hidden` ([rows, seq, dim] row-major), pooled over the

@@ -1,5 +1,8 @@
 #include "serving/pooling.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -283,6 +286,25 @@ TEST_F(Checkpoint, MalformedJsonNamesTheFile) {
   Write("sentence_bert_config.json", R"({"max_seq_length": 128})");
   Write("modules.json", R"({"0": "Transformer"})");
   EXPECT_THAT(ReadEmbeddingConfig(dir()).status().message(), HasSubstr("is not a JSON list"));
+}
+
+// Issue 21: the sentence-transformers files were read by path with no size cap and no regular-file
+// check: a FIFO parked the reading thread (the first Embed of the job, holding the assets' lock)
+// until a writer came, a sparse gigabyte cost a gigabyte. Now each is refused at once.
+TEST_F(Checkpoint, AFifoOrASparseGiantIsRefusedAtOnce) {
+  ASSERT_EQ(mkfifo((dir_ / "sentence_bert_config.json").c_str(), 0600), 0);
+  EXPECT_THAT(ReadEmbeddingConfig(dir()).status().message(),
+              HasSubstr("sentence_bert_config.json is not a regular file"));
+  fs::remove(dir_ / "sentence_bert_config.json");
+  ASSERT_EQ(mkfifo((dir_ / "modules.json").c_str(), 0600), 0);
+  EXPECT_THAT(ReadEmbeddingConfig(dir()).status().message(), HasSubstr("modules.json is not a regular file"));
+  fs::remove(dir_ / "modules.json");
+  WriteModules(/*normalize=*/false);
+  WritePooling("mean_tokens");
+  ASSERT_EQ(truncate((dir_ / "1_Pooling" / "config.json").c_str(), int64_t{1} << 30), 0);  // sparse: no disk
+  const absl::Status giant = ReadEmbeddingConfig(dir()).status();
+  EXPECT_EQ(giant.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(giant.message(), HasSubstr("1_Pooling/config.json is 1073741824 bytes; at most 4194304"));
 }
 
 }  // namespace

@@ -211,6 +211,22 @@ absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVoca
   return tok;
 }
 
+namespace {
+
+// One token per line (a trailing \r dropped): vocab.txt's format.
+std::vector<std::string> VocabLines(std::string text) {
+  std::vector<std::string> tokens;
+  std::istringstream in(std::move(text));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    tokens.push_back(line);
+  }
+  return tokens;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVocabFile(const std::string& path,
                                                                                       const TokenizerOptions& options) {
   absl::StatusOr<std::string> text = common::ReadCheckpointFile(path, common::kMaxVocabBytes);
@@ -218,14 +234,17 @@ absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVoca
     return absl::NotFoundError(absl::StrCat("cannot read vocabulary ", path));
   }
   if (!text.ok()) return text.status();
-  std::vector<std::string> tokens;
-  std::istringstream in(*std::move(text));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    tokens.push_back(line);
+  return FromVocab(VocabLines(*std::move(text)), options);
+}
+
+absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromCheckpoint(
+    const common::CheckpointDir& dir, const TokenizerOptions& options) {
+  absl::StatusOr<std::string> text = dir.ReadSmallFile("vocab.txt", dir.limits().max_vocab_bytes);
+  if (text.status().code() == absl::StatusCode::kNotFound) {
+    return absl::NotFoundError(absl::StrCat("cannot read vocabulary ", dir.path(), "/vocab.txt"));
   }
-  return FromVocab(std::move(tokens), options);
+  if (!text.ok()) return text.status();
+  return FromVocab(VocabLines(*std::move(text)), options);
 }
 
 absl::Status WordPieceTokenizer::Words(absl::string_view text, std::vector<std::string>* words,
@@ -475,9 +494,15 @@ std::optional<int64_t> WordPieceTokenizer::TokenToId(absl::string_view token) co
 }
 
 absl::StatusOr<TokenizerOptions> ReadTokenizerConfig(const std::string& directory) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const common::CheckpointDir> dir,
+                   common::CheckpointDir::Open(common::ModelRoot(), directory));
+  return ReadTokenizerConfig(*dir);
+}
+
+absl::StatusOr<TokenizerOptions> ReadTokenizerConfig(const common::CheckpointDir& dir) {
+  const std::string& directory = dir.path();
   TokenizerOptions options;
-  absl::StatusOr<std::string> text =
-      common::ReadCheckpointFile(directory + "/tokenizer_config.json", common::kMaxCheckpointJsonBytes);
+  absl::StatusOr<std::string> text = dir.ReadSmallFile("tokenizer_config.json", dir.limits().max_json_bytes);
   if (text.status().code() == absl::StatusCode::kNotFound) return options;  // optional: BERT's defaults
   if (!text.ok()) return text.status();
   const auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);

@@ -40,6 +40,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/checkpoint_dir.h"
 
 namespace bertshard::tokenizer {
 
@@ -76,9 +77,15 @@ class WordPieceTokenizer {
   // tokens, or one without [UNK], [CLS] and [SEP]; INTERNAL if ICU's normalisation data is missing.
   static absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> FromVocab(std::vector<std::string> tokens,
                                                                        const TokenizerOptions& options);
-  // NOT_FOUND if the file cannot be read.
+  // NOT_FOUND if the file cannot be read; INVALID_ARGUMENT for anything but a regular file of at
+  // most common::kMaxVocabBytes (common/file.h).
   static absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> FromVocabFile(const std::string& path,
                                                                            const TokenizerOptions& options);
+  // The checkpoint's vocab.txt, read through its directory's descriptor (common/checkpoint_dir.h)
+  // and capped at its max_vocab_bytes. NOT_FOUND when there is none; INVALID_ARGUMENT when the
+  // directory refuses it.
+  static absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> FromCheckpoint(const common::CheckpointDir& dir,
+                                                                            const TokenizerOptions& options);
 
   // The words of `text` before WordPiece (steps 1-4 above: HF's normalizer and pre-tokenizer),
   // special tokens whole. INVALID_ARGUMENT if `text` is not valid UTF-8.
@@ -132,7 +139,9 @@ class WordPieceTokenizer {
 
 // Tokenizer options from a checkpoint directory's tokenizer_config.json (do_lower_case,
 // strip_accents, tokenize_chinese_chars); defaults when the file is absent. INVALID_ARGUMENT
-// for a malformed file.
+// for a malformed file, or one the directory refuses (common/checkpoint_dir.h).
+absl::StatusOr<TokenizerOptions> ReadTokenizerConfig(const common::CheckpointDir& dir);
+// As above, `directory` opened unconfined.
 absl::StatusOr<TokenizerOptions> ReadTokenizerConfig(const std::string& directory);
 
 }  // namespace bertshard::tokenizer

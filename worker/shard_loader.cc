@@ -4,14 +4,18 @@
 #include <utility>
 
 #include "checkpoint/checkpoint.h"
+#include "common/checkpoint_dir.h"
 #include "common/status_macros.h"
 
 namespace bertshard::worker {
 
 absl::StatusOr<LoadedShard> LoadAndConnect(const v1::ShardPlan& plan, int rank, const ShardLoadOptions& options) {
   RETURN_IF_ERROR(CheckBackend(options.collectives.backend));  // before anything is read
-  ASSIGN_OR_RETURN(const std::string directory, options.model_root.Resolve(options.checkpoint));
-  auto checkpoint = checkpoint::Checkpoint::Open(directory);
+  // Opened once (confined to the model root) and read only through that descriptor: the weights
+  // mapped are the files that were checked (common/checkpoint_dir.h).
+  ASSIGN_OR_RETURN(const std::shared_ptr<const common::CheckpointDir> directory,
+                   common::CheckpointDir::Open(options.model_root, options.checkpoint));
+  auto checkpoint = checkpoint::Checkpoint::Open(*directory);
   if (!checkpoint.ok()) {
     const absl::Status& s = checkpoint.status();
     // A path the rank cannot see is the request's fault.

@@ -4,7 +4,12 @@
 #include "worker/shard_loader.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +18,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
+#include "common/model_root.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
@@ -175,6 +181,101 @@ TEST(ShardLoader, RefusalsComeBeforeTheLoadAndTheRendezvous) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kCancelled) << refused.status();
   EXPECT_EQ(progress_calls, 3);
   EXPECT_EQ(loaded_calls, 0);
+}
+
+// `dir`/model.safetensors copied with every value zero: weights a load must never serve.
+void WriteZeroWeights(const std::string& from, const std::string& to) {
+  auto file = checkpoint::SafetensorsFile::Open(from);
+  ASSERT_TRUE(file.ok()) << file.status();
+  std::vector<checkpoint::TensorData> tensors;
+  for (const auto& [name, info] : (*file)->tensors()) {
+    tensors.push_back({name, info.shape, std::vector<float>(static_cast<size_t>(info.numel()), 0.0f)});
+  }
+  ASSERT_TRUE(checkpoint::WriteSafetensors(to, tensors).ok());
+}
+
+// Issue 21: confinement was checked on the path and the weights opened again by path, so swapping
+// model.safetensors with a symbolic link leading out of the root in between served the outside
+// weights. Swapped as fast as the box allows for 3 s while loads run: every load that succeeds
+// forwards to the reference (the inside weights; the outside ones are all zero).
+TEST(ShardLoader, ARenameRaceNeverLoadsWeightsFromOutsideTheRoot) {
+  namespace fs = std::filesystem;
+  const fs::path base = fs::path(testing::TempDir()) / "shard_loader_race";
+  fs::remove_all(base);
+  const fs::path root = base / "models";
+  fs::create_directories(root / "spare");
+  fs::create_directories(base / "outside");
+  fs::copy(kModel, root / "model", fs::copy_options::recursive);
+  ASSERT_NO_FATAL_FAILURE(
+      WriteZeroWeights(std::string(kModel) + "/model.safetensors", (base / "outside" / "model.safetensors").string()));
+  // The link waits beside the checkpoint (inside the root, outside the checkpoint's directory).
+  fs::create_symlink(base / "outside" / "model.safetensors", root / "spare" / "model.safetensors");
+  const std::string inside = (root / "model" / "model.safetensors").string();
+  const std::string spare = (root / "spare" / "model.safetensors").string();
+
+  const v1::ShardPlan plan = PlanWithTp(1);
+  std::atomic<bool> stop{false};
+  std::atomic<int> swaps{0};
+  std::thread swapper([&] {
+    while (!stop.load()) {
+      // One atomic exchange of the two names: the file and the link trade places.
+      if (renameat2(AT_FDCWD, inside.c_str(), AT_FDCWD, spare.c_str(), RENAME_EXCHANGE) == 0) ++swaps;
+    }
+  });
+  int inside_loads = 0, outside_loads = 0, refused = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  while (std::chrono::steady_clock::now() < end) {
+    auto store = HostStore(std::chrono::seconds(30)).value();
+    ShardLoadOptions options = RankOptions(store, 0);
+    options.model_root = common::ModelRoot::Open(root.string()).value();
+    options.checkpoint = "model";
+    auto loaded = LoadAndConnect(plan, 0, options);
+    if (!loaded.ok()) {
+      ++refused;
+      continue;
+    }
+    auto outputs = loaded->shard->Forward(Inputs(), 1, loaded->collectives.comm.get());
+    if (!outputs.ok()) {
+      ADD_FAILURE() << outputs.status();
+      break;
+    }
+    (MaxDiffFromReference(outputs->at("logits")) <= 1e-4f ? inside_loads : outside_loads) += 1;
+  }
+  stop = true;
+  swapper.join();
+  std::cerr << "swaps " << swaps << ", loads of the inside weights " << inside_loads << ", of the outside ones "
+            << outside_loads << ", refused " << refused << "\n";
+  EXPECT_GT(swaps.load(), 0);
+  EXPECT_GT(inside_loads + refused, 0);
+  EXPECT_EQ(outside_loads, 0);
+}
+
+// A hard link is the file itself wherever it was made: under a model root, weights linked from
+// outside it (link count 2) are refused, and the load never starts.
+TEST(ShardLoader, HardLinkedWeightsAreRefusedUnderAModelRoot) {
+  namespace fs = std::filesystem;
+  const fs::path base = fs::path(testing::TempDir()) / "shard_loader_hard_link";
+  fs::remove_all(base);
+  const fs::path root = base / "models";
+  fs::create_directories(root / "model");
+  fs::create_directories(base / "outside");
+  for (const char* name : {"config.json", "input.json"}) {
+    fs::copy_file(fs::path(kModel) / name, root / "model" / name);
+  }
+  fs::copy_file(fs::path(kModel) / "model.safetensors", base / "outside" / "model.safetensors");
+  fs::create_hard_link(base / "outside" / "model.safetensors", root / "model" / "model.safetensors");
+
+  const v1::ShardPlan plan = PlanWithTp(1);
+  auto store = HostStore(std::chrono::seconds(5)).value();
+  ShardLoadOptions options = RankOptions(store, 0);
+  options.model_root = common::ModelRoot::Open(root.string()).value();
+  options.checkpoint = "model";
+  int progress_calls = 0;
+  options.load.progress = [&](int, int, int64_t, int64_t) { return ++progress_calls > 0; };
+  auto refused = LoadAndConnect(plan, 0, options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("hard link"), std::string::npos) << refused.status();
+  EXPECT_EQ(progress_calls, 0);
 }
 
 }  // namespace

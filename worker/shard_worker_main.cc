@@ -50,8 +50,10 @@ ABSL_FLAG(std::string, gemm, "auto",
           "CPU matrix products of loaded shards: blas (at::linear), onednn (MKL-DNN, weights prepacked at "
           "load), or auto (time both for each job's shape and threads at its load, take the faster)");
 ABSL_FLAG(std::string, model_root, "",
-          "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; "
-          "symbolic links leading out are refused); empty: any path this worker can read");
+          "directory tree checkpoints must lie in (relative checkpoint paths are taken under it; symbolic links "
+          "leading out and files with more than one hard link are refused); empty: any path this worker can read");
+ABSL_FLAG(int64_t, max_checkpoint_json_bytes, bertshard::common::kMaxCheckpointJsonBytes,
+          "most bytes read of a checkpoint's model.safetensors.index.json; a larger one is refused");
 
 namespace bertshard::worker {
 namespace {
@@ -75,7 +77,8 @@ struct ServeOptions {
 // host cannot serve) naming the bad one.
 absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
   ServeOptions serve;
-  const auto model_root = common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root));
+  const auto model_root = common::ModelRoot::Open(absl::GetFlag(FLAGS_model_root),
+                                                  {.max_json_bytes = absl::GetFlag(FLAGS_max_checkpoint_json_bytes)});
   if (!model_root.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--model_root: ", model_root.status().message()));
   }
