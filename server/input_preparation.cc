@@ -1,7 +1,6 @@
 #include "server/input_preparation.h"
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -37,31 +36,22 @@ absl::Status CheckInputBounds(const v1::TokenInputs* tokens, const v1::TextInput
   if (tokens == nullptr) return absl::OkStatus();
   const int64_t rows = tokens->rows();
   const int64_t seq = tokens->seq();
-  const int64_t choices = std::max<int64_t>(1, tokens->choices());
-  if (rows < 1 || seq < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("tokens need rows >= 1 and seq >= 1, got ", rows, " x ", seq));
+  // The shape first, with the plan check's words (planner/token_check.h, which runs later on what
+  // is left), so a caller gets the same message either way; then the size.
+  int64_t n = 0;
+  auto size_ok = [&n](int size, bool may_be_empty) { return size == n || (may_be_empty && size == 0); };
+  if (rows < 1 || seq < 1 || __builtin_mul_overflow(rows, seq, &n) || !size_ok(tokens->input_ids_size(), false) ||
+      !size_ok(tokens->attention_mask_size(), true) || !size_ok(tokens->token_type_ids_size(), true)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs need rows x seq values in each of input_ids, attention_mask and token_type_ids (the last two may be "
+        "empty): got rows ",
+        rows, ", seq ", seq, ", ", tokens->input_ids_size(), " input_ids, ", tokens->attention_mask_size(),
+        " attention_mask, ", tokens->token_type_ids_size(), " token_type_ids"));
   }
-  if (rows % choices != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("rows ", rows, " is not a multiple of choices ", choices));
-  }
-  // Divided, not multiplied: rows x seq of a hostile message may overflow.
-  if (bounds.max_tokens > 0 && rows > bounds.max_tokens / seq) {
-    int64_t n = 0;
-    const std::string product = __builtin_mul_overflow(rows, seq, &n) ? "more" : absl::StrCat(n);
-    return absl::InvalidArgumentError(absl::StrCat("the request has rows x seq = ", rows, " x ", seq, " = ", product,
+  if (bounds.max_tokens > 0 && n > bounds.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("the request has rows x seq = ", rows, " x ", seq, " = ", n,
                                                    " tokens, more than one batch may hold (", bounds.max_tokens,
                                                    ", --max_batch_tokens); send fewer or shorter rows"));
-  }
-  if (rows > INT32_MAX / seq) {  // repeated fields hold at most INT32_MAX elements
-    return absl::InvalidArgumentError(absl::StrCat("rows x seq = ", rows, " x ", seq, " is too large"));
-  }
-  const int64_t n = rows * seq;
-  auto size_ok = [n](int size, bool may_be_empty) { return size == n || (may_be_empty && size == 0); };
-  if (!size_ok(tokens->input_ids_size(), false) || !size_ok(tokens->attention_mask_size(), true) ||
-      !size_ok(tokens->token_type_ids_size(), true)) {
-    return absl::InvalidArgumentError(absl::StrCat("tokens need rows x seq = ", n, " input_ids (and attention_mask, ",
-                                                   "token_type_ids if given), got ", tokens->input_ids_size(), ", ",
-                                                   tokens->attention_mask_size(), ", ", tokens->token_type_ids_size()));
   }
   return absl::OkStatus();
 }

@@ -52,8 +52,8 @@ absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const 
                                            bool truncate, const InputBounds& bounds = {});
 
 // The checks of PrepareInput on the message's counts alone (no element read): token input with
-// rows >= 1, seq >= 1, rows a multiple of choices, rows x seq within bounds.max_tokens, and
-// arrays of rows x seq (mask and types may be empty); text within the text and byte bounds.
+// rows >= 1, seq >= 1, arrays of rows x seq (mask and types may be empty) and rows x seq within
+// bounds.max_tokens; text within the text and byte bounds.
 absl::Status CheckInputBounds(const v1::TokenInputs* tokens, const v1::TextInput* text, const InputBounds& bounds);
 
 }  // namespace bertshard::server

@@ -133,18 +133,22 @@ TEST(PrepareInput, RequestsOverTheBoundsAreRefusedFromTheirCounts) {
   EXPECT_NE(too_big.status().message().find("are 32 bytes together, more than 20 (--max_request_text_bytes)"),
             std::string::npos)
       << too_big.status();
-  // 4 x 8 token rows: 32 > 30, refused whatever the arrays hold (here: nothing).
+  // 4 x 8 token rows: 32 > 30, refused before the ids are read (they are out of range here).
   v1::TokenInputs rows;
   rows.set_rows(4);
   rows.set_seq(8);
+  rows.mutable_input_ids()->Resize(32, 1000);
   auto too_long = PrepareInput(&rows, nullptr, plan, *SmallAssets(), 16, false, bounds);
   EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(too_long.status().message().find("rows x seq = 4 x 8"), std::string::npos) << too_long.status();
-  // Counts that overflow when multiplied are refused, not multiplied.
+  // Counts that overflow when multiplied are refused, not multiplied; so are arrays that do not fit
+  // the counts, with the plan check's words.
   rows.set_rows(int64_t{1} << 40);
   rows.set_seq(int64_t{1} << 40);
-  EXPECT_EQ(PrepareInput(&rows, nullptr, plan, *SmallAssets(), 16, false, {}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  auto overflowing = PrepareInput(&rows, nullptr, plan, *SmallAssets(), 16, false, {});
+  EXPECT_EQ(overflowing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(overflowing.status().message().find("inputs need rows x seq values"), std::string::npos)
+      << overflowing.status();
   // Within the bounds, as before.
   v1::TextInput fits = Texts({"the a", "play"});
   EXPECT_TRUE(PrepareInput(nullptr, &fits, plan, *SmallAssets(), 16, true, bounds).ok());
