@@ -1,6 +1,8 @@
 #include "server/batch_queue.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <set>
 #include <utility>
@@ -27,6 +29,8 @@ struct BatchQueue::Request {
   bool alone = false;     // micro-batched: never merged
   v1::ForwardWant want;
   absl::Time deadline;
+  Caller caller;            // whose request it is (turns and shares)
+  int64_t token_count = 0;  // rows x seq
   // Called only with mu_ held and only while the caller still waits in Submit (!caller_gone), so
   // whatever it captures from the caller is still alive.
   std::function<bool()> cancelled;
@@ -217,8 +221,12 @@ BatchQueue::BatchQueue(BatchLimits limits, BatchPadding padding, RunBatchFn run,
         limits.max_batch_requests = std::max(1, limits.max_batch_requests);
         limits.max_batch_delay = std::max(absl::ZeroDuration(), limits.max_batch_delay);
         limits.regroup_delay = std::max(absl::ZeroDuration(), limits.regroup_delay);
+        if (limits.max_client_queued_tokens <= 0) limits.max_client_queued_tokens = 4 * limits.max_batch_tokens;
+        limits.max_client_queued_tokens = std::max(limits.max_client_queued_tokens, limits.max_batch_tokens);
         return limits;
       }()),
+      connection_share_(limits_.max_client_queued_tokens),
+      client_share_(4 * limits_.max_client_queued_tokens),
       padding_(padding),
       run_(std::move(run)),
       per_token_(std::move(per_token)),
@@ -248,11 +256,76 @@ void BatchQueue::Close(const std::string& reason) {
     r->done = true;
   }
   waiting_.clear();
+  clients_.clear();
 }
 
 int BatchQueue::queued() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(waiting_.size());
+}
+
+int64_t BatchQueue::queued_tokens(const std::string& client) const {
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(client);
+  return it == clients_.end() ? 0 : it->second.tokens;
+}
+
+void BatchQueue::AddLocked(std::shared_ptr<Request> r) {
+  // Both made by Submit's check.
+  ClientQueue& client = clients_[r->caller.client];
+  ConnectionQueue& connection = client.connections[r->caller.connection];
+  connection.waiting.emplace(r->id, r.get());
+  connection.tokens += r->token_count;
+  client.tokens += r->token_count;
+  waiting_.push_back(std::move(r));
+}
+
+std::shared_ptr<BatchQueue::Request> BatchQueue::RemoveLocked(const Request* r) {
+  auto it =
+      std::find_if(waiting_.begin(), waiting_.end(), [r](const std::shared_ptr<Request>& w) { return w.get() == r; });
+  std::shared_ptr<Request> owned = std::move(*it);
+  waiting_.erase(it);
+  auto client = clients_.find(r->caller.client);
+  auto connection = client->second.connections.find(r->caller.connection);
+  connection->second.waiting.erase(r->id);
+  connection->second.tokens -= r->token_count;
+  client->second.tokens -= r->token_count;
+  // Gone with their last request: the maps hold callers with waiting requests only, so they are
+  // bounded by the queue.
+  if (connection->second.waiting.empty()) client->second.connections.erase(connection);
+  if (client->second.connections.empty()) clients_.erase(client);
+  return owned;
+}
+
+namespace {
+
+// The entry of `entries` whose turn is lowest, the one with the older request on a tie.
+template <typename Map, typename OldestFn>
+const typename Map::mapped_type* NextInTurn(const Map& entries, const OldestFn& oldest) {
+  const typename Map::mapped_type* next = nullptr;
+  int64_t next_oldest = 0;
+  for (const auto& entry : entries) {
+    const int64_t entry_oldest = oldest(entry.second);
+    if (next == nullptr || entry.second.turn < next->turn ||
+        (entry.second.turn == next->turn && entry_oldest < next_oldest)) {
+      next = &entry.second;
+      next_oldest = entry_oldest;
+    }
+  }
+  return next;
+}
+
+}  // namespace
+
+BatchQueue::Request* BatchQueue::HeadLocked() const {
+  auto connection_oldest = [](const ConnectionQueue& c) { return c.waiting.begin()->first; };
+  auto client_oldest = [&connection_oldest](const ClientQueue& c) {
+    int64_t oldest = INT64_MAX;
+    for (const auto& entry : c.connections) oldest = std::min(oldest, connection_oldest(entry.second));
+    return oldest;
+  };
+  const ClientQueue* client = NextInTurn(clients_, client_oldest);
+  return NextInTurn(client->connections, connection_oldest)->waiting.begin()->second;
 }
 
 int64_t BatchQueue::PaddedSeq(int64_t longest) const {
@@ -265,7 +338,7 @@ int64_t BatchQueue::PaddedSeq(int64_t longest) const {
 
 absl::StatusOr<BatchResult> BatchQueue::Submit(v1::TokenInputs tokens, absl::Time deadline,
                                                const std::function<bool()>& cancelled, int micro_batches,
-                                               const v1::ForwardWant& want) {
+                                               const v1::ForwardWant& want, const Caller& caller) {
   const int64_t rows = tokens.rows();
   const int64_t seq = tokens.seq();
   const int64_t choices = std::max<int64_t>(1, tokens.choices());
@@ -302,17 +375,41 @@ absl::StatusOr<BatchResult> BatchQueue::Submit(v1::TokenInputs tokens, absl::Tim
   request->cancelled = cancelled;
   request->tokens = std::move(tokens);
   request->want = want;
+  request->caller = caller;
+  request->token_count = n;
 
   absl::MutexLock lock(&mu_);
   if (closed_) return absl::UnavailableError(close_reason_);
+  {
+    // A caller new to the queue takes its turn after those waiting since before the last batch and
+    // before those the last batch served.
+    auto [client, new_client] = clients_.try_emplace(caller.client);
+    if (new_client) client->second.turn = batches_ - 1;
+    auto [connection, new_connection] = client->second.connections.try_emplace(caller.connection);
+    if (new_connection) connection->second.turn = batches_ - 1;
+    const bool over_connection = connection->second.tokens + n > connection_share_;
+    if (over_connection || client->second.tokens + n > client_share_) {
+      const int64_t queued = over_connection ? connection->second.tokens : client->second.tokens;
+      if (connection->second.waiting.empty()) client->second.connections.erase(connection);
+      if (client->second.connections.empty()) clients_.erase(client);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          over_connection ? "this connection of client " : "client ",
+          caller.client.empty() ? "(unnamed)" : caller.client, " already has ", queued, " tokens waiting on this job; ",
+          n, " more would pass its share of ", over_connection ? connection_share_ : client_share_,
+          over_connection ? " per connection (--max_client_queued_tokens"
+                          : " per client (4 x --max_client_queued_tokens",
+          "): wait for its answers before sending more"));
+    }
+  }
   ++submits_;
   request->id = next_id_++;
   request->enqueued = absl::Now();
-  waiting_.push_back(request);
+  AddLocked(request);
   // The caller returns on its own (deadline, cancelled) without waiting for its batch; a running
-  // batch goes on for the others, and a waiting request leaves the queue.
+  // batch goes on for the others, and a waiting request leaves the queue (freed once its caller
+  // lets go of it, below).
   auto leave = [this, &request](absl::Status why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!request->running) waiting_.erase(std::find(waiting_.begin(), waiting_.end(), request));
+    if (!request->running) RemoveLocked(request.get());
     request->caller_gone = true;
     return why;
   };
@@ -340,17 +437,18 @@ absl::StatusOr<BatchResult> BatchQueue::Submit(v1::TokenInputs tokens, absl::Tim
 }
 
 std::vector<BatchQueue::Request*> BatchQueue::FormBatchLocked(bool* full) const {
-  std::vector<Request*> batch = {waiting_.front().get()};
-  const Request& oldest = *batch.front();
+  std::vector<Request*> batch = {HeadLocked()};
+  const Request& oldest = *batch.front();  // the head: the oldest of its client
   *full = true;
   if (oldest.alone) return batch;
   std::vector<Request*> candidates;
-  for (size_t i = 1; i < waiting_.size(); ++i) {
-    Request* r = waiting_[i].get();
-    if (!r->alone && r->choices == oldest.choices && CompatibleWants(r->want, oldest.want)) candidates.push_back(r);
+  for (const std::shared_ptr<Request>& w : waiting_) {
+    Request* r = w.get();
+    if (r != &oldest && !r->alone && r->choices == oldest.choices && CompatibleWants(r->want, oldest.want))
+      candidates.push_back(r);
   }
-  // Closest in length to the oldest first (less padding), then by arrival. The oldest is always
-  // in: a request passed over moves up the queue until it is the oldest itself.
+  // Closest in length to the head first (less padding), then by arrival. The head is always in:
+  // a request passed over moves up its client's queue until it heads a batch itself.
   std::stable_sort(candidates.begin(), candidates.end(), [&oldest](const Request* a, const Request* b) {
     return std::abs(a->seq - oldest.seq) < std::abs(b->seq - oldest.seq);
   });
@@ -403,7 +501,7 @@ std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
       // loop once to look again (a regroup that completes does not wake it twice: `regrouping`
       // is false next time).
       auto changed = [this, oldest_id, regrouping]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        if (stopping_ || waiting_.empty() || waiting_.front()->id != oldest_id) return true;
+        if (stopping_ || waiting_.empty() || HeadLocked()->id != oldest_id) return true;
         if (regrouping && RegroupedLocked()) return true;
         bool now_full = false;
         FormBatchLocked(&now_full);
@@ -413,13 +511,7 @@ std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
       continue;
     }
     // Takes `r` off the queue, handing over the queue's reference.
-    auto take = [this](const Request* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      auto it = std::find_if(waiting_.begin(), waiting_.end(),
-                             [r](const std::shared_ptr<Request>& w) { return w.get() == r; });
-      std::shared_ptr<Request> owned = std::move(*it);
-      waiting_.erase(it);
-      return owned;
-    };
+    auto take = [this](const Request* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return RemoveLocked(r); };
     // Never send a request whose caller is gone: drop those, then form the batch again.
     const absl::Time now = absl::Now();
     bool dropped = false;
@@ -439,10 +531,18 @@ std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
     if (dropped) continue;
     // Rows go in arrival order, whatever order the requests were chosen in.
     std::sort(batch.begin(), batch.end(), [](const Request* a, const Request* b) { return a->id < b->id; });
+    // Every client served now has had its turn (those still waiting go to the back).
+    ++batches_;
     std::vector<std::shared_ptr<Request>> taken;
     for (Request* r : batch) {
       r->running = true;
       taken.push_back(take(r));
+      // Stamped on those still waiting; a caller with nothing left waiting starts afresh.
+      if (auto client = clients_.find(r->caller.client); client != clients_.end()) {
+        client->second.turn = batches_;
+        auto connection = client->second.connections.find(r->caller.connection);
+        if (connection != client->second.connections.end()) connection->second.turn = batches_;
+      }
     }
     return taken;
   }

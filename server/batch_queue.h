@@ -7,9 +7,18 @@
 // requests queue, and the thread takes what has queued as soon as it is free (continuous
 // batching). No gRPC service and no LibTorch here: the forward itself is the caller's RunBatchFn.
 //
-// Forming a batch: the oldest waiting request always goes into the next batch (nothing starves);
-// then the other waiting requests it can merge with, closest in length to it first (less
-// padding), while the merged batch stays within BatchLimits. Requests merge only with the same
+// Forming a batch: requests come from callers (Submit's Caller: a client, which the coordinator
+// takes from a TLS certificate's name or else the peer's host, see ClientOf in
+// server/coordinator_server.cc, and the client's connection), and they take turns, in two levels:
+// the next batch is headed by the oldest waiting request of the connection served least recently
+// of the client served least recently (round-robin; ties go to the older request). So one
+// client's flood delays another client's request by one forward at most, however many
+// connections it opens, and one connection's flood delays another connection's of the same client
+// (another process on the same host) likewise; nothing starves. Then the other waiting requests
+// the head can merge with, from anyone, closest in length to it first (less padding), while the
+// merged batch stays within BatchLimits. Waiting tokens are bounded per connection and per client
+// (BatchLimits::max_client_queued_tokens: RESOURCE_EXHAUSTED past either), so a caller that floods
+// or stops reading holds a bounded part of the queue's memory. Requests merge only with the same
 // `choices` and without micro-batching; requests with micro_batches > 1 run alone. Requests whose
 // caller went away or whose deadline passed before their batch was dispatched are never sent.
 // When to dispatch it: at once, unless BatchLimits::max_batch_delay or ::regroup_delay asks to wait
@@ -43,12 +52,14 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -73,6 +84,16 @@ struct BatchLimits {
   // all come back; a lone caller's own next request ends the wait, and a request arriving later
   // than this after the last forward ended runs at once. Zero: no regrouping.
   absl::Duration regroup_delay = absl::Milliseconds(5);
+
+  // Not bounds on a forward but on what one caller may ask for at once:
+  // The tokens (rows x seq) of one connection's requests waiting in one job's queue (not yet in a
+  // forward), and 4 times as many for all of one client's connections; a request that would pass
+  // either is refused RESOURCE_EXHAUSTED. 0: 4 x max_batch_tokens; never below max_batch_tokens (a
+  // request that fits a batch always fits an empty share).
+  int64_t max_client_queued_tokens = 0;
+  // The bytes of one request's texts and text pairs together, refused before tokenising (checked
+  // by JobServing, server/input_preparation.h). 0: no cap.
+  int64_t max_request_text_bytes = 32 << 20;
 };
 
 // How merged rows are padded; the caller derives it from the plan.
@@ -120,6 +141,14 @@ struct BatchResult {
   absl::Duration queued;                 // from Submit to the batch's dispatch
 };
 
+// Who sent a request, for the batcher's turns and shares: the client (the coordinator's ClientOf:
+// a TLS certificate's name, else the peer's host) and its connection (the peer's address and
+// port). Empty strings are a client and a connection like any other.
+struct Caller {
+  std::string client;
+  std::string connection;
+};
+
 // The want of a caller that wants every output as the model returned it, and nothing else.
 v1::ForwardWant EveryOutput();
 // Whether requests with these wants may share a forward (see the file comment).
@@ -153,9 +182,13 @@ class BatchQueue {
   // `micro_batches` > 1: the request runs alone, and RunBatchFn gets it (the ranks split the
   // forward into that many micro-batches). `want`: what the request wants back (default: every
   // output as the model returned it).
+  // `caller`: who is asking (turns and shares, see the file comment). RESOURCE_EXHAUSTED, at
+  // once, when its connection's or client's waiting tokens would pass their share
+  // (BatchLimits::max_client_queued_tokens).
   absl::StatusOr<BatchResult> Submit(v1::TokenInputs tokens, absl::Time deadline,
                                      const std::function<bool()>& cancelled = nullptr, int micro_batches = 0,
-                                     const v1::ForwardWant& want = EveryOutput()) ABSL_LOCKS_EXCLUDED(mu_);
+                                     const v1::ForwardWant& want = EveryOutput(), const Caller& caller = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Fails the requests still waiting with UNAVAILABLE(`reason`) and refuses new ones; the batch
   // already running finishes. Does not block (safe with the caller's own locks held). Idempotent.
@@ -163,10 +196,30 @@ class BatchQueue {
 
   // Requests waiting for a batch (not counting the running one), for a queue-depth gauge.
   int queued() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The tokens of `client`'s requests waiting for a batch (all its connections).
+  int64_t queued_tokens(const std::string& client) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Request;
-  // The requests of the next batch: the oldest waiting one first. `*full`: the batch cannot take
+  // One connection's waiting requests.
+  struct ConnectionQueue {
+    std::map<int64_t, Request*> waiting;  // by id: arrival order
+    int64_t tokens = 0;                   // rows x seq of `waiting`
+    int64_t turn = 0;                     // the batch that last served it: the lowest goes next
+  };
+  // One client's waiting requests, by connection.
+  struct ClientQueue {
+    absl::flat_hash_map<std::string, ConnectionQueue> connections;  // those with waiting requests
+    int64_t tokens = 0;                                             // of all of them
+    int64_t turn = 0;
+  };
+  // Queues `r` (waiting_, its client's queue) or takes it off, handing back the queue's reference.
+  void AddLocked(std::shared_ptr<Request> r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<Request> RemoveLocked(const Request* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The request heading the next batch: the oldest of the client whose turn it is. waiting_ is
+  // not empty.
+  Request* HeadLocked() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The requests of the next batch: HeadLocked() first. `*full`: the batch cannot take
   // more of what is waiting (a limit was reached, or the oldest runs alone).
   std::vector<Request*> FormBatchLocked(bool* full) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Waits for and takes the next batch off the queue (marked running); empty once stopping.
@@ -180,6 +233,8 @@ class BatchQueue {
   int64_t PaddedSeq(int64_t longest) const;
 
   const BatchLimits limits_;
+  const int64_t connection_share_;  // waiting tokens, from limits_
+  const int64_t client_share_;
   const BatchPadding padding_;
   const RunBatchFn run_;
   const PerTokenFn per_token_;
@@ -187,6 +242,9 @@ class BatchQueue {
 
   mutable absl::Mutex mu_;
   std::vector<std::shared_ptr<Request>> waiting_ ABSL_GUARDED_BY(mu_);  // arrival order
+  // Clients with waiting requests (an entry goes when its last request leaves the queue).
+  absl::flat_hash_map<std::string, ClientQueue> clients_ ABSL_GUARDED_BY(mu_);
+  int64_t batches_ ABSL_GUARDED_BY(mu_) = 0;  // dispatched so far (the turns' clock)
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::string close_reason_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;  // the thread exits once its batch is done

@@ -254,18 +254,20 @@ class BatchQueueTest : public ::testing::Test {
   }
 
   std::future<absl::StatusOr<BatchResult>> SubmitAsync(v1::TokenInputs tokens, absl::Time deadline,
-                                                       std::function<bool()> cancelled = nullptr,
-                                                       int micro_batches = 0) {
-    return std::async(std::launch::async, [this, tokens = std::move(tokens), deadline, cancelled, micro_batches] {
-      return queue_->Submit(tokens, deadline, cancelled, micro_batches);
-    });
+                                                       std::function<bool()> cancelled = nullptr, int micro_batches = 0,
+                                                       Caller caller = {}) {
+    return std::async(std::launch::async,
+                      [this, tokens = std::move(tokens), deadline, cancelled, micro_batches, caller] {
+                        return queue_->Submit(tokens, deadline, cancelled, micro_batches, EveryOutput(), caller);
+                      });
   }
 
   // Submits and waits until the request is queued, so that arrival order is the call order.
   std::future<absl::StatusOr<BatchResult>> Enqueue(v1::TokenInputs tokens, absl::Time deadline,
-                                                   std::function<bool()> cancelled = nullptr, int micro_batches = 0) {
+                                                   std::function<bool()> cancelled = nullptr, int micro_batches = 0,
+                                                   Caller caller = {}) {
     const int before = queue_->queued();
-    auto f = SubmitAsync(std::move(tokens), deadline, std::move(cancelled), micro_batches);
+    auto f = SubmitAsync(std::move(tokens), deadline, std::move(cancelled), micro_batches, std::move(caller));
     EXPECT_TRUE(WaitUntil([&] { return queue_->queued() > before; }));
     return f;
   }

@@ -118,15 +118,15 @@ absl::StatusOr<std::shared_ptr<JobServing>> Cluster::ServingFor(const std::strin
 }
 
 absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
-                                                 const std::function<bool()>& cancelled) {
+                                                 const std::function<bool()>& cancelled, const Caller& caller) {
   ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(request.job_id()));
-  return serving->Infer(request, deadline, cancelled);
+  return serving->Infer(request, deadline, cancelled, caller);
 }
 
 absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request, absl::Time deadline,
-                                                 const std::function<bool()>& cancelled) {
+                                                 const std::function<bool()>& cancelled, const Caller& caller) {
   ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(request.job_id()));
-  return serving->Embed(request, deadline, cancelled);
+  return serving->Embed(request, deadline, cancelled, caller);
 }
 
 }  // namespace bertshard::server

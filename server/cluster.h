@@ -92,13 +92,14 @@ class Cluster {
   // the forward runs to the end (stopping some ranks mid-forward would desynchronise them), and
   // the caller gets DEADLINE_EXCEEDED / CANCELLED at once.
   // UNAVAILABLE while the job is recovering after a restart (retry), or when a rank's Forward
-  // call fails (the job fails with it, at once).
+  // call fails (the job fails with it, at once). `caller` names the client and connection for
+  // the batcher's turns and shares (BatchQueue::Submit); RESOURCE_EXHAUSTED past a share.
   absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline,
-                                          const std::function<bool()>& cancelled = nullptr);
+                                          const std::function<bool()>& cancelled = nullptr, const Caller& caller = {});
   // Sentence embeddings from a BertModel job, batched like Infer. FAILED_PRECONDITION for a job
   // whose model has no encoder output.
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
-                                          const std::function<bool()>& cancelled = nullptr);
+                                          const std::function<bool()>& cancelled = nullptr, const Caller& caller = {});
 
   // The server is draining for shutdown: from now on no worker is declared dead and no job is
   // scheduled. Idempotent.

@@ -123,8 +123,10 @@ absl::StatusOr<BatchObserver> BatchMetrics(common::MetricsRegistry* registry) {
     return denied;                                                                            \
   }
 
-// Who is calling, for per-client limits: the common name of a verified TLS client certificate,
-// else the peer's host (its port changes per connection).
+// Who is calling, for per-client limits (the jobs quota, the batcher's round-robin and queued
+// tokens): the common name of a verified TLS client certificate, else the peer's host (its port
+// changes per connection, and a client could open many). So without TLS client certificates every
+// client of one host is one client; bearer tokens are shared secrets, not identities.
 static std::string ClientOf(const grpc::ServerContext& context) {
   const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth != nullptr && auth->IsPeerAuthenticated()) {
@@ -137,6 +139,9 @@ static std::string ClientOf(const grpc::ServerContext& context) {
   if (colon != std::string::npos && peer.rfind("unix:", 0) != 0) peer.resize(colon);
   return "host:" + peer.substr(peer.find(':') + 1);
 }
+
+// The batcher's caller: the client as above, and its connection (the peer with its port).
+static Caller CallerOf(const grpc::ServerContext& context) { return {ClientOf(context), context.peer()}; }
 
 class CoordinatorServer::Service final : public v1::Coordinator::Service {
  public:
@@ -205,16 +210,18 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
   grpc::Status Infer(grpc::ServerContext* context, const v1::InferRequest* request,
                      v1::InferResponse* response) override {
     RETURN_IF_DENIED(context, common::Access::kRead);
-    return Reply(
-        cluster_->Infer(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
-        response);
+    return Reply(cluster_->Infer(
+                     *request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); },
+                     CallerOf(*context)),
+                 response);
   }
   grpc::Status Embed(grpc::ServerContext* context, const v1::EmbedRequest* request,
                      v1::EmbedResponse* response) override {
     RETURN_IF_DENIED(context, common::Access::kRead);
-    return Reply(
-        cluster_->Embed(*request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); }),
-        response);
+    return Reply(cluster_->Embed(
+                     *request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); },
+                     CallerOf(*context)),
+                 response);
   }
 
  private:

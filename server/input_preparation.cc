@@ -1,7 +1,9 @@
 #include "server/input_preparation.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -10,9 +12,54 @@
 
 namespace bertshard::server {
 
+absl::Status CheckInputBounds(const v1::TokenInputs* tokens, const v1::TextInput* text, const InputBounds& bounds) {
+  if (text != nullptr) {
+    const int64_t texts = text->texts_size();
+    // Every text takes [CLS], a token and [SEP] at least (empty texts are refused).
+    if (bounds.max_tokens > 0 && texts > bounds.max_tokens / 3) {
+      return absl::InvalidArgumentError(absl::StrCat("the request has ", texts, " texts, which take at least ",
+                                                     texts * 3, " tokens; one batch holds ", bounds.max_tokens,
+                                                     " (--max_batch_tokens); send fewer texts"));
+    }
+    if (bounds.max_text_bytes > 0) {
+      int64_t bytes = 0;
+      for (const std::string& t : text->texts()) bytes += static_cast<int64_t>(t.size());
+      for (const std::string& t : text->text_pairs()) bytes += static_cast<int64_t>(t.size());
+      if (bytes > bounds.max_text_bytes) {
+        return absl::InvalidArgumentError(absl::StrCat("the request's texts are ", bytes, " bytes together, more than ",
+                                                       bounds.max_text_bytes,
+                                                       " (--max_request_text_bytes); send less text"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (tokens == nullptr) return absl::OkStatus();
+  const int64_t rows = tokens->rows();
+  const int64_t seq = tokens->seq();
+  // The shape first, with the plan check's words (planner/token_check.h, which runs later on what
+  // is left), so a caller gets the same message either way; then the size.
+  int64_t n = 0;
+  auto size_ok = [&n](int size, bool may_be_empty) { return size == n || (may_be_empty && size == 0); };
+  if (rows < 1 || seq < 1 || __builtin_mul_overflow(rows, seq, &n) || !size_ok(tokens->input_ids_size(), false) ||
+      !size_ok(tokens->attention_mask_size(), true) || !size_ok(tokens->token_type_ids_size(), true)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs need rows x seq values in each of input_ids, attention_mask and token_type_ids (the last two may be "
+        "empty): got rows ",
+        rows, ", seq ", seq, ", ", tokens->input_ids_size(), " input_ids, ", tokens->attention_mask_size(),
+        " attention_mask, ", tokens->token_type_ids_size(), " token_type_ids"));
+  }
+  if (bounds.max_tokens > 0 && n > bounds.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("the request has rows x seq = ", rows, " x ", seq, " = ", n,
+                                                   " tokens, more than one batch may hold (", bounds.max_tokens,
+                                                   ", --max_batch_tokens); send fewer or shorter rows"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const v1::TextInput* text,
                                            const v1::ShardPlan& plan, const JobAssets& assets, int64_t max_length,
-                                           bool truncate) {
+                                           bool truncate, const InputBounds& bounds) {
+  RETURN_IF_ERROR(CheckInputBounds(tokens, text, bounds));
   PreparedInput prepared;
   v1::TokenInputs& out = prepared.tokens;
   if (text != nullptr) {

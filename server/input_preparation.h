@@ -32,14 +32,29 @@ struct PreparedInput {
   std::vector<int32_t> token_counts;  // per row: tokens with attention 1
 };
 
+// What one request may be, checked from the message's own counts before anything is copied,
+// scanned or tokenised (a 96 MB token request costs its parse, not seconds and gigabytes more).
+struct InputBounds {
+  // rows x seq of token input; texts x 3 (the fewest tokens a text can take) for text. 0: none.
+  int64_t max_tokens = 0;
+  // The bytes of every text and text pair together. 0: none.
+  int64_t max_text_bytes = 0;
+};
+
 // The batch an Infer or Embed request asks for: its tokens (attention mask defaulting to ones,
 // token types to zeros) or its texts tokenised and padded to the longest. `max_length` bounds each
 // text (with [CLS]/[SEP]); longer ones are cut to it when `truncate`, else INVALID_ARGUMENT saying
 // both lengths. INVALID_ARGUMENT for input the plan cannot run (says what is valid) and for empty
-// texts; FAILED_PRECONDITION for text when the checkpoint has no usable vocab.txt.
+// texts; FAILED_PRECONDITION for text when the checkpoint has no usable vocab.txt. A request
+// over `bounds` is INVALID_ARGUMENT before any work on its contents (saying the limit and flag).
 absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const v1::TextInput* text,
                                            const v1::ShardPlan& plan, const JobAssets& assets, int64_t max_length,
-                                           bool truncate);
+                                           bool truncate, const InputBounds& bounds = {});
+
+// The checks of PrepareInput on the message's counts alone (no element read): token input with
+// rows >= 1, seq >= 1, arrays of rows x seq (mask and types may be empty) and rows x seq within
+// bounds.max_tokens; text within the text and byte bounds.
+absl::Status CheckInputBounds(const v1::TokenInputs* tokens, const v1::TextInput* text, const InputBounds& bounds);
 
 }  // namespace bertshard::server
 

@@ -54,6 +54,7 @@ JobServing::JobServing(std::string job_id, v1::ShardPlan plan, std::shared_ptr<c
       assets_(std::move(assets)),
       targets_(targets),
       forward_timeout_(options.forward_timeout),
+      input_bounds_{options.batching.max_batch_tokens, options.batching.max_request_text_bytes},
       queue_(
           options.batching, PaddingFor(plan_),
           [this](const v1::TokenInputs& merged, int micro_batches, absl::Time /*callers' latest deadline*/,
@@ -93,6 +94,17 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
     targets_->FailJob(job_id_, cause);
     return absl::UnavailableError(absl::StrCat("inference failed: ", cause));
   }
+  // Nothing a worker sends back is served unchecked: a wrong shape would hand callers a wrong
+  // slice, a NaN a wrong answer. The job goes on (the ranks are in step), the batch's callers get
+  // INTERNAL naming the worker.
+  for (size_t r = 0; r < outcome.responses.size(); ++r) {
+    if (absl::Status bad = CheckForwardResponse(plan_, merged, want, outcome.responses[r]); !bad.ok()) {
+      const RankStub& rank = target.ranks[r];
+      return absl::InternalError(
+          absl::StrCat("worker ", rank.worker_id, " (rank ", r, ") at ", rank.address, " answered forward ",
+                       forward.sequence(), " with outputs that do not fit the request, not served: ", bad.message()));
+    }
+  }
   BatchOutputs out;
   for (auto& rr : outcome.responses) {
     out.response_bytes += static_cast<int64_t>(rr.ByteSizeLong());
@@ -111,19 +123,21 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
 }
 
 absl::StatusOr<v1::InferResponse> JobServing::Infer(const v1::InferRequest& request, absl::Time deadline,
-                                                    const std::function<bool()>& cancelled) {
+                                                    const std::function<bool()>& cancelled, const Caller& caller) {
   CallCount count(&calls_);
   const std::shared_ptr<const JobAssets>& assets = assets_;
   if (request.top_k() < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", request.top_k()));
-  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
-                                                     request.has_text() ? &request.text() : nullptr, plan_, *assets,
-                                                     plan_.config().max_position_embeddings(), request.truncate()));
+  ASSIGN_OR_RETURN(
+      PreparedInput input,
+      PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, request.has_text() ? &request.text() : nullptr,
+                   plan_, *assets, plan_.config().max_position_embeddings(), request.truncate(), input_bounds_));
   const int64_t batch = input.tokens.rows() / std::max<int64_t>(1, input.tokens.choices());
   if (request.micro_batches() < 0 || request.micro_batches() > batch) {
     return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 0..batch ", batch));
   }
   const v1::ForwardWant want = InferWant(plan_, *assets, request.top_k(), request.predictions_only());
-  ASSIGN_OR_RETURN(BatchResult result, queue_.Submit(input.tokens, deadline, cancelled, request.micro_batches(), want));
+  ASSIGN_OR_RETURN(BatchResult result,
+                   queue_.Submit(input.tokens, deadline, cancelled, request.micro_batches(), want, caller));
   v1::InferResponse response;
   google::protobuf::RepeatedPtrField<v1::NamedTensor> outputs;
   for (auto& t : result.outputs) *outputs.Add() = std::move(t);
@@ -140,7 +154,7 @@ absl::StatusOr<v1::InferResponse> JobServing::Infer(const v1::InferRequest& requ
 }
 
 absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& request, absl::Time deadline,
-                                                    const std::function<bool()>& cancelled) {
+                                                    const std::function<bool()>& cancelled, const Caller& caller) {
   CallCount count(&calls_);
   const std::shared_ptr<const JobAssets>& assets = assets_;
   if (plan_.variant() != v1::BERT_MODEL) {
@@ -160,7 +174,7 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
   ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
   ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
                                                      request.has_text() ? &request.text() : nullptr, plan_, *assets,
-                                                     max_length, request.truncate()));
+                                                     max_length, request.truncate(), input_bounds_));
   if (request.has_tokens() && input.tokens.seq() > max_length) {
     // Token rows are the caller's own; the embedding model's limit still holds for them.
     for (int32_t n : input.token_counts) {
@@ -172,7 +186,8 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
     }
   }
   const int64_t rows = input.tokens.rows();
-  ASSIGN_OR_RETURN(BatchResult result, queue_.Submit(std::move(input.tokens), deadline, cancelled, 0, EmbedWant(mode)));
+  ASSIGN_OR_RETURN(BatchResult result,
+                   queue_.Submit(std::move(input.tokens), deadline, cancelled, 0, EmbedWant(mode), caller));
   v1::EmbedResponse response;
   RETURN_IF_ERROR(SetEmbeddings(mode, rows, result.rows, &response));
   response.set_max_length(static_cast<int32_t>(max_length));

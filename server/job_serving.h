@@ -13,8 +13,12 @@
 //
 // Failure model: bad requests are INVALID_ARGUMENT (FAILED_PRECONDITION for what the job cannot
 // do) before anything is queued; a forward that fails on a rank fails the job (ForwardTargets::
-// FailJob, with the worker to blame) and every request of its batch gets UNAVAILABLE; Close
-// fails the waiting requests. Deadlines and cancellation hold per request (see BatchQueue).
+// FailJob, with the worker to blame) and every request of its batch gets UNAVAILABLE; an answer
+// that does not fit the batch (a shape, a row count, a NaN or infinity: CheckForwardResponse)
+// gets them INTERNAL naming the worker, and is never served; Close fails the waiting requests.
+// Deadlines and cancellation hold per request (see BatchQueue); a request over the bounds
+// (InputBounds, from BatchLimits) is INVALID_ARGUMENT before any of it is copied or tokenised,
+// and a client over its queued-token share RESOURCE_EXHAUSTED.
 //
 // Thread safety: thread-safe. The destructor waits for the running forward, so it must not run
 // under a lock that ForwardTargets takes, nor on the queue's thread.
@@ -32,6 +36,7 @@
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.pb.h"
 #include "server/batch_queue.h"
+#include "server/input_preparation.h"
 #include "server/job_assets.h"
 #include "server/rank_fanout.h"
 
@@ -74,9 +79,9 @@ class JobServing {
 
   // See Cluster::Infer and Cluster::Embed.
   absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline,
-                                          const std::function<bool()>& cancelled);
+                                          const std::function<bool()>& cancelled, const Caller& caller = {});
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
-                                          const std::function<bool()>& cancelled);
+                                          const std::function<bool()>& cancelled, const Caller& caller = {});
 
   // Fails the waiting requests with UNAVAILABLE(`reason`) and refuses new ones; the forward in
   // flight finishes. Does not block.
@@ -94,6 +99,7 @@ class JobServing {
   const std::shared_ptr<const JobAssets> assets_;
   ForwardTargets* const targets_;
   const absl::Duration forward_timeout_;
+  const InputBounds input_bounds_;  // from options.batching
   std::atomic<int> calls_{0};
   BatchQueue queue_;  // last: destroyed first, its thread calls Forward
 };

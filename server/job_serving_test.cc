@@ -1,5 +1,11 @@
 #include "server/job_serving.h"
 
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -9,6 +15,8 @@
 
 namespace bertshard::server {
 namespace {
+
+constexpr int kHiddenSize = 8;  // SmallPlan's
 
 // The cluster's side: the job's ranks, numbered forwards, and what failed the job.
 class Targets : public ForwardTargets {
@@ -36,8 +44,8 @@ class Targets : public ForwardTargets {
   std::string failure_ ABSL_GUARDED_BY(mu_);
 };
 
-// The last stage of a 2-wide model: last_hidden_state, logits, and (when the want asks) one row
-// result per row whose embedding is (row, sequence).
+// The last stage of SmallPlan's model: logits, and (when the want asks) one row result per row
+// whose embedding is (row, sequence, 0, ...), hidden_size (8) wide.
 grpc::Status LastStage(grpc::ServerContext*, const v1::ForwardRequest& request, v1::ForwardResponse* response) {
   const int64_t rows = request.inputs().rows();
   v1::NamedTensor* logits = response->add_outputs();
@@ -50,6 +58,7 @@ grpc::Status LastStage(grpc::ServerContext*, const v1::ForwardRequest& request, 
       v1::ForwardRow* row = response->add_rows();
       row->add_embedding(static_cast<float>(r));
       row->add_embedding(static_cast<float>(request.sequence()));
+      for (int i = 2; i < kHiddenSize; ++i) row->add_embedding(0.0f);
     }
   }
   if (!request.want().all_outputs() && request.want().outputs_size() == 0) response->clear_outputs();
@@ -119,6 +128,7 @@ TEST_F(JobServingTest, EmbedAsksForThePooledVectorsOnly) {
     v1::ForwardRow* row = last.add_rows();
     row->add_embedding(static_cast<float>(r));
     row->add_embedding(0.0f);
+    for (int i = 2; i < kHiddenSize; ++i) row->add_embedding(0.0f);
   }
   last.set_forward_seconds(0.5);
   earlier.set_forward_seconds(0.5);
@@ -192,6 +202,104 @@ TEST_F(JobServingTest, BadRequestsAreRefusedBeforeAnyForward) {
   infer.set_micro_batches(0);
   auto closed = serving_->Infer(infer, Soon(), nullptr);
   EXPECT_EQ(closed.status(), absl::UnavailableError("job job-1 is CANCELLED"));
+}
+
+// Peak resident memory (VmHWM) in bytes, after resetting it to the current RSS where the kernel
+// allows (clear_refs 5); 0 if /proc is not readable.
+int64_t PeakRss(bool reset) {
+  if (reset) std::ofstream("/proc/self/clear_refs") << "5";
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+// Issue 21: an Infer of 2,000,000 x 16 token ids (96 MB on the wire) was copied, given a mask and
+// token types, and scanned (2.3 GB, 14.6 s) before its size was refused. Its counts alone refuse
+// it now: nothing is copied.
+TEST_F(JobServingTest, AHugeTokenRequestIsRefusedFromItsCountsBeforeAnyCopy) {
+  Serve(v1::BERT_FOR_SEQUENCE_CLASSIFICATION);
+  v1::InferRequest request;
+  request.set_job_id("job-1");
+  v1::TokenInputs* tokens = request.mutable_tokens();
+  tokens->set_rows(2'000'000);
+  tokens->set_seq(16);
+  tokens->mutable_input_ids()->Resize(2'000'000 * 16, kThe);  // valid ids: a scan would read them all
+  const int64_t before = PeakRss(true);
+  const absl::Time start = absl::Now();
+  auto response = serving_->Infer(request, Soon(), nullptr);
+  const absl::Duration took = absl::Now() - start;
+  const int64_t growth = PeakRss(false) - before;
+  std::printf("2,000,000 x 16 ids refused in %.3f s, peak RSS growth %.1f MiB\n", absl::ToDoubleSeconds(took),
+              static_cast<double>(growth) / (1 << 20));
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(response.status().message().find("--max_batch_tokens"), std::string::npos) << response.status();
+  // Each copy of the ids is 256 MB, and the mask and token types as much again.
+  EXPECT_LT(growth, 100 << 20) << "peak RSS grew by " << growth / (1 << 20) << " MiB";
+  EXPECT_LT(took, absl::Seconds(2));
+  EXPECT_TRUE(last_.requests().empty());
+}
+
+// A last stage that answers like LastStage and then spoils the answer with `spoil`.
+FakeWorker::ForwardFn Spoiled(std::function<void(v1::ForwardResponse*)> spoil) {
+  return [spoil](grpc::ServerContext* context, const v1::ForwardRequest& request, v1::ForwardResponse* response) {
+    grpc::Status status = LastStage(context, request, response);
+    spoil(response);
+    return status;
+  };
+}
+
+// Issue 21: a worker that answered NaN or wrong-shaped outputs was served to the client.
+TEST_F(JobServingTest, AWorkersNonFiniteOrMisshapenAnswerIsAnErrorNamingItNeverServed) {
+  struct Case {
+    const char* what;
+    std::function<void(v1::ForwardResponse*)> spoil;
+    bool embed;
+  };
+  const std::vector<Case> cases = {
+      {"NaN logits", [](v1::ForwardResponse* r) { r->mutable_outputs(0)->set_values(1, std::nanf("")); }, false},
+      {"infinite logits",
+       [](v1::ForwardResponse* r) { r->mutable_outputs(0)->set_values(0, std::numeric_limits<float>::infinity()); },
+       false},
+      {"logits for 3 rows of 2",
+       [](v1::ForwardResponse* r) {
+         v1::NamedTensor* logits = r->mutable_outputs(0);
+         logits->set_shape(0, 3);
+         logits->add_values(0);
+         logits->add_values(1);
+       },
+       false},
+      {"fewer values than the shape",
+       [](v1::ForwardResponse* r) { r->mutable_outputs(0)->mutable_values()->RemoveLast(); }, false},
+      {"a NaN embedding", [](v1::ForwardResponse* r) { r->mutable_rows(1)->set_embedding(3, std::nanf("")); }, true},
+      {"a 7-wide embedding", [](v1::ForwardResponse* r) { r->mutable_rows(0)->mutable_embedding()->RemoveLast(); },
+       true},
+      {"one embedding for two rows", [](v1::ForwardResponse* r) { r->mutable_rows()->RemoveLast(); }, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    FakeWorker bad(Spoiled(c.spoil));
+    targets_ = std::make_unique<Targets>(std::vector<RankStub>{first_.Rank("w0"), bad.Rank("w1")});
+    serving_ = std::make_unique<JobServing>(
+        "job-1", SmallPlan(c.embed ? v1::BERT_MODEL : v1::BERT_FOR_SEQUENCE_CLASSIFICATION),
+        [] { return std::string(testing::TempDir()); }, targets_.get(), JobServingOptions());
+    absl::Status status;
+    if (c.embed) {
+      v1::EmbedRequest request;
+      *request.mutable_tokens() = TwoRows();
+      status = serving_->Embed(request, Soon(), nullptr).status();
+    } else {
+      v1::InferRequest request;
+      *request.mutable_tokens() = TwoRows();
+      status = serving_->Infer(request, Soon(), nullptr).status();
+    }
+    EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << status;
+    EXPECT_NE(status.message().find("worker w1 (rank 1) at " + bad.Address()), std::string::npos) << status;
+    EXPECT_EQ(targets_->failure(), "");  // the ranks are in step: the job goes on
+    serving_.reset();                    // before `bad` goes
+  }
 }
 
 }  // namespace

@@ -60,6 +60,13 @@ ABSL_FLAG(int, max_batch_regroup_ms, 5,
           "after a forward that answered k requests, how long the next batch may wait for k requests to come in "
           "(its callers sending again), so closed-loop clients merge instead of alternating between two batches; "
           "ends early once k came in or the batch is full (0: no regrouping)");
+ABSL_FLAG(int64_t, max_client_queued_tokens, 0,
+          "most tokens (rows x seq) one connection may have waiting in one job's batch queue, and 4 times that one "
+          "client (TLS certificate name, else host); more is refused RESOURCE_EXHAUSTED (0: 4 x --max_batch_tokens; "
+          "never below --max_batch_tokens)");
+ABSL_FLAG(int64_t, max_request_text_bytes, 32 << 20,
+          "most bytes of text (texts and text pairs together) in one Infer/Embed request, refused before tokenising "
+          "(0: no cap; the gRPC message limit still holds)");
 ABSL_FLAG(std::string, read_token_file, "",
           "a read-only bearer token (file; else $BERTSHARD_READ_TOKEN; needs --auth_token_file): when set, every "
           "other RPC (plans, listings, watches, inference) needs it or the cluster token");
@@ -136,6 +143,11 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
   const int delay_ms = absl::GetFlag(FLAGS_max_batch_delay_ms), regroup_ms = absl::GetFlag(FLAGS_max_batch_regroup_ms);
   batching.max_batch_delay = absl::Milliseconds(delay_ms);
   batching.regroup_delay = absl::Milliseconds(regroup_ms);
+  batching.max_client_queued_tokens = absl::GetFlag(FLAGS_max_client_queued_tokens);
+  batching.max_request_text_bytes = absl::GetFlag(FLAGS_max_request_text_bytes);
+  if (batching.max_client_queued_tokens < 0 || batching.max_request_text_bytes < 0) {
+    return absl::InvalidArgumentError("--max_client_queued_tokens and --max_request_text_bytes must be >= 0");
+  }
   if (batching.max_batch_tokens < 1 || batching.max_batch_requests < 1 || delay_ms < 0 || regroup_ms < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_batch_tokens and --max_batch_requests must be >= 1 and --max_batch_delay_ms and "

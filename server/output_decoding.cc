@@ -1,6 +1,9 @@
 #include "server/output_decoding.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -79,6 +82,104 @@ absl::Status AddLabels(const std::vector<std::vector<serving::LabelScore>>& rows
 }
 
 }  // namespace
+
+namespace {
+
+// The index of the first value that is NaN or infinite; -1 if none.
+template <typename Values>
+int64_t FirstNonFinite(const Values& values) {
+  for (int i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values.Get(i))) return i;
+  }
+  return -1;
+}
+
+absl::Status CheckOutput(const v1::ShardPlan& plan, const v1::TokenInputs& inputs, const v1::NamedTensor& t) {
+  const int64_t rows = inputs.rows();
+  const int64_t choices = std::max<int64_t>(1, inputs.choices());
+  if (t.shape_size() == 0) return absl::InternalError(absl::StrCat("output ", t.name(), " has no batch axis"));
+  int64_t numel = 1;
+  for (int64_t d : t.shape()) {
+    if (d < 0 || (d > 0 && numel > INT32_MAX / d)) {
+      return absl::InternalError(absl::StrCat("output ", t.name(), " has a bad dimension ", d));
+    }
+    numel *= d;
+  }
+  if (numel != t.values_size()) {
+    return absl::InternalError(
+        absl::StrCat("output ", t.name(), " has ", t.values_size(), " values for ", numel, " elements of its shape"));
+  }
+  if (t.shape(0) != rows && !(choices > 1 && t.shape(0) * choices == rows)) {
+    return absl::InternalError(absl::StrCat("output ", t.name(), " has dim 0 = ", t.shape(0), " for a batch of ", rows,
+                                            " rows (", choices, " choices)"));
+  }
+  if (PerTokenOutput(plan.variant(), t.name()) && (t.shape_size() < 2 || t.shape(1) != inputs.seq())) {
+    return absl::InternalError(
+        absl::StrCat("per-token output ", t.name(), " has no dim 1 = the batch's seq ", inputs.seq()));
+  }
+  const int64_t hidden = plan.config().hidden_size();
+  if ((t.name() == "last_hidden_state" && (t.shape_size() != 3 || t.shape(2) != hidden)) ||
+      (t.name() == "pooler_output" && (t.shape_size() != 2 || t.shape(1) != hidden))) {
+    return absl::InternalError(absl::StrCat("output ", t.name(), " is not ", hidden, " wide (hidden_size)"));
+  }
+  if (const int64_t bad = FirstNonFinite(t.values()); bad >= 0) {
+    return absl::InternalError(
+        absl::StrCat("output ", t.name(), " has a non-finite value (", t.values(bad), " at element ", bad, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRow(const v1::ShardPlan& plan, const v1::TokenInputs& inputs, const v1::ForwardWant& want,
+                      const v1::ForwardRow& row, int64_t r) {
+  const std::string where = absl::StrCat("row ", r, "'s result");
+  if (want.has_embeddings()) {
+    if (row.embedding_size() != plan.config().hidden_size()) {
+      return absl::InternalError(absl::StrCat(where, " has an embedding of ", row.embedding_size(), " values, not ",
+                                              plan.config().hidden_size(), " (hidden_size)"));
+    }
+    if (FirstNonFinite(row.embedding()) >= 0) return absl::InternalError(where + " has a non-finite embedding");
+  }
+  const int top_k = std::max(1, want.masked_lm().top_k());
+  for (const v1::MaskTop& mask : row.masks()) {
+    if (mask.position() < 0 || mask.position() >= inputs.seq() || mask.ids_size() != mask.scores_size() ||
+        mask.ids_size() > top_k) {
+      return absl::InternalError(absl::StrCat(where, " has a [MASK] entry that does not fit the row (position ",
+                                              mask.position(), ", ", mask.ids_size(), " ids, ", mask.scores_size(),
+                                              " scores, top_k ", top_k, ")"));
+    }
+    for (int64_t id : mask.ids()) {
+      if (id < 0 || id >= plan.config().vocab_size()) {
+        return absl::InternalError(absl::StrCat(where, " predicts id ", id, ", outside the vocabulary"));
+      }
+    }
+    if (FirstNonFinite(mask.scores()) >= 0) return absl::InternalError(where + " has a non-finite [MASK] score");
+  }
+  if (row.has_span() && row.span().start() >= 0) {
+    const v1::SpanResult& span = row.span();
+    if (span.end() < span.start() || span.end() >= inputs.seq() || !std::isfinite(span.score())) {
+      return absl::InternalError(absl::StrCat(where, " has an answer span that does not fit the row (", span.start(),
+                                              "..", span.end(), ", score ", span.score(), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckForwardResponse(const v1::ShardPlan& plan, const v1::TokenInputs& inputs, const v1::ForwardWant& want,
+                                  const v1::ForwardResponse& response) {
+  for (const v1::NamedTensor& t : response.outputs()) RETURN_IF_ERROR(CheckOutput(plan, inputs, t));
+  if (response.rows_size() == 0) return absl::OkStatus();
+  if (!want.has_embeddings() && !want.has_masked_lm() && !want.has_answer_spans()) {
+    return absl::InternalError(absl::StrCat(response.rows_size(), " per-row results that were not asked for"));
+  }
+  if (response.rows_size() != inputs.rows()) {
+    return absl::InternalError(
+        absl::StrCat("per-row results for ", response.rows_size(), " rows of the batch's ", inputs.rows()));
+  }
+  for (int r = 0; r < response.rows_size(); ++r) RETURN_IF_ERROR(CheckRow(plan, inputs, want, response.rows(r), r));
+  return absl::OkStatus();
+}
 
 v1::ForwardWant InferWant(const v1::ShardPlan& plan, const JobAssets& assets, int top_k, bool predictions_only) {
   v1::ForwardWant want;

@@ -13,8 +13,8 @@
 //   ASSIGN_OR_RETURN(auto predictions, Predict(plan, assets, tokens, outputs, rows));
 //
 // Failure model: results that do not fit the request (a missing output, a row count that is not
-// the batch's) are INTERNAL: no caller gets a wrong answer. Unknown enum values in a request are
-// INVALID_ARGUMENT, resolved before the forward so they cost no compute.
+// the batch's, a wrong shape, a NaN or infinity) are INTERNAL: no caller gets a wrong answer. Unknown enum values in a
+// request are INVALID_ARGUMENT, resolved before the forward so they cost no compute.
 //
 // Thread safety: thread-safe (no state).
 #ifndef BERTSHARD_SERVER_OUTPUT_DECODING_H_
@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "bertshard/v1/coordinator.pb.h"
+#include "bertshard/v1/worker.pb.h"
 #include "server/job_assets.h"
 #include "serving/pooling.h"
 
@@ -32,6 +33,15 @@ namespace bertshard::server {
 
 // Whether output `name` of `variant` has a sequence axis at dim 1 (so batching pads and cuts it).
 bool PerTokenOutput(v1::ModelVariant variant, const std::string& name);
+
+// Whether one rank's answer to a forward of `inputs` fits it before anything of it is served: every
+// output with a batch axis of the batch's rows (rows / choices for multiple-choice logits), the
+// padded seq at dim 1 for per-token outputs, the hidden size where the plan fixes it, as many
+// values as its shape says; per-row results one per row when `want` asks for them (embeddings of
+// the hidden size, [MASK] positions and ids inside the row and vocabulary, no more than top_k);
+// and every float finite. INTERNAL saying what is wrong (the caller names the worker).
+absl::Status CheckForwardResponse(const v1::ShardPlan& plan, const v1::TokenInputs& inputs, const v1::ForwardWant& want,
+                                  const v1::ForwardResponse& response);
 
 // What an Infer asks the workers for: every output unless `predictions_only`, and what Predict
 // reads: the masked LM's `top_k` (0: 5) per [MASK], the best answer span per row, or the

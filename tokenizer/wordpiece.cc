@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -67,21 +69,30 @@ const icu::Normalizer2* Nfd() {
   return U_SUCCESS(error) ? nfd : nullptr;
 }
 
-absl::StatusOr<std::vector<UChar32>> DecodeUtf8(absl::string_view text) {
-  std::vector<UChar32> out;
-  out.reserve(text.size());
-  int32_t i = 0;
-  const auto* s = reinterpret_cast<const uint8_t*>(text.data());
+// Checked over the whole text before any of it is tokenised (the tokeniser may stop early), so
+// a text is refused for bad UTF-8 wherever it is, as before.
+absl::Status CheckUtf8(absl::string_view text) {
   if (text.size() > static_cast<size_t>(INT32_MAX)) return absl::InvalidArgumentError("text is over 2 GiB");
+  const auto* s = reinterpret_cast<const uint8_t*>(text.data());
   const int32_t n = static_cast<int32_t>(text.size());
+  int32_t i = 0;
   while (i < n) {
+    // ASCII, the usual case: eight bytes at a time.
+    uint64_t eight = 0;
+    if (n - i >= 8 && (std::memcpy(&eight, s + i, 8), (eight & 0x8080808080808080ULL) == 0)) {
+      i += 8;
+      continue;
+    }
+    if (s[i] < 0x80) {
+      ++i;
+      continue;
+    }
     const int32_t start = i;
     UChar32 c;
     U8_NEXT(s, i, n, c);
     if (c < 0) return absl::InvalidArgumentError(absl::StrCat("text is not valid UTF-8 (byte ", start, ")"));
-    out.push_back(c);
   }
-  return out;
+  return absl::OkStatus();
 }
 
 void AppendUtf8(UChar32 c, std::string* out) {
@@ -247,11 +258,17 @@ absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromChec
   return FromVocab(VocabLines(*std::move(text)), options);
 }
 
-absl::Status WordPieceTokenizer::Words(absl::string_view text, std::vector<std::string>* words,
-                                       std::vector<bool>* special) const {
-  ASSIGN_OR_RETURN(std::vector<UChar32> chars, DecodeUtf8(text));
+absl::StatusOr<bool> WordPieceTokenizer::Words(absl::string_view text, const WordFn& on_word) const {
+  RETURN_IF_ERROR(CheckUtf8(text));
+  // Decoded as it is read, not all at once: a caller that stops early never pays for the rest.
+  const auto* bytes = reinterpret_cast<const uint8_t*>(text.data());
+  const int32_t size = static_cast<int32_t>(text.size());
+  bool stopped = false;
   const bool strip = options_.strip_accents.value_or(options_.do_lower_case);
   std::vector<UChar32> word;  // raw characters of the word being read
+  auto emit = [&](const std::string& w, bool special) {
+    if (!stopped && !on_word(w, special)) stopped = true;
+  };
   auto flush = [&]() {
     if (word.empty()) return;
     std::vector<UChar32> normal = strip ? StripAccents(word) : std::move(word);
@@ -259,39 +276,39 @@ absl::Status WordPieceTokenizer::Words(absl::string_view text, std::vector<std::
     std::string part;
     for (UChar32 c : normal) {
       if (Kind(c) == CharKind::kPunctuation) {
-        if (!part.empty()) words->push_back(std::move(part));
+        if (!part.empty()) emit(part, false);
         part.clear();
         std::string p;
         AppendUtf8(c, &p);
-        words->push_back(std::move(p));
+        emit(p, false);
       } else {
         AppendUtf8(c, &part);
       }
     }
-    if (!part.empty()) words->push_back(std::move(part));
-    special->resize(words->size(), false);
+    if (!part.empty()) emit(part, false);
     word.clear();
   };
-  for (size_t i = 0; i < chars.size(); ++i) {
-    const UChar32 c = chars[i];
+  int32_t i = 0;
+  while (i < size) {
+    if (stopped) return false;
+    const int32_t at = i;
+    UChar32 c;
+    U8_NEXT(bytes, i, size, c);  // valid: CheckUtf8
     // Special tokens are matched in the raw text, before any cleaning, wherever they occur (HF's
     // added tokens with normalized=false): "x[MASK]y" is x, [MASK], y; "[mask]" is not special.
+    // They are ASCII, so comparing bytes compares characters.
     if (c == '[') {
       const std::string* matched = nullptr;
       for (const std::string& s : specials_) {
-        if (i + s.size() > chars.size()) continue;
-        bool equal = true;
-        for (size_t k = 0; k < s.size() && equal; ++k) equal = chars[i + k] == static_cast<unsigned char>(s[k]);
-        if (equal) {
+        if (text.substr(static_cast<size_t>(at), s.size()) == s) {
           matched = &s;
           break;
         }
       }
       if (matched != nullptr) {
         flush();
-        words->push_back(*matched);
-        special->push_back(true);
-        i += matched->size() - 1;
+        emit(*matched, true);
+        i = at + static_cast<int32_t>(matched->size());
         continue;
       }
     }
@@ -317,7 +334,7 @@ absl::Status WordPieceTokenizer::Words(absl::string_view text, std::vector<std::
     }
   }
   flush();
-  return absl::OkStatus();
+  return !stopped;
 }
 
 void WordPieceTokenizer::WordPieces(const std::string& word, std::vector<int64_t>* ids) const {
@@ -362,24 +379,28 @@ void WordPieceTokenizer::WordPieces(const std::string& word, std::vector<int64_t
 
 absl::StatusOr<std::vector<std::string>> WordPieceTokenizer::BasicTokenize(absl::string_view text) const {
   std::vector<std::string> words;
-  std::vector<bool> special;
-  RETURN_IF_ERROR(Words(text, &words, &special));
+  RETURN_IF_ERROR(Words(text, [&words](const std::string& w, bool) {
+                    words.push_back(w);
+                    return true;
+                  }).status());
   return words;
 }
 
-absl::StatusOr<std::vector<int64_t>> WordPieceTokenizer::TokenIds(absl::string_view text) const {
-  std::vector<std::string> words;
-  std::vector<bool> special;
-  RETURN_IF_ERROR(Words(text, &words, &special));
-  std::vector<int64_t> ids;
-  ids.reserve(words.size());
-  for (size_t i = 0; i < words.size(); ++i) {
-    if (special[i]) {
-      ids.push_back(ids_.at(words[i]));
+absl::StatusOr<bool> WordPieceTokenizer::TokenIdsUpTo(absl::string_view text, int64_t stop_above,
+                                                      std::vector<int64_t>* ids) const {
+  return Words(text, [this, stop_above, ids](const std::string& w, bool special) {
+    if (special) {
+      ids->push_back(ids_.at(w));
     } else {
-      WordPieces(words[i], &ids);
+      WordPieces(w, ids);
     }
-  }
+    return stop_above < 0 || static_cast<int64_t>(ids->size()) <= stop_above;
+  });
+}
+
+absl::StatusOr<std::vector<int64_t>> WordPieceTokenizer::TokenIds(absl::string_view text) const {
+  std::vector<int64_t> ids;
+  RETURN_IF_ERROR(TokenIdsUpTo(text, -1, &ids).status());
   return ids;
 }
 
@@ -393,20 +414,37 @@ absl::StatusOr<std::vector<std::string>> WordPieceTokenizer::Tokenize(absl::stri
 
 absl::StatusOr<Encoding> WordPieceTokenizer::Encode(absl::string_view text, std::optional<absl::string_view> pair,
                                                     const EncodeOptions& options) const {
-  ASSIGN_OR_RETURN(std::vector<int64_t> a, TokenIds(text));
-  std::vector<int64_t> b;
-  if (pair.has_value()) {
-    ASSIGN_OR_RETURN(b, TokenIds(*pair));
-  }
   const int64_t added = pair.has_value() ? 3 : 2;  // [CLS] a [SEP] (b [SEP])
+  // With a limit, a segment is tokenised only until it is known to be over the room the limit
+  // leaves (room + 1 tokens): what truncation keeps is the same as with all of it, and a megabyte
+  // of text costs what its first few hundred tokens cost. A refusal (no truncation) reads up to 4 x
+  // max_length, so that it can say by how much a text is too long unless that is by far.
+  const int64_t room_left = std::max<int64_t>(options.max_length - added, 0);
+  const int64_t stop_above = options.max_length <= 0 ? -1 : options.truncation ? room_left : 4 * options.max_length;
+  std::vector<int64_t> a;
+  std::vector<int64_t> b;
+  ASSIGN_OR_RETURN(bool a_whole, TokenIdsUpTo(text, stop_above, &a));
+  bool b_whole = true;
+  if (pair.has_value()) {
+    ASSIGN_OR_RETURN(b_whole, TokenIdsUpTo(*pair, stop_above, &b));
+    // Both segments over the room: longest-first gives the odd token of an odd room to the longer
+    // one, so which is longer must be known; only then is all of both read.
+    const size_t room = static_cast<size_t>(room_left);
+    if ((!a_whole || !b_whole) && options.truncation && a.size() > room && b.size() > room && room % 2 == 1) {
+      a.clear();
+      b.clear();
+      ASSIGN_OR_RETURN(a_whole, TokenIdsUpTo(text, -1, &a));
+      ASSIGN_OR_RETURN(b_whole, TokenIdsUpTo(*pair, -1, &b));
+    }
+  }
   const int64_t total = static_cast<int64_t>(a.size() + b.size()) + added;
   Encoding e;
   if (options.max_length > 0 && total > options.max_length) {
     if (!options.truncation) {
-      return absl::InvalidArgumentError(absl::StrCat(pair.has_value() ? "the text pair is " : "the text is ", total,
-                                                     " tokens with [CLS]/[SEP]; the model takes at most ",
-                                                     options.max_length,
-                                                     " (truncation can be requested to cut it to that length)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(pair.has_value() ? "the text pair is " : "the text is ", a_whole && b_whole ? "" : "at least ",
+                       total, " tokens with [CLS]/[SEP]; the model takes at most ", options.max_length,
+                       " (truncation can be requested to cut it to that length)"));
     }
     if (options.max_length < added) {
       return absl::InvalidArgumentError(

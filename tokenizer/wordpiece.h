@@ -32,6 +32,7 @@
 #define BERTSHARD_TOKENIZER_WORDPIECE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -98,8 +99,12 @@ class WordPieceTokenizer {
   // [CLS] text [SEP] (pair [SEP]). Empty text, or text that cleaning empties (only whitespace or
   // control characters), gives [CLS] [SEP] as HF does; callers that need words check for that
   // (the server refuses it). INVALID_ARGUMENT for text that is not UTF-8; for an encoding
-  // longer than options.max_length without options.truncation (the message gives both lengths);
-  // and, with truncation, for a max_length too small to hold [CLS] and the [SEP]s.
+  // longer than options.max_length without options.truncation (the message gives both lengths,
+  // or "at least N" when the text was read only until it was known to be too long); and, with
+  // truncation, for a max_length too small to hold [CLS] and the [SEP]s. With a max_length, a
+  // text is tokenised only as far as the limit needs (the rest is only checked to be UTF-8), so
+  // the cost of a long text with truncation is that of its first max_length tokens; the answer is
+  // HF's all the same.
   absl::StatusOr<Encoding> Encode(absl::string_view text, std::optional<absl::string_view> pair,
                                   const EncodeOptions& options) const;
   // The same without truncation: INVALID_ARGUMENT if longer than `max_length` (when > 0).
@@ -121,8 +126,14 @@ class WordPieceTokenizer {
 
  private:
   WordPieceTokenizer(std::vector<std::string> tokens, const TokenizerOptions& options);
-  // Steps 1-4; `special` says which words are special tokens.
-  absl::Status Words(absl::string_view text, std::vector<std::string>* words, std::vector<bool>* special) const;
+  // Called for each word of steps 1-4 in order (`special`: a special token); false stops the walk.
+  using WordFn = std::function<bool(const std::string& word, bool special)>;
+  // Steps 1-4, word by word; true when the whole text was walked (no WordFn said stop).
+  absl::StatusOr<bool> Words(absl::string_view text, const WordFn& on_word) const;
+  // Appends the ids of `text`'s pieces to `ids`, stopping once it holds more than `stop_above`
+  // (< 0: never). True when all of `text` was read: so false means `text` has more than
+  // `stop_above` pieces (ids holds a prefix of them, at least stop_above + 1).
+  absl::StatusOr<bool> TokenIdsUpTo(absl::string_view text, int64_t stop_above, std::vector<int64_t>* ids) const;
   // Step 5 for one (non-special) word.
   void WordPieces(const std::string& word, std::vector<int64_t>* ids) const;
   bool IsSpecialId(int64_t id) const;

@@ -357,6 +357,42 @@ TEST(WordPiece, TruncatesPairsLongestFirstAsHf) {
   EXPECT_EQ(Uncased().Encode("a", absl::string_view(""))->input_ids, (Ids{101, 1037, 102, 102}));
 }
 
+// Issue 21: with a limit, a text is tokenised only as far as the limit needs. What is kept must
+// be what tokenising all of it and then truncating keeps, for pairs too: with both segments over
+// an odd room the longer one gets the odd token, so their full lengths are compared then.
+TEST(WordPiece, TruncatingLongTextsReadsOnlyWhatTheLimitNeedsWithHfsAnswer) {
+  struct Case {
+    int n1, n2, max_length, kept1, kept2;
+  };
+  for (const Case& c : {Case{20, 19, 10, 4, 3}, Case{19, 20, 10, 3, 4}, Case{20, 20, 10, 3, 4}, Case{1000, 2, 10, 5, 2},
+                        Case{2, 1000, 10, 2, 5}, Case{1000, 999, 9, 3, 3}, Case{999, 1000, 11, 4, 4},
+                        Case{1000, 999, 12, 5, 4}, Case{999, 1000, 12, 4, 5}}) {
+    SCOPED_TRACE(testing::Message() << c.n1 << " + " << c.n2 << " tokens, max_length " << c.max_length);
+    auto e = Uncased().Encode(Words('a', c.n1), absl::string_view(Words('b', c.n2)), Truncate(c.max_length));
+    ASSERT_TRUE(e.ok()) << e.status();
+    Ids want{101};
+    want.insert(want.end(), c.kept1, 1037);
+    want.push_back(102);
+    want.insert(want.end(), c.kept2, 1038);
+    want.push_back(102);
+    EXPECT_EQ(e->input_ids, want);
+    EXPECT_TRUE(e->truncated);
+  }
+  // A single text: its first pieces, whatever follows (here a [MASK] and bad words far on).
+  const std::string text = Words('a', 50) + " [MASK] " + Repeat("x\u00e9\u0301 ", 1000);
+  auto single = Uncased().Encode(text, std::nullopt, Truncate(6));
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ(single->input_ids, (Ids{101, 1037, 1037, 1037, 1037, 102}));
+  // Invalid UTF-8 is refused wherever it is, as when all of the text was read.
+  EXPECT_EQ(Uncased().Encode(Words('a', 50) + " \xff", std::nullopt, Truncate(6)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Far too long without truncation: refused with a lower bound once 4 x max_length were read.
+  auto refused = Uncased().Encode(Words('a', 100), std::nullopt, 4);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("the text is at least 19 tokens"), absl::string_view::npos)
+      << refused.status();
+}
+
 TEST(WordPiece, DecodesAsHf) {
   auto e =
       Uncased().Encode("Hello , world ! I don ' t know . It ' s 5 ' 6 \" quoted \" (x) [MASK] do not", std::nullopt);
