@@ -284,7 +284,8 @@ TEST_F(JobServingTest, AWorkersNonFiniteOrMisshapenAnswerIsAnErrorNamingItNeverS
     targets_ = std::make_unique<Targets>(std::vector<RankStub>{first_.Rank("w0"), bad.Rank("w1")});
     serving_ = std::make_unique<JobServing>(
         "job-1", SmallPlan(c.embed ? v1::BERT_MODEL : v1::BERT_FOR_SEQUENCE_CLASSIFICATION),
-        [] { return std::string(testing::TempDir()); }, targets_.get(), JobServingOptions());
+        TempDirAssets(SmallPlan(c.embed ? v1::BERT_MODEL : v1::BERT_FOR_SEQUENCE_CLASSIFICATION)), targets_.get(),
+        JobServingOptions());
     absl::Status status;
     if (c.embed) {
       v1::EmbedRequest request;
