@@ -70,8 +70,12 @@ class FakeWorker final : public v1::Worker::Service {
     return {worker_id, address_, v1::Worker::NewStub(channel), "", grpc::health::v1::Health::NewStub(channel)};
   }
 
-  grpc::Status ReservePort(grpc::ServerContext*, const v1::ReservePortRequest*,
+  grpc::Status ReservePort(grpc::ServerContext*, const v1::ReservePortRequest* request,
                            v1::ReservePortResponse* port) override {
+    {
+      absl::MutexLock lock(&mu_);
+      reservations_.push_back(*request);
+    }
     port->set_port(4321);
     return grpc::Status::OK;
   }
@@ -104,6 +108,11 @@ class FakeWorker final : public v1::Worker::Service {
   std::vector<v1::LoadShardRequest> Loads() const {
     absl::MutexLock lock(&mu_);
     return loads_;
+  }
+  // The ReservePort requests received, in order.
+  std::vector<v1::ReservePortRequest> Reservations() const {
+    absl::MutexLock lock(&mu_);
+    return reservations_;
   }
   // The Forward requests received, in order.
   std::vector<v1::ForwardRequest> requests() const {
@@ -138,6 +147,7 @@ class FakeWorker final : public v1::Worker::Service {
   std::unique_ptr<grpc::Server> server_;
   mutable absl::Mutex mu_;
   std::vector<v1::LoadShardRequest> loads_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ReservePortRequest> reservations_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> unloaded_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ForwardRequest> requests_ ABSL_GUARDED_BY(mu_);
 };
