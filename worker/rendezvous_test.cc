@@ -176,6 +176,9 @@ TEST(Rendezvous, ARankWithoutTheSecretIsRefusedAtOnce) {
   EXPECT_EQ(stranger.status().code(), absl::StatusCode::kPermissionDenied) << stranger.status();
   EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(10));
   EXPECT_EQ((*hosted)->getNumKeys(), 1);
+  // Refused by the server, not only by the client's check of the server's proof.
+  EXPECT_EQ((*hosted)->server().stats().authenticated, 0);
+  EXPECT_EQ((*hosted)->server().stats().refused, 1);
 }
 
 TEST(ReservedStores, AnUnclaimedReservationExpires) {
