@@ -54,11 +54,11 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& path) {
   std::string text;
   absl::Status status;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
-    status = absl::FailedPreconditionError(absl::StrCat("the secret file ", path, " is not a regular file of this user"));
+    status =
+        absl::FailedPreconditionError(absl::StrCat("the secret file ", path, " is not a regular file of this user"));
   } else if ((st.st_mode & 077) != 0) {
-    status = absl::FailedPreconditionError(
-        absl::StrCat("the secret file ", path, " may be read by others (mode ", absl::Hex(st.st_mode & 0777),
-                     " hex); it must be 0600"));
+    status = absl::FailedPreconditionError(absl::StrCat("the secret file ", path, " may be read by others (mode ",
+                                                        absl::Hex(st.st_mode & 0777), " hex); it must be 0600"));
   } else if (st.st_size > kMaxBytes) {
     status = absl::InvalidArgumentError(absl::StrCat("the secret file ", path, " is over ", kMaxBytes, " bytes"));
   } else {

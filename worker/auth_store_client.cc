@@ -78,7 +78,8 @@ Attempt Handshake(int fd, const std::string& secret, Clock::time_point deadline)
   // The other side must know the secret too: a port taken over by something else must not hand
   // this rank made-up peers.
   if (!wire::SameSecretBytes(*theirs, wire::HandshakeMac(secret, "server", server_nonce, *nonce))) {
-    return Fail(fd, false, absl::PermissionDeniedError("the rendezvous server did not prove it knows the job's secret"));
+    return Fail(fd, false,
+                absl::PermissionDeniedError("the rendezvous server did not prove it knows the job's secret"));
   }
   const int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -113,20 +114,23 @@ absl::StatusOr<c10::intrusive_ptr<AuthStoreClient>> AuthStoreClient::Connect(con
         Attempt attempt = ConnectSocket(*a, deadline);
         // The handshake gets a few seconds at most: a server that accepts and then says nothing
         // (not ours, or overloaded) is tried again.
-        if (attempt.fd >= 0) attempt = Handshake(attempt.fd, o.secret, std::min(deadline, Clock::now() + std::chrono::seconds(10)));
+        if (attempt.fd >= 0)
+          attempt = Handshake(attempt.fd, o.secret, std::min(deadline, Clock::now() + std::chrono::seconds(10)));
         if (attempt.fd >= 0) {
           freeaddrinfo(found);
           return c10::make_intrusive<AuthStoreClient>(attempt.fd, o);
         }
         if (!attempt.retry) {
           freeaddrinfo(found);
-          return absl::Status(attempt.error.code(), absl::StrCat("rendezvous at ", where, ": ", attempt.error.message()));
+          return absl::Status(attempt.error.code(),
+                              absl::StrCat("rendezvous at ", where, ": ", attempt.error.message()));
         }
         last = attempt.error;
       }
       freeaddrinfo(found);
     }
-    std::this_thread::sleep_for(std::min<Clock::duration>(backoff, std::max<Clock::duration>(deadline - Clock::now(), {})));
+    std::this_thread::sleep_for(
+        std::min<Clock::duration>(backoff, std::max<Clock::duration>(deadline - Clock::now(), {})));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   } while (Clock::now() < deadline);
   return absl::UnavailableError(
@@ -168,9 +172,8 @@ wire::Frame AuthStoreClient::Call(const wire::Frame& request, std::chrono::milli
 
 void AuthStoreClient::CheckKeyOrThrow(const std::string& key) const {
   if (key.size() > options_.limits.max_key_bytes) {
-    throw AuthStoreError(absl::ResourceExhaustedError(absl::StrCat("rendezvous key of ", key.size(),
-                                                                   " bytes exceeds the limit of ",
-                                                                   options_.limits.max_key_bytes, " bytes")));
+    throw AuthStoreError(absl::ResourceExhaustedError(absl::StrCat(
+        "rendezvous key of ", key.size(), " bytes exceeds the limit of ", options_.limits.max_key_bytes, " bytes")));
   }
 }
 

@@ -287,8 +287,8 @@ wire::Frame AuthStoreServer::Handle(const wire::Frame& request, Connection* c) {
     if (!s.ok()) a.fields.push_back(std::string(s.message()));
     return a;
   };
-  const absl::Status bad = absl::InvalidArgumentError(absl::StrCat("malformed rendezvous request (op ", request.code,
-                                                                   ", ", f.size(), " fields)"));
+  const absl::Status bad = absl::InvalidArgumentError(
+      absl::StrCat("malformed rendezvous request (op ", request.code, ", ", f.size(), " fields)"));
   switch (request.code) {
     case wire::kSet:
       if (!arity(2)) return answer(bad);
@@ -335,8 +335,8 @@ wire::Frame AuthStoreServer::Handle(const wire::Frame& request, Connection* c) {
 
 absl::Status AuthStoreServer::CheckKey(const std::string& key) const {
   if (key.size() > options_.limits.max_key_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("rendezvous key ", Shown(key), " exceeds the limit of ",
-                                                     options_.limits.max_key_bytes, " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("rendezvous key ", Shown(key), " exceeds the limit of ", options_.limits.max_key_bytes, " bytes"));
   }
   return absl::OkStatus();
 }
@@ -354,8 +354,8 @@ absl::Status AuthStoreServer::PutLocked(const std::string& key, std::string valu
   }
   const int64_t after = bytes_ - (it == values_.end() ? 0 : EntryBytes(key, it->second)) + EntryBytes(key, value);
   if (after > l.max_total_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("setting ", Shown(key), " would take the rendezvous past its limit of ",
-                                                     l.max_total_bytes, " bytes"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "setting ", Shown(key), " would take the rendezvous past its limit of ", l.max_total_bytes, " bytes"));
   }
   bytes_ = after;
   if (it == values_.end()) {
@@ -370,8 +370,8 @@ absl::Status AuthStoreServer::PutLocked(const std::string& key, std::string valu
 absl::Status AuthStoreServer::AwaitKeys(const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
                                         const std::function<bool()>& cancelled) {
   if (keys.size() > options_.limits.max_keys_per_call) {
-    return absl::ResourceExhaustedError(absl::StrCat("a rendezvous wait on ", keys.size(), " keys (at most ",
-                                                     options_.limits.max_keys_per_call, ")"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a rendezvous wait on ", keys.size(), " keys (at most ", options_.limits.max_keys_per_call, ")"));
   }
   for (const std::string& key : keys) {
     if (absl::Status s = CheckKey(key); !s.ok()) return s;
@@ -443,8 +443,8 @@ absl::StatusOr<bool> AuthStoreServer::Delete(const std::string& key) {
 absl::StatusOr<bool> AuthStoreServer::Check(const std::vector<std::string>& keys) {
   absl::MutexLock lock(&mu_);
   if (keys.size() > options_.limits.max_keys_per_call) {
-    return absl::ResourceExhaustedError(absl::StrCat("a rendezvous check of ", keys.size(), " keys (at most ",
-                                                     options_.limits.max_keys_per_call, ")"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("a rendezvous check of ", keys.size(), " keys (at most ", options_.limits.max_keys_per_call, ")"));
   }
   return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return values_.count(k) > 0; });
 }
@@ -477,7 +477,9 @@ std::vector<uint8_t> HostedStore::compareSet(const std::string& key, const std::
                                              const std::vector<uint8_t>& desired) {
   return Bytes(ValueOrThrow(server_->CompareSet(key, String(expected), String(desired))));
 }
-std::vector<uint8_t> HostedStore::get(const std::string& key) { return Bytes(ValueOrThrow(server_->Get(key, timeout_))); }
+std::vector<uint8_t> HostedStore::get(const std::string& key) {
+  return Bytes(ValueOrThrow(server_->Get(key, timeout_)));
+}
 int64_t HostedStore::add(const std::string& key, int64_t value) { return ValueOrThrow(server_->Add(key, value)); }
 bool HostedStore::deleteKey(const std::string& key) { return ValueOrThrow(server_->Delete(key)); }
 bool HostedStore::check(const std::vector<std::string>& keys) { return ValueOrThrow(server_->Check(keys)); }

@@ -37,7 +37,8 @@ c10::intrusive_ptr<HostedStore> Host(AuthStoreServerOptions options = {}) {
 }
 
 absl::StatusOr<c10::intrusive_ptr<AuthStoreClient>> Join(int port, const std::string& secret = kSecret,
-                                                         milliseconds timeout = seconds(10), AuthStoreLimits limits = {}) {
+                                                         milliseconds timeout = seconds(10),
+                                                         AuthStoreLimits limits = {}) {
   return AuthStoreClient::Connect(
       {.host = "127.0.0.1", .port = port, .secret = secret, .timeout = timeout, .limits = limits});
 }
@@ -244,7 +245,8 @@ TEST(AuthStore, SilentConnectionsCannotKeepARankOut) {
   auto client = Join(host->getPort());
   EXPECT_TRUE(client.ok()) << client.status();
   EXPECT_LT(Clock::now() - start, seconds(10));
-  EXPECT_LE(host->server().stats().pending, 4);
+  // The dropped ones' threads end promptly: no more handshakes are held than the cap.
+  EXPECT_TRUE(Eventually([&] { return host->server().stats().pending <= 4; })) << host->server().stats().pending;
   for (int fd : silent) close(fd);
 }
 
