@@ -304,7 +304,18 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "job_id is required");
   load.set_job_id("j");
   load.clear_rendezvous_secret();  // the ranks prove it to the rendezvous: no load without one
-  expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "the rendezvous secret must be 16 to 256 bytes; it is 0");
+  {
+    auto context = Context();
+    auto reader = worker.stub->LoadShard(context.get(), load);
+    v1::LoadProgress p;
+    int messages = 0;
+    while (reader->Read(&p)) ++messages;
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("the rendezvous secret must be 16 to 256 bytes; it is 0"), std::string::npos)
+        << s.error_message();
+    EXPECT_EQ(messages, 0) << "refused only once the shard was loading";
+  }
   load.set_rendezvous_secret(kSecret);
   load.set_backend("mpi");
   expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "backend 'mpi' is not served by this worker: it serves gloo");
