@@ -225,6 +225,8 @@ bool AuthStoreServer::Admit(Connection* c) {
   {
     absl::MutexLock lock(&mu_);
     --pending_;
+    // Dropped to make room while it proved itself: its socket is shut, it will try again.
+    if (c->evicted) proved = false;
     if (proved && clients_ < options_.max_clients) {
       verdict = wire::kAccepted;
       c->authenticated = true;
