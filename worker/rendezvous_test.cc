@@ -118,7 +118,6 @@ TEST(StoreBarrier, ReturnsOnceEveryRankHasArrived) {
 }
 
 TEST(StoreBarrier, AMissingPeerIsUnavailableAfterTheStoresTimeout) {
-  // (TCPStore counts a client's connect timeout in whole seconds: under one, it gives up at once.)
   auto hosted = HostStore("127.0.0.1", kSecret, milliseconds(1500));
   ASSERT_TRUE(hosted.ok()) << hosted.status();
   const absl::Status status = StoreBarrier(**hosted, "never", 2);
