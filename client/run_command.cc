@@ -22,6 +22,7 @@
 #include "checkpoint/safetensors.h"
 #include "client/plan_command.h"
 #include "common/file.h"
+#include "common/secure_random.h"
 #include "common/status_macros.h"
 #include "model/gemm_flag.h"
 #include "nlohmann/json.hpp"
@@ -290,6 +291,11 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
   for (auto& e : env_strings) envp.push_back(e.data());
   envp.push_back(nullptr);
 
+  // The run's rendezvous secret, for the ranks only: in a 0600 file of the run's 0700 directory,
+  // never in argv (which any user of the host can read).
+  const std::string secret_file = dir + "/rendezvous_secret";
+  ASSIGN_OR_RETURN(const std::string secret, common::SecureRandomBytes(32));
+  RETURN_IF_ERROR(common::WriteSecretFile(secret_file, secret));
   // `port` 0: rank 0 hosts the rendezvous on a port the system picks and writes it to port_file.
   const std::string port_file = dir + "/master_port";
   auto spawn = [&](int rank, int port) -> absl::StatusOr<RankProcess> {
@@ -302,6 +308,7 @@ absl::Status Run(const CommandLine& cl, std::FILE* out) {
         absl::StrCat("--rank=", rank),
         "--master_addr=127.0.0.1",
         absl::StrCat("--master_port=", port),
+        absl::StrCat("--rendezvous_secret_file=", secret_file),
         absl::StrCat("--checkpoint=", checkpoint),
         absl::StrCat("--inputs=", dir, "/inputs.json"),
         absl::StrCat("--micro_batches=", micro_batches),

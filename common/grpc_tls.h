@@ -10,8 +10,9 @@
 //     signed (mutual TLS), and others are refused at the handshake.
 //   - channel: ca set: TLS, the server's certificate verified against ca (and its name against the
 //     address dialled); cert + key, when set, are presented as the client certificate.
-// The workers' rendezvous and collectives (c10d TCPStore, Gloo, NCCL) are not gRPC and stay in
-// clear on the cluster network: keep it private (docs/RELIABILITY.md, README).
+// The workers' rendezvous and collectives (Gloo, NCCL) are not gRPC: the rendezvous is
+// authenticated per job (worker/auth_store.h) but neither is encrypted on the cluster network:
+// keep it private (docs/RELIABILITY.md, README).
 //
 // Thread safety: thread-safe (pure functions).
 #ifndef BERTSHARD_COMMON_GRPC_TLS_H_

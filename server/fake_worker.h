@@ -76,8 +76,12 @@ class FakeWorker final : public v1::Worker::Service {
     return {worker_id, address_, v1::Worker::NewStub(channel), "", grpc::health::v1::Health::NewStub(channel)};
   }
 
-  grpc::Status ReservePort(grpc::ServerContext*, const v1::ReservePortRequest*,
+  grpc::Status ReservePort(grpc::ServerContext*, const v1::ReservePortRequest* request,
                            v1::ReservePortResponse* port) override {
+    {
+      absl::MutexLock lock(&mu_);
+      reservations_.push_back(*request);
+    }
     port->set_port(4321);
     return grpc::Status::OK;
   }
@@ -110,6 +114,11 @@ class FakeWorker final : public v1::Worker::Service {
   std::vector<v1::LoadShardRequest> Loads() const {
     absl::MutexLock lock(&mu_);
     return loads_;
+  }
+  // The ReservePort requests received, in order.
+  std::vector<v1::ReservePortRequest> Reservations() const {
+    absl::MutexLock lock(&mu_);
+    return reservations_;
   }
   // The Forward requests received, in order.
   std::vector<v1::ForwardRequest> requests() const {
@@ -145,6 +154,7 @@ class FakeWorker final : public v1::Worker::Service {
   mutable absl::Mutex mu_;
   bool keep_ ABSL_GUARDED_BY(mu_) = true;
   std::vector<v1::LoadShardRequest> loads_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ReservePortRequest> reservations_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> unloaded_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ForwardRequest> requests_ ABSL_GUARDED_BY(mu_);
 };

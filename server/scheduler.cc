@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/fault_point.h"
 #include "common/grpc_auth.h"
+#include "common/secure_random.h"
 #include "common/status_macros.h"
 #include "planner/planner.h"
 #include "server/placement.h"
@@ -356,7 +357,11 @@ void Scheduler::LoadJob(const std::string& job_id) {
   common::PausePoint("coordinator_planned");
   const std::optional<Load> load = BeginLoad(job_id);
   if (!load.has_value()) return;
-  const absl::StatusOr<int32_t> port = ReserveRendezvousPort(load->ranks[0], job_id);
+  // A secret per load attempt, held only here and in the requests (never in the job store or a
+  // log): the ranks prove it to the rendezvous, which refuses anyone else (worker/auth_store.h).
+  const absl::StatusOr<std::string> secret = common::SecureRandomBytes(32);
+  const absl::StatusOr<int32_t> port =
+      secret.ok() ? ReserveRendezvousPort(load->ranks[0], job_id, *secret) : absl::StatusOr<int32_t>(secret.status());
   if (!port.ok()) {
     absl::MutexLock lock(&mu_);
     // Stopping: the job stays LOADING for the next coordinator, which fails it with that cause.
@@ -365,7 +370,7 @@ void Scheduler::LoadJob(const std::string& job_id) {
   }
   const std::vector<std::shared_ptr<grpc::ClientContext>> contexts = LoadContexts(*load);
   if (contexts.empty()) return;
-  FinishLoad(*load, LoadShards(*load, *port, contexts));
+  FinishLoad(*load, LoadShards(*load, *port, *secret, contexts));
 }
 
 std::optional<Scheduler::Load> Scheduler::BeginLoad(const std::string& job_id) {
@@ -413,7 +418,7 @@ std::vector<std::shared_ptr<grpc::ClientContext>> Scheduler::LoadContexts(const 
   return contexts;
 }
 
-bool Scheduler::LoadShards(const Load& load, int32_t port,
+bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& secret,
                            const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts) {
   v1::LoadShardRequest request;
   request.set_job_id(load.job_id);
@@ -422,6 +427,7 @@ bool Scheduler::LoadShards(const Load& load, int32_t port,
   request.set_backend(load.runtime->backend);
   request.set_master_addr(HostOf(load.ranks[0].address));
   request.set_master_port(port);
+  request.set_rendezvous_secret(secret);
   request.set_timeout_seconds(options_.collective_timeout_seconds);
   return LoadShardsOnRanks(
       load.ranks, request, contexts,

@@ -180,8 +180,8 @@ class Scheduler final : public ForwardTargets {
   void LoadJob(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
   std::optional<Load> BeginLoad(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<std::shared_ptr<grpc::ClientContext>> LoadContexts(const Load& load) ABSL_LOCKS_EXCLUDED(mu_);
-  bool LoadShards(const Load& load, int32_t port, const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  bool LoadShards(const Load& load, int32_t port, const std::string& secret,
+                  const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts) ABSL_LOCKS_EXCLUDED(mu_);
   void FinishLoad(const Load& load, bool all_loaded) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Ends the job (FAILED or CANCELLED) here and in the store: its loads and forward are cut off, its

@@ -84,6 +84,13 @@ TEST_F(SchedulerTest, PlacesAWaitingJobWhenWorkersComeAndNumbersItsForwards) {
   EXPECT_EQ(b.Loads()[0].rank(), 1);
   EXPECT_EQ(b.Loads()[0].master_addr(), "127.0.0.1");  // rank 0's host, with the port it reserved
   EXPECT_EQ(b.Loads()[0].master_port(), 4321);
+  // One rendezvous secret for the load attempt: 32 random bytes, the same in the reservation and
+  // every rank's load, so that only this job's ranks can use the store.
+  ASSERT_EQ(a.Reservations().size(), 1u);
+  const std::string secret = a.Reservations()[0].rendezvous_secret();
+  EXPECT_EQ(secret.size(), 32u);
+  EXPECT_EQ(a.Loads()[0].rendezvous_secret(), secret);
+  EXPECT_EQ(b.Loads()[0].rendezvous_secret(), secret);
   EXPECT_TRUE(pool_->Idle().empty());
   for (int64_t sequence = 0; sequence < 3; ++sequence) {
     auto next = scheduler_->NextForward(submitted.id());

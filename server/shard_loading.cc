@@ -8,12 +8,14 @@
 
 namespace bertshard::server {
 
-absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::string& job_id) {
+absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::string& job_id,
+                                              const std::string& secret) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
   common::AttachToken(&context, rank0.token);
   v1::ReservePortRequest reserve;
   reserve.set_job_id(job_id);
+  reserve.set_rendezvous_secret(secret);
   v1::ReservePortResponse port;
   grpc::Status status = rank0.stub->ReservePort(&context, reserve, &port);
   if (!status.ok()) {

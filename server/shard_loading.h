@@ -7,7 +7,8 @@
 // When a job ends: its surviving workers are told to unload, in the background.
 //
 // Example:
-//   ASSIGN_OR_RETURN(int32_t port, ReserveRendezvousPort(ranks[0], job_id));
+//   ASSIGN_OR_RETURN(std::string secret, common::SecureRandomBytes(32));  // per load attempt
+//   ASSIGN_OR_RETURN(int32_t port, ReserveRendezvousPort(ranks[0], job_id, secret));
 //   bool loaded = LoadShardsOnRanks(ranks, request, contexts, on_progress, on_failure);
 //
 // Failure model: every call has a deadline (10 s for the port, the contexts' own for the loads).
@@ -32,9 +33,11 @@
 namespace bertshard::server {
 
 // Rank 0's worker hosts the job's rendezvous store on a port of its choosing and keeps it for rank
-// 0's load (no port is found free and bound later). The error's message is the failure cause:
-// "worker ID (rank 0): why".
-absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::string& job_id);
+// 0's load (no port is found free and bound later); only ranks that know `secret` (the load
+// attempt's, sent again in every LoadShardRequest) may use it. The error's message is the failure
+// cause: "worker ID (rank 0): why".
+absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::string& job_id,
+                                              const std::string& secret);
 
 // Streams LoadShard(`request` with each rank's number) on every rank in parallel, each under its
 // context of `contexts` (deadline and token set, cancellable by the caller), until all have ended.

@@ -11,6 +11,7 @@ namespace bertshard::server {
 namespace {
 
 constexpr char kNobody[] = "127.0.0.1:1";  // nothing listens: calls fail UNAVAILABLE at once
+const std::string kSecret(32, 's');
 
 RankStub Rank(const std::string& id, const std::string& address) {
   auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
@@ -53,10 +54,12 @@ bool Load(const std::vector<RankStub>& ranks, Reported* reported,
 
 TEST(ReserveRendezvousPort, RankZerosWorkerGivesThePortOrIsNamed) {
   FakeWorker worker;
-  const absl::StatusOr<int32_t> port = ReserveRendezvousPort(Rank("w0", worker.Address()), "job-1");
+  const absl::StatusOr<int32_t> port = ReserveRendezvousPort(Rank("w0", worker.Address()), "job-1", kSecret);
   ASSERT_TRUE(port.ok()) << port.status();
   EXPECT_EQ(*port, 4321);
-  const absl::Status refused = ReserveRendezvousPort(Rank("w0", kNobody), "job-1").status();
+  ASSERT_EQ(worker.Reservations().size(), 1u);
+  EXPECT_EQ(worker.Reservations()[0].rendezvous_secret(), kSecret);  // the worker learns the secret
+  const absl::Status refused = ReserveRendezvousPort(Rank("w0", kNobody), "job-1", kSecret).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
   EXPECT_EQ(refused.message().rfind("worker w0 (rank 0): ", 0), 0u) << refused;
 }

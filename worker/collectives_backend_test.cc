@@ -1,4 +1,4 @@
-// Backend names to real collectives: Gloo groups over a TCPStore on loopback (ranks are threads),
+// Backend names to real collectives: Gloo groups over the rendezvous store on loopback (ranks are threads),
 // and what a build without NCCL answers for "nccl".
 #include "worker/collectives_backend.h"
 
@@ -11,6 +11,8 @@
 
 namespace bertshard::worker {
 namespace {
+
+const std::string kSecret(32, 's');  // the job's rendezvous secret
 
 TEST(CollectivesBackend, UnknownBackendsAreRefusedNamingTheValidOnes) {
   EXPECT_TRUE(CheckBackend("gloo").ok());
@@ -46,7 +48,7 @@ TEST(CollectivesBackend, GlooConnectsWithTheTransportAsked) {
     std::string transport;
   };
   for (const Case& c : {Case{2, true, "shared memory"}, Case{2, false, "gloo"}, Case{1, true, "none"}}) {
-    auto hosted = HostStore(std::chrono::seconds(30));
+    auto hosted = HostStore("127.0.0.1", kSecret, std::chrono::seconds(30));
     ASSERT_TRUE(hosted.ok()) << hosted.status();
     const int world = 2;
     std::vector<std::string> failures(world);
@@ -59,6 +61,7 @@ TEST(CollectivesBackend, GlooConnectsWithTheTransportAsked) {
                                                .rank = rank,
                                                .world_size = world,
                                                .timeout = std::chrono::seconds(30),
+                                               .secret = kSecret,
                                                .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(*hosted)
                                                                   : c10::intrusive_ptr<c10d::Store>()},
                                 .tp_size = c.tp_size,

@@ -1,7 +1,7 @@
 // File: worker/gloo_collectives.h
 // -----------------------------------------------------------------------------
-// Collectives (model/collectives.h) over c10d ProcessGroupGloo on CPU: a TCPStore rendezvous
-// hosted by rank 0 (MASTER_ADDR/MASTER_PORT style), one process group over all ranks for the
+// Collectives (model/collectives.h) over c10d ProcessGroupGloo on CPU: the authenticated rendezvous
+// (worker/rendezvous.h) hosted by rank 0 (MASTER_ADDR/MASTER_PORT style), one process group over all ranks for the
 // pipeline's point-to-point transfers, and one per pipeline stage for its tensor-parallel ranks.
 // LibTorch 1.13's Gloo has no reduce-scatter: it is emulated with alltoall_base plus a local sum.
 // Where a stage's TP ranks share a host, their collectives go through shared memory instead

@@ -1,5 +1,5 @@
-// Real Gloo process groups: four ranks as threads of this process (TP 2 x 2 stages) over a
-// TCPStore on loopback. Inputs are ones * rank, so every expectation is a closed form.
+// Real Gloo process groups: four ranks as threads of this process (TP 2 x 2 stages) over the
+// rendezvous store on loopback. Inputs are ones * rank, so every expectation is a closed form.
 #include "worker/gloo_collectives.h"
 
 #include <ATen/ATen.h>
@@ -17,12 +17,14 @@
 namespace bertshard::worker {
 namespace {
 
+const std::string kSecret(32, 's');  // the job's rendezvous secret
+
 // A job's rendezvous, hosted before any rank starts on a port the system picks (as a worker's
 // ReservePort does): rank 0 is handed the store, the others connect to its port. A port found free
 // and bound later by rank 0 could be taken in between by a test running alongside.
 class Rendezvous {
  public:
-  Rendezvous() : store_(HostStore(std::chrono::seconds(30)).value()) {}
+  Rendezvous() : store_(HostStore("127.0.0.1", kSecret, std::chrono::seconds(30)).value()) {}
   int port() const { return store_->getPort(); }
   // What rank `rank` of `world_size` joins with, on loopback.
   RendezvousOptions For(int rank, int world_size, std::chrono::milliseconds timeout = std::chrono::seconds(30)) const {
@@ -31,6 +33,7 @@ class Rendezvous {
             .rank = rank,
             .world_size = world_size,
             .timeout = timeout,
+            .secret = kSecret,
             .store = StoreFor(rank)};
   }
   // RendezvousOptions::store for `rank`: the hosted store for rank 0, none for the others.
@@ -39,7 +42,7 @@ class Rendezvous {
   }
 
  private:
-  c10::intrusive_ptr<c10d::TCPStore> store_;
+  c10::intrusive_ptr<HostedStore> store_;
 };
 
 // The TP tests run twice: TP collectives through shared memory (the default where ranks share a
@@ -250,7 +253,8 @@ TEST(GlooCollectives, HostingOnATakenPortFailsAtOnceAsUnavailable) {
                                      .master_port = taken.port(),
                                      .rank = 0,
                                      .world_size = 2,
-                                     .timeout = std::chrono::milliseconds(30000)},
+                                     .timeout = std::chrono::milliseconds(30000),
+                                     .secret = kSecret},
                       .tp_size = 1};
   const auto start = std::chrono::steady_clock::now();
   auto comm = GlooCollectives::Connect(options);

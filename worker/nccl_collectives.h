@@ -3,8 +3,8 @@
 // Collectives (model/collectives.h) over NCCL on CUDA tensors, for the `nccl` backend: direct
 // NCCL calls (all-reduce, all-gather, reduce-scatter, send/recv) on a communication stream of this
 // rank's GPU (worker/gpu_placement.h), in float32, bfloat16 or float16. The NCCL unique ids travel
-// through the same TCPStore rendezvous as Gloo's. Built only with --config=cuda; running it needs a
-// CUDA-enabled LibTorch (Debian's is CPU-only; see README).
+// through the same authenticated rendezvous as Gloo's (worker/rendezvous.h). Built only with --config=cuda; running it
+// needs a CUDA-enabled LibTorch (Debian's is CPU-only; see README).
 //
 // Streams: the model computes on LibTorch's default stream (it never sets another); every NCCL
 // call runs on this rank's own communication stream, ordered by CUDA events, not by the host:

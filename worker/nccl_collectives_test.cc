@@ -25,6 +25,8 @@
 namespace bertshard::worker {
 namespace {
 
+const std::string kSecret(32, 's');  // the job's rendezvous secret
+
 using Clock = std::chrono::steady_clock;
 
 bool GpuExpected() {
@@ -52,7 +54,7 @@ template <typename Body>
 std::vector<std::string> OnEveryRank(int world, std::chrono::milliseconds timeout, Body body) {
   // Hosted before the ranks start, on a port the system picks: rank 0 is handed the store, the
   // others connect to its port.
-  auto store = HostStore(std::chrono::seconds(30)).value();
+  auto store = HostStore("127.0.0.1", kSecret, std::chrono::seconds(30)).value();
   std::vector<std::string> failures(static_cast<size_t>(world));
   std::vector<std::thread> threads;
   for (int rank = 0; rank < world; ++rank) {
@@ -62,6 +64,7 @@ std::vector<std::string> OnEveryRank(int world, std::chrono::milliseconds timeou
                                          .rank = rank,
                                          .world_size = world,
                                          .timeout = timeout,
+                                         .secret = kSecret,
                                          .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(store)
                                                             : c10::intrusive_ptr<c10d::Store>()},
                           .tp_size = world};
@@ -80,7 +83,7 @@ std::vector<std::string> OnEveryRank(int world, std::chrono::milliseconds timeou
 TEST(NcclCollectives, WithoutGpuConnectFailsCleanly) {
   if (NcclCollectives::DeviceForRank(0).ok()) GTEST_SKIP() << "a GPU is present";
   // Refused before the rendezvous, which is hosted here all the same (on a port the system picks).
-  auto store = HostStore(std::chrono::seconds(2)).value();
+  auto store = HostStore("127.0.0.1", kSecret, std::chrono::seconds(2)).value();
   NcclOptions options{.rendezvous = {.master_addr = "127.0.0.1",
                                      .master_port = store->getPort(),
                                      .rank = 0,

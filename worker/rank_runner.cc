@@ -13,6 +13,7 @@
 #include "bertshard/v1/plan.pb.h"
 #include "checkpoint/safetensors.h"
 #include "common/file.h"
+#include "common/secure_random.h"
 #include "common/status_macros.h"
 #include "model/bert_shard.h"
 #include "model/gemm.h"
@@ -110,11 +111,13 @@ absl::Status RunRank(const RankOptions& o) {
   rendezvous.master_addr = o.master_addr;
   rendezvous.master_port = o.master_port;
   rendezvous.timeout = std::chrono::seconds(o.timeout_seconds);
+  if (o.secret_file.empty()) return absl::InvalidArgumentError("a rendezvous secret file is required");
+  ASSIGN_OR_RETURN(rendezvous.secret, common::ReadSecretFile(o.secret_file));
   if (o.master_port == 0) {
     if (o.rank != 0 || o.port_file.empty()) {
       return absl::InvalidArgumentError("master_port 0 (a port the system picks) is for rank 0, with a port file");
     }
-    ASSIGN_OR_RETURN(auto store, HostStore(rendezvous.timeout));
+    ASSIGN_OR_RETURN(auto store, HostStore(o.master_addr, rendezvous.secret, rendezvous.timeout));
     rendezvous.master_port = store->getPort();
     RETURN_IF_ERROR(WritePortFile(o.port_file, rendezvous.master_port));
     rendezvous.store = std::move(store);

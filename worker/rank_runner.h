@@ -28,6 +28,9 @@ struct RankOptions {
   // and before it loads its shard, for the launcher to start the other ranks with. The file appears
   // whole (renamed into place).
   std::string port_file;
+  // The run's rendezvous secret, in a 0600 file the launcher made (common/secure_random.h): what
+  // every rank proves to rank 0's store. Required.
+  std::string secret_file;
   std::string checkpoint;   // HF model directory
   std::string inputs_path;  // normalised inputs written by shardctl (see run_command.h)
   int micro_batches = 1;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
+#include "common/secure_random.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
@@ -53,6 +54,9 @@ fs::path JobDir(const std::string& name, int tp_size) {
 
 RankOptions Rank(const fs::path& dir, int rank, int master_port) {
   RankOptions o;
+  // The run's secret, made once per directory as shardctl makes it.
+  o.secret_file = (dir / "rendezvous_secret").string();
+  if (!fs::exists(o.secret_file)) EXPECT_TRUE(common::WriteSecretFile(o.secret_file, std::string(32, 'k')).ok());
   o.plan_path = (dir / "plan.pb").string();
   o.rank = rank;
   o.master_port = master_port;
@@ -135,6 +139,11 @@ TEST(RankRunner, BadOptionsAreRefusedSayingWhich) {
   absl::Status s = RunRank(o);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_EQ(s.message(), "unknown backend mpi; valid: gloo, nccl");
+  o = Rank(dir, 0, 0);
+  o.secret_file = "";  // the rendezvous admits only ranks that know the run's secret
+  s = RunRank(o);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(s.message(), "a rendezvous secret file is required");
   o = Rank(dir, 1, 0);  // a port the system picks is rank 0's to host
   s = RunRank(o);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <utility>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "common/grpc_auth.h"
@@ -24,6 +26,26 @@ constexpr absl::Duration kRetry = absl::Milliseconds(200);
 constexpr int kFailedHeartbeatsBeforeRegistering = 5;
 
 }  // namespace
+
+absl::StatusOr<std::string> AdvertisedHost(const std::string& advertise) {
+  if (advertise.empty()) return std::string();
+  const size_t colon = advertise.rfind(':');
+  std::string host = colon == std::string::npos ? "" : advertise.substr(0, colon);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  int port = 0;
+  const bool parsed = colon != std::string::npos && absl::SimpleAtoi(advertise.substr(colon + 1), &port);
+  if (host.empty() || !parsed || host.find_first_of("[]") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("--advertise '", advertise, "' is not HOST:PORT"));
+  }
+  if (port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--advertise '", advertise,
+        "': the port must be 1 to 65535, the one the coordinator reaches this worker on "
+        "(a port the system picks is not known before the worker listens; leave --advertise out to advertise "
+        "127.0.0.1 and the port served)"));
+  }
+  return host;
+}
 
 Registration::Registration(RegistrationOptions options) : options_(std::move(options)), thread_([this] { Run(); }) {}
 

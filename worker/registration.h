@@ -21,11 +21,18 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "bertshard/v1/worker.pb.h"
 #include "grpcpp/security/credentials.h"
 
 namespace bertshard::worker {
+
+// The host of an --advertise value, "HOST:PORT" or "[V6]:PORT" (brackets dropped); "" for "" (none
+// given). INVALID_ARGUMENT naming the flag when it is not HOST:PORT with a port of 1 to 65535: port
+// 0 would register a port nothing serves, and two workers advertising it would knock each other's
+// registration out (the coordinator keys workers by address).
+absl::StatusOr<std::string> AdvertisedHost(const std::string& advertise);
 
 struct RegistrationOptions {
   std::string coordinator;     // host:port

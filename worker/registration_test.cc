@@ -17,6 +17,20 @@
 namespace bertshard::worker {
 namespace {
 
+TEST(AdvertisedHost, TakesHostPortAndRefusesPortZero) {
+  EXPECT_EQ(AdvertisedHost("10.0.0.7:50061").value(), "10.0.0.7");
+  EXPECT_EQ(AdvertisedHost("[::1]:50061").value(), "::1");
+  EXPECT_EQ(AdvertisedHost("worker-3.cluster:1").value(), "worker-3.cluster");
+  EXPECT_EQ(AdvertisedHost("").value(), "");  // none given: 127.0.0.1 and the port served
+  // Port 0 was accepted, and two such workers knocked each other's registration out (issue 21).
+  const absl::Status zero = AdvertisedHost("127.0.0.1:0").status();
+  EXPECT_EQ(zero.code(), absl::StatusCode::kInvalidArgument) << zero;
+  EXPECT_NE(zero.message().find("--advertise '127.0.0.1:0': the port must be 1 to 65535"), std::string::npos) << zero;
+  for (const std::string bad : {"127.0.0.1", "127.0.0.1:", ":50061", "host:port", "host:70000", "host:-1", "[::1:5"}) {
+    EXPECT_EQ(AdvertisedHost(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 class FakeCoordinator final : public v1::Coordinator::Service {
  public:
   struct Call {

@@ -15,32 +15,31 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Store>> ConnectStore(const RendezvousOpt
     o.store->setTimeout(o.timeout);
     return o.store;
   }
-  try {
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<uint16_t>(o.master_port);
-    store_options.isServer = o.rank == 0;
-    store_options.numWorkers = static_cast<size_t>(o.world_size);
-    store_options.waitWorkers = false;
-    store_options.timeout = o.timeout;
-    return c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::TCPStore>(o.master_addr, store_options));
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("rendezvous at ", o.master_addr, ":", o.master_port, ": ", e.what()));
+  if (o.rank == 0) {
+    absl::StatusOr<c10::intrusive_ptr<HostedStore>> hosted =
+        HostedStore::Start({.host = o.master_addr, .port = o.master_port, .secret = o.secret, .max_wait = o.timeout});
+    if (!hosted.ok()) {
+      return absl::Status(hosted.status().code(), absl::StrCat("rendezvous at ", o.master_addr, ":", o.master_port,
+                                                               ": ", hosted.status().message()));
+    }
+    return c10::intrusive_ptr<c10d::Store>(*std::move(hosted));
   }
+  absl::StatusOr<c10::intrusive_ptr<AuthStoreClient>> client = AuthStoreClient::Connect(
+      {.host = o.master_addr, .port = o.master_port, .secret = o.secret, .timeout = o.timeout});
+  if (!client.ok()) return client.status();  // its message names the address
+  return c10::intrusive_ptr<c10d::Store>(*std::move(client));
 }
 
-absl::StatusOr<c10::intrusive_ptr<c10d::TCPStore>> HostStore(std::chrono::milliseconds timeout) {
-  try {
-    c10d::TCPStoreOptions store_options;
-    store_options.port = 0;  // an ephemeral port, bound at once; getPort() reports it (LibTorch 1.13 and 2.x)
-    store_options.isServer = true;
-    store_options.waitWorkers = false;  // the world's size is not known yet
-    store_options.timeout = timeout;
-    // The server listens on every interface; the host is only where this object's own client
-    // reaches it.
-    return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_options);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("cannot host a rendezvous store: ", e.what()));
+absl::StatusOr<c10::intrusive_ptr<HostedStore>> HostStore(const std::string& host, const std::string& secret,
+                                                          std::chrono::milliseconds timeout) {
+  // Port 0: an ephemeral port, bound at once; getPort() reports it.
+  absl::StatusOr<c10::intrusive_ptr<HostedStore>> hosted =
+      HostedStore::Start({.host = host, .port = 0, .secret = secret, .max_wait = timeout});
+  if (!hosted.ok()) {
+    return absl::Status(hosted.status().code(),
+                        absl::StrCat("cannot host a rendezvous store: ", hosted.status().message()));
   }
+  return hosted;
 }
 
 absl::Status StoreBarrier(c10d::Store& store, const std::string& key, int world_size) {
@@ -54,7 +53,8 @@ absl::Status StoreBarrier(c10d::Store& store, const std::string& key, int world_
   }
 }
 
-ReservedStores::ReservedStores(absl::Duration ttl) : ttl_(ttl), expirer_([this] { ExpireLoop(); }) {}
+ReservedStores::ReservedStores(absl::Duration ttl, std::string host)
+    : ttl_(ttl), host_(std::move(host)), expirer_([this] { ExpireLoop(); }) {}
 
 ReservedStores::~ReservedStores() {
   {
@@ -65,24 +65,27 @@ ReservedStores::~ReservedStores() {
   expirer_.join();
 }
 
-absl::StatusOr<int> ReservedStores::Reserve(const std::string& job_id) {
-  // The claimer sets the job's timeout (ConnectStore); this one only bounds the store's connection
-  // to itself.
-  auto store = HostStore(c10d::Store::kDefaultTimeout);
+absl::StatusOr<int> ReservedStores::Reserve(const std::string& job_id, const std::string& secret) {
+  // The claimer sets the job's timeout (ConnectStore), which then bounds the peers' waits too.
+  auto store = HostStore(host_, secret, c10d::Store::kDefaultTimeout);
   if (!store.ok()) return store.status();
   const int port = (*store)->getPort();
   absl::MutexLock lock(&mu_);
   // The port is bound: no other reservation here can hold it.
-  reserved_[port] = Reservation{*std::move(store), absl::Now() + ttl_, job_id};
+  reserved_[port] = Reservation{*std::move(store), absl::Now() + ttl_, job_id, secret};
   changed_.Signal();
   return port;
 }
 
-c10::intrusive_ptr<c10d::Store> ReservedStores::Claim(const std::string& job_id, int port) {
+c10::intrusive_ptr<c10d::Store> ReservedStores::Claim(const std::string& job_id, int port, const std::string& secret) {
   absl::MutexLock lock(&mu_);
   auto it = reserved_.find(port);
-  // Another job's store is not taken: that job's rank 0 will come for it.
-  if (it == reserved_.end() || (!it->second.job_id.empty() && it->second.job_id != job_id)) return {};
+  // Another job's store is not taken: that job's rank 0 will come for it. Nor one made for another
+  // load attempt of this job (another secret): its ranks could not join it.
+  if (it == reserved_.end() || (!it->second.job_id.empty() && it->second.job_id != job_id) ||
+      !wire::SameSecretBytes(it->second.secret, secret)) {
+    return {};
+  }
   c10::intrusive_ptr<c10d::Store> store = std::move(it->second.store);
   reserved_.erase(it);
   return store;

@@ -1,5 +1,5 @@
 // The load path of every rank, for real: the test model's checkpoint opened and loaded, Gloo
-// groups over a TCPStore on loopback (TP ranks are threads), and a forward checked against the
+// groups over the rendezvous store on loopback (TP ranks are threads), and a forward checked against the
 // HuggingFace reference outputs.
 #include "worker/shard_loader.h"
 
@@ -66,13 +66,16 @@ float MaxDiffFromReference(const at::Tensor& logits) {
   return max_diff;
 }
 
+const std::string kSecret(32, 's');  // the job's rendezvous secret
+
 // The options of one rank of a job whose rendezvous `store` hosts (handed to rank 0).
-ShardLoadOptions RankOptions(const c10::intrusive_ptr<c10d::TCPStore>& store, int rank) {
+ShardLoadOptions RankOptions(const c10::intrusive_ptr<HostedStore>& store, int rank) {
   ShardLoadOptions options;
   options.checkpoint = kModel;
   options.collectives.rendezvous = {
       .master_port = store->getPort(),
       .timeout = std::chrono::seconds(30),
+      .secret = kSecret,
       .store = rank == 0 ? c10::intrusive_ptr<c10d::Store>(store) : c10::intrusive_ptr<c10d::Store>()};
   return options;
 }
@@ -81,7 +84,7 @@ ShardLoadOptions RankOptions(const c10::intrusive_ptr<c10d::TCPStore>& store, in
 // reference's logits.
 TEST(ShardLoader, LoadsReportsProgressThenConnects) {
   const v1::ShardPlan plan = PlanWithTp(1);
-  auto store = HostStore(std::chrono::seconds(30)).value();
+  auto store = HostStore("127.0.0.1", kSecret, std::chrono::seconds(30)).value();
   ShardLoadOptions options = RankOptions(store, 0);
   std::vector<std::string> events;
   int64_t last_bytes = 0, total_bytes = -1;
@@ -112,7 +115,7 @@ TEST(ShardLoader, LoadsReportsProgressThenConnects) {
 // rank and sizes come from the plan, and TP rank 0's logits are the reference's.
 TEST(ShardLoader, TwoTensorParallelRanksMeetAndForwardTogether) {
   const v1::ShardPlan plan = PlanWithTp(2);
-  auto store = HostStore(std::chrono::seconds(30)).value();
+  auto store = HostStore("127.0.0.1", kSecret, std::chrono::seconds(30)).value();
   std::vector<std::string> failures(2);
   std::vector<at::Tensor> logits(2);
   std::vector<std::thread> ranks;
@@ -143,7 +146,7 @@ TEST(ShardLoader, TwoTensorParallelRanksMeetAndForwardTogether) {
 // rendezvous: a world of 2 whose peer never comes would otherwise end UNAVAILABLE, not as asked.
 TEST(ShardLoader, RefusalsComeBeforeTheLoadAndTheRendezvous) {
   const v1::ShardPlan plan = PlanWithTp(2);
-  auto store = HostStore(std::chrono::seconds(2)).value();
+  auto store = HostStore("127.0.0.1", kSecret, std::chrono::seconds(2)).value();
   ShardLoadOptions options = RankOptions(store, 0);
   options.collectives.rendezvous.timeout = std::chrono::seconds(2);
   int progress_calls = 0, loaded_calls = 0;

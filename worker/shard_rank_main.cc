@@ -11,10 +11,14 @@
 #include "common/status_macros.h"
 #include "model/gemm_flag.h"
 #include "worker/rank_runner.h"
+#include "worker/shm_group.h"
 
 ABSL_FLAG(std::string, plan, "", "ShardPlan (binary protobuf)");
 ABSL_FLAG(int, rank, -1, "global rank = stage * tp_size + tp_rank");
-ABSL_FLAG(std::string, master_addr, "127.0.0.1", "rendezvous host (rank 0 hosts the TCPStore)");
+ABSL_FLAG(std::string, master_addr, "127.0.0.1",
+          "rendezvous host (rank 0 hosts the store there, on that address only)");
+ABSL_FLAG(std::string, rendezvous_secret_file, "",
+          "the run's rendezvous secret, hex in a 0600 file (shardctl run --local makes it); required");
 ABSL_FLAG(int, master_port, 0,
           "rendezvous port; 0 (rank 0 only, with --port_file): one the system picks, bound at once");
 ABSL_FLAG(std::string, port_file, "",
@@ -48,6 +52,7 @@ absl::StatusOr<RankOptions> RankOptionsFromFlags() {
   options.master_addr = absl::GetFlag(FLAGS_master_addr);
   options.master_port = absl::GetFlag(FLAGS_master_port);
   options.port_file = absl::GetFlag(FLAGS_port_file);
+  options.secret_file = absl::GetFlag(FLAGS_rendezvous_secret_file);
   options.checkpoint = absl::GetFlag(FLAGS_checkpoint);
   options.inputs_path = absl::GetFlag(FLAGS_inputs);
   options.micro_batches = absl::GetFlag(FLAGS_micro_batches);
@@ -76,6 +81,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "shard-rank %d: %s\n", absl::GetFlag(FLAGS_rank),
                  std::string(options.status().message()).c_str());
     return 2;
+  }
+  // Rank 0 of each run clears what killed runs left in /dev/shm (worker/shm_group.h): only this
+  // user's segments whose creator is gone.
+  if (options->rank == 0) {
+    if (const absl::StatusOr<int> swept = bertshard::worker::SweepStaleSegments(); !swept.ok()) {
+      std::fprintf(stderr, "shard-rank 0: %s\n", swept.status().ToString().c_str());
+    }
   }
   const absl::Status status = bertshard::worker::RunRank(*options);
   if (!status.ok()) {

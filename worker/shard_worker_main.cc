@@ -30,6 +30,7 @@
 #include "worker/collectives_backend.h"
 #include "worker/gpu_placement.h"
 #include "worker/registration.h"
+#include "worker/shm_group.h"
 #include "worker/worker_service.h"
 
 // --auth_token_file and --tls_cert, --tls_key, --tls_ca: common/server_flags.h.
@@ -101,13 +102,12 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
     serve.gpu_bus_id = *bus_id;
   }
   serve.advertise = absl::GetFlag(FLAGS_advertise);
-  // Ranks on other hosts reach this one at its advertised host: bind the collectives' transport there.
-  std::string bind_host = serve.advertise.substr(0, serve.advertise.rfind(':'));
-  if (bind_host.size() > 2 && bind_host.front() == '[' && bind_host.back() == ']') {
-    bind_host = bind_host.substr(1, bind_host.size() - 2);
-  }
+  // Ranks on other hosts reach this one at its advertised host: bind the collectives' transport and
+  // the rendezvous stores there (and only there).
+  const absl::StatusOr<std::string> bind_host = AdvertisedHost(serve.advertise);
+  if (!bind_host.ok()) return bind_host.status();
   serve.service = {.default_threads = absl::GetFlag(FLAGS_threads),
-                   .bind_host = bind_host,
+                   .bind_host = *bind_host,
                    .gemm = *gemm,
                    .model_root = *model_root,
                    .token = security->token,
@@ -132,6 +132,13 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
 // cannot start.
 int RunServer(ServeOptions serve) {
   common::InstallShutdownHandlers();
+  // Shared-memory segments left by ranks that were killed before they could unlink them (their
+  // pages stay in RAM until removed): only this user's, only those whose creator is gone.
+  if (absl::StatusOr<int> swept = SweepStaleSegments(); !swept.ok()) {
+    std::fprintf(stderr, "shard-worker: %s\n", swept.status().ToString().c_str());
+  } else if (*swept > 0) {
+    std::fprintf(stderr, "shard-worker: removed %d stale shared-memory segment(s) from /dev/shm\n", *swept);
+  }
   // Declared before the service, so they outlive it; the endpoint is stopped before the service goes.
   common::MetricsRegistry metrics;
   std::optional<WorkerMetrics> worker_metrics;

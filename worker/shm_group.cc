@@ -1,6 +1,7 @@
 #include "worker/shm_group.h"
 
 #include <ATen/ATen.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <signal.h>
@@ -30,6 +31,11 @@ namespace bertshard::worker {
 namespace {
 
 constexpr int kMaxRanks = 64;
+constexpr char kSegmentPrefix[] = "bertshard-tp-";
+// A segment named the old way (no pid namespace) is swept only once it is this old: its creator's
+// pid cannot be checked in a namespace that is not known, and a live group unlinks its segment
+// within its rendezvous timeout anyway.
+constexpr auto kLegacySegmentAge = std::chrono::hours(1);
 constexpr int64_t kHeaderBytes = 4096;
 constexpr int64_t kMinSlotBytes = 64 << 10;
 // How long a waiting rank spins before it sleeps on the futex: a TP peer usually arrives within
@@ -122,7 +128,9 @@ absl::StatusOr<std::unique_ptr<SharedMemoryGroup>> SharedMemoryGroup::Join(c10d:
     if (rank == 0) {
       std::random_device random;
       const uint64_t token = (static_cast<uint64_t>(random()) << 32) ^ random();
-      const std::string name = absl::StrCat("bertshard-tp-", getpid(), "-", absl::Hex(token));
+      // The creator's pid and pid namespace in the name: SweepStaleSegments can tell, after a
+      // crash that skipped every unlink, that nobody can be using it.
+      const std::string name = absl::StrCat(kSegmentPrefix, getpid(), "-", PidNamespace(), "-", absl::Hex(token));
       const std::string path = absl::StrCat(options.dir, "/", name);
       const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
       if (fd >= 0) created = path;
@@ -403,6 +411,43 @@ absl::StatusOr<at::Tensor> SharedMemoryGroup::ReduceScatter(const at::Tensor& te
   });
   if (!status.ok()) return status;
   return result;
+}
+
+absl::StatusOr<int> SweepStaleSegments(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot list ", dir, ": ", std::strerror(errno)));
+  }
+  const uint64_t my_namespace = PidNamespace();
+  const auto now = std::chrono::system_clock::now();
+  int removed = 0;
+  while (const dirent* entry = readdir(d)) {
+    const absl::string_view name = entry->d_name;
+    if (!absl::StartsWith(name, kSegmentPrefix)) continue;
+    // bertshard-tp-PID-PIDNS-TOKEN, or bertshard-tp-PID-TOKEN before the namespace was named.
+    const std::vector<absl::string_view> parts = absl::StrSplit(name.substr(sizeof(kSegmentPrefix) - 1), '-');
+    int32_t pid = 0;
+    uint64_t pid_namespace = 0;
+    if (parts.size() < 2 || parts.size() > 3 || !absl::SimpleAtoi(parts[0], &pid) || pid <= 0) continue;
+    if (parts.size() == 3 && !absl::SimpleAtoi(parts[1], &pid_namespace)) continue;
+    struct stat st {};
+    // Only this user's regular files (never another user's, nor a link someone placed).
+    if (fstatat(dirfd(d), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+        st.st_uid != geteuid()) {
+      continue;
+    }
+    if (parts.size() == 3) {
+      // A pid means what it says only in its own namespace: another container's segment stays.
+      if (my_namespace == 0 || pid_namespace != my_namespace) continue;
+    } else if (now - std::chrono::system_clock::from_time_t(st.st_mtime) < kLegacySegmentAge) {
+      continue;
+    }
+    // Alive (or alive under another user, EPERM), or a pid reused since: left alone.
+    if (kill(pid, 0) == 0 || errno != ESRCH) continue;
+    if (unlinkat(dirfd(d), entry->d_name, 0) == 0) ++removed;
+  }
+  closedir(d);
+  return removed;
 }
 
 }  // namespace bertshard::worker

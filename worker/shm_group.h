@@ -10,7 +10,8 @@
 // SIGBUS mid-forward) and maps it; the others map it by the name it publishes in the store. Ranks
 // that cannot map it (another host, or a container with its own /dev/shm) say so in the store and
 // the whole group falls back to Gloo: Join returns nullptr. The file is unlinked as soon as every
-// rank has answered, so a crash afterwards leaves nothing behind.
+// rank has answered, so a crash afterwards leaves nothing behind; a failure before that unlinks it
+// too, and one that cannot (the creator killed) is swept at the next start (SweepStaleSegments).
 //
 // Every collective moves data in pieces of at most one slot: each rank writes its piece into its
 // slot, a barrier, then each rank reads what it needs. Two sets of slots alternate, so a rank
@@ -50,6 +51,14 @@ struct ShmOptions {
   int64_t segment_bytes = int64_t{8} << 20;
   std::chrono::milliseconds timeout{120000};
 };
+
+// Removes the segment files in `dir` that SharedMemoryGroup made (bertshard-tp-PID-PIDNS-TOKEN) and
+// whose creator is gone: owned by this user, regular files, with a PID of this process's PID
+// namespace that no process holds. A creator killed before its peers answered (SIGKILL, a crash)
+// skips every unlink; shard-worker and shard-rank call this at start so that such files do not add
+// up in RAM for good. Older names without the namespace are removed once an hour old and their
+// pid is gone. Returns how many it removed; UNAVAILABLE if `dir` cannot be listed.
+absl::StatusOr<int> SweepStaleSegments(const std::string& dir = "/dev/shm");
 
 class SharedMemoryGroup {
  public:

@@ -1,18 +1,22 @@
 // The shared-memory TP group on its own: ranks as threads (and, for a dead peer, a child process)
-// over a real TCPStore. Segments are made small so that every collective moves several pieces.
+// over the real rendezvous store. Segments are made small so that every collective moves several pieces.
 #include "worker/shm_group.h"
 
 #include <ATen/ATen.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <thread>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -24,20 +28,18 @@ namespace {
 
 // The rendezvous store, hosted on a port the system picks before any rank starts (a port found
 // free and bound later could be taken in between by a test running alongside). Rank 0 uses it.
-c10::intrusive_ptr<c10d::TCPStore> HostedStore() { return HostStore(std::chrono::seconds(30)).value(); }
+const std::string kSecret(32, 's');
+c10::intrusive_ptr<HostedStore> Hosted() { return HostStore("127.0.0.1", kSecret, std::chrono::seconds(30)).value(); }
 
 // Another rank's client of the store hosted on `port`.
 c10::intrusive_ptr<c10d::Store> ClientStore(int port) {
-  c10d::TCPStoreOptions o;
-  o.port = static_cast<uint16_t>(port);
-  o.timeout = std::chrono::seconds(30);
-  return c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+  return ConnectStore({.master_port = port, .rank = 1, .timeout = std::chrono::seconds(30), .secret = kSecret}).value();
 }
 
 // Runs `body(rank, group)` on `size` threads that joined one group; returns each rank's failures.
 std::vector<std::string> OnRanks(int size, const ShmOptions& options,
                                  const std::function<void(int, SharedMemoryGroup*, std::string*)>& body) {
-  const auto hosted = HostedStore();
+  const auto hosted = Hosted();
   std::vector<std::string> failures(static_cast<size_t>(size));
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r) {
@@ -88,7 +90,7 @@ TEST(SharedMemoryGroup, APeerProcessThatExitsIsNoticedAtOnce) {
     _exit(group.ok() && *group ? 0 : 3);
   }
   close(port_pipe[0]);
-  auto store = HostedStore();
+  auto store = Hosted();
   const int port = store->getPort();
   ASSERT_EQ(write(port_pipe[1], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
   close(port_pipe[1]);
@@ -104,6 +106,84 @@ TEST(SharedMemoryGroup, APeerProcessThatExitsIsNoticedAtOnce) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
   EXPECT_NE(s.message().find("is gone"), std::string::npos) << s;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+// A first rank killed while it waits for its peers (SIGKILL: no unlink runs) leaves its segment
+// file; the next start's sweep removes it, since its creator's pid is gone. Forks, so it comes early.
+TEST(SweepStaleSegments, RemovesTheSegmentOfAKilledCreator) {
+  const std::string dir = testing::TempDir() + "/shm_killed_creator";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ShmOptions o = Small();
+    o.dir = dir;
+    o.timeout = std::chrono::seconds(60);
+    auto store = HostStore("127.0.0.1", kSecret, std::chrono::seconds(60));
+    if (!store.ok()) _exit(3);
+    (void)SharedMemoryGroup::Join(**store, "killed", 0, 2, o);  // rank 1 never comes
+    _exit(4);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::filesystem::is_empty(dir) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_FALSE(std::filesystem::is_empty(dir)) << "the child made no segment";
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  EXPECT_FALSE(std::filesystem::is_empty(dir)) << "nothing was left behind to sweep";
+  // Another user's kind of file, and a live creator's segment (this process's), stay.
+  const std::string live = absl::StrCat(dir, "/bertshard-tp-", getpid(), "-1-abc");
+  std::ofstream(live) << "x";
+  std::ofstream(dir + "/not-ours") << "x";
+  absl::StatusOr<int> removed = SweepStaleSegments(dir);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, 1);
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{std::filesystem::path(live).filename().string(), "not-ours"}));
+}
+
+// Segments named for a dead pid are removed only when they are this user's regular files of this
+// PID namespace (or, named the old way without a namespace, an hour old); the rest stay.
+TEST(SweepStaleSegments, RemovesOnlyWhatADeadCreatorOfThisNamespaceLeft) {
+  const std::string dir = testing::TempDir() + "/shm_sweep";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  // A pid no process can hold: above the kernel's pid_max.
+  std::ifstream pid_max_file("/proc/sys/kernel/pid_max");
+  int64_t pid_max = 0;
+  pid_max_file >> pid_max;
+  ASSERT_GT(pid_max, 0);
+  const int64_t dead = pid_max + 1;
+  struct stat ns {};
+  ASSERT_EQ(stat("/proc/self/ns/pid", &ns), 0);
+  auto make = [&](const std::string& name) {
+    std::ofstream(dir + "/" + name) << "x";
+    return dir + "/" + name;
+  };
+  make(absl::StrCat("bertshard-tp-", dead, "-", ns.st_ino, "-1f"));          // swept
+  make(absl::StrCat("bertshard-tp-", dead, "-", ns.st_ino + 1, "-1f"));      // another namespace
+  make(absl::StrCat("bertshard-tp-", dead, "-2f"));                          // old name, new file
+  const std::string old = make(absl::StrCat("bertshard-tp-", dead, "-3f"));  // old name, old file
+  const timeval two_hours_ago[2] = {{time(nullptr) - 7200, 0}, {time(nullptr) - 7200, 0}};
+  ASSERT_EQ(utimes(old.c_str(), two_hours_ago), 0);
+  make(absl::StrCat("bertshard-tp-", getpid(), "-", ns.st_ino, "-4f"));  // alive
+  make("bertshard-tp-notapid-5f");
+  std::filesystem::create_symlink("/etc/hostname", absl::StrCat(dir, "/bertshard-tp-", dead, "-", ns.st_ino, "-6f"));
+  absl::StatusOr<int> removed = SweepStaleSegments(dir);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ(*removed, 2);
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(dir, "/bertshard-tp-", dead, "-", ns.st_ino, "-1f")));
+  EXPECT_FALSE(std::filesystem::exists(old));
+  int left = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(dir)) ++left;
+  EXPECT_EQ(left, 5);
+  EXPECT_EQ(SweepStaleSegments(dir + "/missing").status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(SharedMemoryGroup, CollectivesInPiecesEqualTheirDefinitions) {
@@ -153,7 +233,7 @@ TEST(SharedMemoryGroup, RanksThatCannotShareASegmentAllFallBack) {
   const std::string base = testing::TempDir() + "/shm_fallback";
   std::filesystem::create_directories(base + "/a");
   std::filesystem::create_directories(base + "/b");
-  const auto hosted = HostedStore();
+  const auto hosted = Hosted();
   std::vector<std::string> results(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
@@ -218,14 +298,14 @@ TEST(SharedMemoryGroup, TheSegmentFileIsGoneWhenAPeerNeverAnswers) {
   ShmOptions o = Small();
   o.dir = testing::TempDir() + "/shm_peer_gone";
   std::filesystem::create_directories(o.dir);
-  const auto store = HostStore(std::chrono::milliseconds(1500)).value();
+  const auto store = HostStore("127.0.0.1", kSecret, std::chrono::milliseconds(1500)).value();
   const auto group = SharedMemoryGroup::Join(*store, "gone", 0, 2, o);
   EXPECT_EQ(group.status().code(), absl::StatusCode::kUnavailable) << group.status();
   EXPECT_TRUE(std::filesystem::is_empty(o.dir)) << "segment file left behind in " << o.dir;
 }
 
 TEST(SharedMemoryGroup, BadSizesAreInvalidArguments) {
-  auto store = HostedStore();
+  auto store = Hosted();
   EXPECT_EQ(SharedMemoryGroup::Join(*store, "p", 0, 1, ShmOptions()).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(SharedMemoryGroup::Join(*store, "p", 2, 2, ShmOptions()).status().code(),

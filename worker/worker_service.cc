@@ -108,7 +108,10 @@ struct WorkerService::LoadedJob {
 };
 
 WorkerService::WorkerService(WorkerServiceOptions options)
-    : options_(options), reserved_stores_(std::make_unique<ReservedStores>(options.port_reservation_ttl)) {}
+    : options_(options),
+      // Served on the advertised host only (loopback when there is none: single-host use).
+      reserved_stores_(std::make_unique<ReservedStores>(options.port_reservation_ttl,
+                                                        options.bind_host.empty() ? "127.0.0.1" : options.bind_host)) {}
 WorkerService::~WorkerService() = default;
 
 int WorkerService::loaded_jobs() {
@@ -192,6 +195,7 @@ grpc::Status WorkerService::Authorize(const grpc::ServerContext& context) const 
 absl::Status WorkerService::CheckLoadRequest(const v1::LoadShardRequest& request) const {
   const v1::ShardPlan& plan = request.plan();
   if (request.job_id().empty()) return absl::InvalidArgumentError("job_id is required");
+  if (absl::Status s = CheckRendezvousSecret(request.rendezvous_secret()); !s.ok()) return s;
   if (request.rank() < 0 || request.rank() >= plan.world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", request.rank(), " is outside the plan's world of ", plan.world_size()));
@@ -222,12 +226,14 @@ absl::StatusOr<std::shared_ptr<WorkerService::LoadedJob>> WorkerService::LoadJob
   collectives.rendezvous.master_port = request.master_port();
   collectives.rendezvous.timeout =
       std::chrono::seconds(request.timeout_seconds() > 0 ? request.timeout_seconds() : 120);
+  collectives.rendezvous.secret = request.rendezvous_secret();
   // Rank 0 takes over the store its ReservePort hosted on master_port at once, so that no expiry
   // closes it while the shard loads (and it goes with this call if the load fails). None here (a
   // port chosen some other way, or a reservation that expired): the rendezvous hosts one on
   // master_port.
   if (request.rank() == 0) {
-    collectives.rendezvous.store = reserved_stores_->Claim(request.job_id(), request.master_port());
+    collectives.rendezvous.store =
+        reserved_stores_->Claim(request.job_id(), request.master_port(), request.rendezvous_secret());
   }
   collectives.bind_host = options_.bind_host;
   collectives.gpu = options_.gpu;
@@ -380,7 +386,7 @@ grpc::Status WorkerService::ReservePort(grpc::ServerContext* context, const v1::
   if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   // Bound now, not found free for rank 0 to bind later: anything on this host (an outgoing
   // connection's ephemeral port, another job's reservation) could take it in between.
-  auto port = reserved_stores_->Reserve(request->job_id());
+  auto port = reserved_stores_->Reserve(request->job_id(), request->rendezvous_secret());
   if (!port.ok()) return common::ToGrpcStatus(port.status());
   response->set_port(*port);
   return grpc::Status::OK;

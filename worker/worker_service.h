@@ -53,7 +53,8 @@ struct WorkerMetrics {
 struct WorkerServiceOptions {
   int default_threads = 1;  // LibTorch threads per job when the request leaves it 0
   // This host's name or address as the other ranks reach it (the --advertise host): the Gloo
-  // transport binds to it. Empty: the rendezvous master's address (single-host loopback only).
+  // transport binds to it, and the rendezvous stores ReservePort hosts listen there only. Empty:
+  // the rendezvous master's address for Gloo, 127.0.0.1 for the stores (single-host loopback only).
   std::string bind_host;
   const WorkerMetrics* metrics = nullptr;  // optional; must outlive the service
   // How loaded shards multiply (model/gemm.h); nullopt ("auto"): the faster on this machine for
@@ -87,8 +88,9 @@ class WorkerService final : public v1::Worker::Service {
                        v1::ForwardResponse* response) override;
   grpc::Status Unload(grpc::ServerContext* context, const v1::UnloadRequest* request,
                       v1::UnloadResponse* response) override;
-  // Hosts a job's rendezvous store now, on a port the system picks, and answers that port; the
-  // job's rank 0 LoadShard with that master_port then takes the store over (unclaimed, it is closed
+  // Hosts a job's rendezvous store now, on bind_host and a port the system picks, for the
+  // request's secret (INVALID_ARGUMENT without one), and answers that port; the job's rank 0
+  // LoadShard with that master_port and secret then takes the store over (unclaimed, it is closed
   // after options.port_reservation_ttl). A port merely found free could be taken before rank 0
   // bound it.
   grpc::Status ReservePort(grpc::ServerContext* context, const v1::ReservePortRequest* request,

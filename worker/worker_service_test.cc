@@ -52,11 +52,15 @@ std::unique_ptr<grpc::ClientContext> Context() {
   return c;
 }
 
+// The load attempt's rendezvous secret, as the coordinator makes one (32 bytes).
+const std::string kSecret(32, 's');
+
 // A job's rendezvous port, hosted by `worker` (its rank 0) from now on, as the coordinator gets it.
 // `job`: the job it is for ("" for any).
 int ReservePort(RunningWorker& worker, const std::string& job = "") {
   v1::ReservePortRequest request;
   request.set_job_id(job);
+  request.set_rendezvous_secret(kSecret);
   v1::ReservePortResponse port;
   const grpc::Status status = worker.stub->ReservePort(Context().get(), request, &port);
   EXPECT_TRUE(status.ok()) << status.error_message();
@@ -141,6 +145,7 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
       load.set_rank(rank);
       load.set_checkpoint(kModel);
       load.set_master_port(port);
+      load.set_rendezvous_secret(kSecret);
       load.set_timeout_seconds(30);
       auto context = Context();
       auto reader = workers[rank].stub->LoadShard(context.get(), load);
@@ -266,6 +271,7 @@ v1::LoadShardRequest OneRankLoad(const std::string& checkpoint, int port) {
   *load.mutable_plan() = planner::Plan(request).value();
   load.set_checkpoint(checkpoint);
   load.set_master_port(port);
+  load.set_rendezvous_secret(kSecret);
   return load;
 }
 grpc::Status LoadToTheEnd(RunningWorker& worker, const v1::LoadShardRequest& load) {
@@ -297,6 +303,20 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   load.set_job_id("");
   expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "job_id is required");
   load.set_job_id("j");
+  load.clear_rendezvous_secret();  // the ranks prove it to the rendezvous: no load without one
+  {
+    auto context = Context();
+    auto reader = worker.stub->LoadShard(context.get(), load);
+    v1::LoadProgress p;
+    int messages = 0;
+    while (reader->Read(&p)) ++messages;
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("the rendezvous secret must be 16 to 256 bytes; it is 0"), std::string::npos)
+        << s.error_message();
+    EXPECT_EQ(messages, 0) << "refused only once the shard was loading";
+  }
+  load.set_rendezvous_secret(kSecret);
   load.set_backend("mpi");
   expect_refused(grpc::StatusCode::INVALID_ARGUMENT, "backend 'mpi' is not served by this worker: it serves gloo");
   load.set_backend("nccl");  // NCCL jobs go to GPU workers (--device=cuda:N)
@@ -440,17 +460,32 @@ TEST(WorkerService, EveryRpcNeedsTheClusterTokenWhenOneIsSet) {
     }
     EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
   }
+  v1::ReservePortRequest reserve;
+  reserve.set_rendezvous_secret(kSecret);
   v1::ReservePortResponse port;
-  EXPECT_TRUE(worker.stub->ReservePort(context("cluster-secret-1").get(), v1::ReservePortRequest(), &port).ok());
+  EXPECT_TRUE(worker.stub->ReservePort(context("cluster-secret-1").get(), reserve, &port).ok());
 }
 
-// Whether something accepts connections on 127.0.0.1:`port`.
-bool Listening(int port) {
+// A reservation needs the load attempt's secret: a store nobody has to prove anything to is never
+// hosted.
+TEST(WorkerService, ReservePortNeedsARendezvousSecret) {
+  RunningWorker worker = StartWorker();
+  v1::ReservePortRequest reserve;
+  reserve.set_job_id("j");
+  v1::ReservePortResponse port;
+  const grpc::Status s = worker.stub->ReservePort(Context().get(), reserve, &port);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("the rendezvous secret must be 16 to 256 bytes"), std::string::npos)
+      << s.error_message();
+}
+
+// Whether something accepts connections on `address`:`port` (an IPv4 loopback address).
+bool Listening(int port, uint32_t address = INADDR_LOOPBACK) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_addr.s_addr = htonl(address);
   const bool connected = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   close(fd);
   return connected;
@@ -515,6 +550,18 @@ TEST(WorkerService, ReservePortHostsTheRendezvousThatRankZeroTakesOver) {
   // Unloading the job closes its store.
   EXPECT_TRUE(worker.service->UnloadJob("j"));
   EXPECT_TRUE(ReleasedWithin(port, std::chrono::seconds(5)));
+}
+
+// The store a reservation hosts listens on the worker's advertised host only (bind_host): another
+// address of the same host (127.0.0.2 is loopback too) reaches nothing.
+TEST(WorkerService, TheReservedStoreListensOnTheAdvertisedHostOnly) {
+  WorkerServiceOptions options;
+  options.bind_host = "127.0.0.1";
+  RunningWorker worker = StartWorker(options);
+  const int port = ReservePort(worker, "j");
+  ASSERT_GT(port, 0);
+  EXPECT_TRUE(Listening(port));
+  EXPECT_FALSE(Listening(port, INADDR_LOOPBACK + 1)) << "the rendezvous answers on 127.0.0.2";
 }
 
 // A reservation no load claims (its coordinator died after asking) does not hold the port for good.
