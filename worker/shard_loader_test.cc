@@ -228,7 +228,7 @@ TEST(ShardLoader, ARenameRaceNeverLoadsWeightsFromOutsideTheRoot) {
   int inside_loads = 0, outside_loads = 0, refused = 0;
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(3);
   while (std::chrono::steady_clock::now() < end) {
-    auto store = HostStore(std::chrono::seconds(30)).value();
+    auto store = HostStore("127.0.0.1", kSecret, std::chrono::seconds(30)).value();
     ShardLoadOptions options = RankOptions(store, 0);
     options.model_root = common::ModelRoot::Open(root.string()).value();
     options.checkpoint = "model";
@@ -269,7 +269,7 @@ TEST(ShardLoader, HardLinkedWeightsAreRefusedUnderAModelRoot) {
   fs::create_hard_link(base / "outside" / "model.safetensors", root / "model" / "model.safetensors");
 
   const v1::ShardPlan plan = PlanWithTp(1);
-  auto store = HostStore(std::chrono::seconds(5)).value();
+  auto store = HostStore("127.0.0.1", kSecret, std::chrono::seconds(5)).value();
   ShardLoadOptions options = RankOptions(store, 0);
   options.model_root = common::ModelRoot::Open(root.string()).value();
   options.checkpoint = "model";
