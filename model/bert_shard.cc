@@ -265,7 +265,8 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
   }
   try {
     auto impl = std::make_unique<Impl>(plan, rank, options.device, options.gemm);
-    RETURN_IF_ERROR(GemmPathAvailable(impl->gemm_path()));  // before reading anything
+    RETURN_IF_ERROR(GemmPathAvailable(
+        impl->gemm_path(), options.device.is_cpu() ? impl->dtype() : at::kFloat));  // before reading anything
     RETURN_IF_ERROR(ProbeKernels(impl->dtype(), options.device, planner::DtypeName(plan.dtype())));
     int64_t bytes = 0;
     RETURN_IF_ERROR(impl->LoadTensors(checkpoint, options.progress, &bytes));

@@ -9,6 +9,7 @@
 
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
+#include "model/gemm.h"
 #include "nlohmann/json.hpp"
 #include "planner/planner.h"
 
@@ -190,6 +191,12 @@ TEST_P(Bf16Compute, MatchesFp32ReferenceWithinBf16Tolerance) {
     BertShard::LoadOptions options;
     options.gemm = path;
     auto shard = BertShard::Load(*plan, 0, **ckpt, options);
+    if (!GemmPathAvailable(path, at::kBFloat16).ok()) {
+      // An AVX2 CPU: oneDNN's bf16 linear cannot run, and the load says so before reading.
+      EXPECT_EQ(shard.status().code(), absl::StatusCode::kFailedPrecondition) << shard.status();
+      EXPECT_NE(shard.status().message().find("AVX-512"), std::string::npos) << shard.status();
+      continue;
+    }
     ASSERT_TRUE(shard.ok()) << shard.status();
     EXPECT_EQ((*shard)->dtype(), at::kBFloat16);
     EXPECT_EQ((*shard)->param_bytes(), plan->ranks(0).param_bytes());

@@ -114,10 +114,31 @@ bool OneDnnPacksByTransposing(at::ScalarType dtype, c10::Device device) {
   return DnnlSgemm() != nullptr && dtype == at::kFloat && device.is_cpu();
 }
 
-absl::Status GemmPathAvailable(GemmPath path) {
-  if (path == GemmPath::kOneDnn && !at::hasMKLDNN()) {
+namespace {
+
+// What LibTorch 1.13's mkldnn_linear asks of the CPU for bfloat16 (mkldnn_bf16_device_check).
+bool CpuHasOneDnnBf16() {
+#if defined(__x86_64__)
+  static const bool has =
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return has;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+absl::Status GemmPathAvailable(GemmPath path, at::ScalarType dtype) {
+  if (path != GemmPath::kOneDnn) return absl::OkStatus();
+  if (!at::hasMKLDNN()) {
     return absl::FailedPreconditionError(
         "--gemm=onednn needs a LibTorch built with MKL-DNN (oneDNN); this one has none: use --gemm=blas or auto");
+  }
+  if (dtype == at::kBFloat16 && !CpuHasOneDnnBf16()) {
+    return absl::FailedPreconditionError(
+        "--gemm=onednn with bf16 needs a CPU with AVX-512 BW, VL and DQ (oneDNN's bf16 linear); this one lacks "
+        "them: use --gemm=blas or auto");
   }
   return absl::OkStatus();
 }

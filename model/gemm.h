@@ -28,8 +28,11 @@
 
 namespace bertshard::model {
 
-// OK for kBlas; for kOneDnn, FAILED_PRECONDITION when this LibTorch was built without MKL-DNN.
-absl::Status GemmPathAvailable(GemmPath path);
+// OK for kBlas; for kOneDnn, FAILED_PRECONDITION when this LibTorch was built without MKL-DNN,
+// or, for bfloat16 linears on the CPU, when this CPU lacks what oneDNN's bf16 linear needs
+// (AVX-512 BW, VL and DQ: an AVX2 CPU has none), said before any weight is read instead of
+// LibTorch's refusal at the first product.
+absl::Status GemmPathAvailable(GemmPath path, at::ScalarType dtype = at::kFloat);
 
 // The weight of a linear ([out, in], CPU float32 or bfloat16) in the form the oneDNN path
 // multiplies, made once at load: float32 where oneDNN's sgemm is at hand, the transposed weight
