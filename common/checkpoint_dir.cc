@@ -257,6 +257,9 @@ absl::Status CheckTree(const ModelRoot& root, const std::vector<Step>& top, cons
 
 absl::StatusOr<std::shared_ptr<const CheckpointDir>> CheckpointDir::Open(const ModelRoot& root,
                                                                          const std::string& path) {
+  // A NUL ends the name the kernel sees but not the one compared here ("..\0" is not ".." to the
+  // walk, and is to openat): refused before anything is opened, with or without a root.
+  if (path.find('\0') != std::string::npos) return absl::InvalidArgumentError("the checkpoint path holds a NUL byte");
   if (!root.confined()) {
     auto dir = std::make_shared<const ScopedFd>(open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     const int err = dir->valid() ? 0 : errno;
@@ -270,14 +273,12 @@ absl::StatusOr<std::shared_ptr<const CheckpointDir>> CheckpointDir::Open(const M
     std::optional<std::string> rest = UnderRoot(root.root(), path);
     if (!rest.has_value()) {
       char resolved[PATH_MAX];
-      // Outside the root is said before "does not exist": no probing which paths exist elsewhere.
-      if (realpath(path.c_str(), resolved) == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, " does not exist under the model root"));
-      }
+      // Outside the root whether it exists or not: no probing which paths exist elsewhere.
+      // One message whether or not it exists there.
+      const std::string refusal = absl::StrCat("checkpoint ", path, " is outside the model root");
+      if (realpath(path.c_str(), resolved) == nullptr) return absl::InvalidArgumentError(refusal);
       rest = UnderRoot(root.root(), resolved);
-      if (!rest.has_value()) {
-        return absl::InvalidArgumentError(absl::StrCat("checkpoint ", path, " is outside the model root"));
-      }
+      if (!rest.has_value()) return absl::InvalidArgumentError(refusal);
     }
     relative = *rest;
   }
@@ -292,6 +293,11 @@ absl::StatusOr<std::shared_ptr<const CheckpointDir>> CheckpointDir::Open(const M
 }
 
 absl::StatusOr<MappableFile> CheckpointDir::OpenFile(absl::string_view name) const {
+  // As in Open: a name from the checkpoint's own files (modules.json's Pooling path, the index's
+  // shard names) may carry a NUL that would cut the kernel's name short of the walk's.
+  if (name.find('\0') != absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("a file name in checkpoint ", path_, " holds a NUL byte"));
+  }
   const std::string shown = absl::StrCat(path_, "/", name);
   MappableFile file;
   file.path = shown;

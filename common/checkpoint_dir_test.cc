@@ -168,5 +168,24 @@ TEST_F(CheckpointDirTest, AWideTreeIsCheckedWithFewDescriptors) {
   EXPECT_TRUE(opened.ok()) << opened;
 }
 
+TEST_F(CheckpointDirTest, ANulInANameNeverClimbsOutOfTheRoot) {
+  // "..\0" is three bytes to a string comparison and ".." to the kernel: from the root, it would
+  // open the root's parent as if it were a child, and elsewhere/ with it.
+  const std::string up("..\0", 3);
+  auto escaped = CheckpointDir::Open(root_, up + "/elsewhere");
+  EXPECT_EQ(escaped.status().code(), absl::StatusCode::kInvalidArgument) << escaped.status();
+  EXPECT_NE(escaped.status().message().find("NUL"), std::string::npos) << escaped.status();
+  auto dir = OpenBert();
+  ASSERT_NE(dir, nullptr);
+  // A name from the checkpoint's own files (modules.json's Pooling path) the same way.
+  const std::string read = Read(*dir, up + "/" + up + "/elsewhere/config.json");
+  EXPECT_NE(read.find("NUL"), std::string::npos) << read;
+  // An absolute path outside the root reads the same whether or not it exists there.
+  EXPECT_EQ(CheckpointDir::Open(root_, (base_ / "elsewhere").string()).status().message(),
+            "checkpoint " + (base_ / "elsewhere").string() + " is outside the model root");
+  EXPECT_EQ(CheckpointDir::Open(root_, (base_ / "nowhere").string()).status().message(),
+            "checkpoint " + (base_ / "nowhere").string() + " is outside the model root");
+}
+
 }  // namespace
 }  // namespace bertshard::common

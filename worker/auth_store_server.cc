@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/numbers.h"
@@ -168,10 +169,14 @@ AuthStoreServer::Stats AuthStoreServer::stats() {
 }
 
 void AuthStoreServer::AcceptLoop() {
+  bool accept_backoff = false;  // the last accept failed for want of resources
   while (true) {
     pollfd polled[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
     // Woken by a connection or the destructor; every quarter second it also reaps ended threads.
-    poll(polled, 2, 250);
+    // After a failed accept only the destructor wakes it before the next reaping.
+    poll(accept_backoff ? &polled[1] : polled, accept_backoff ? 1 : 2, 250);
+    if (accept_backoff) polled[0].revents = POLLIN;
+    accept_backoff = false;
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
     for (auto it = connections_.begin(); it != connections_.end();) {
@@ -185,7 +190,12 @@ void AuthStoreServer::AcceptLoop() {
     }
     if (!(polled[0].revents & POLLIN)) continue;
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) continue;
+    if (fd < 0) {
+      // Out of descriptors or memory, the connection stays queued and the socket readable: wait
+      // for the next pass (which reaps ended connections) rather than spin on it.
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) accept_backoff = true;
+      continue;
+    }
     if (pending_ >= options_.max_pending) {
       // Full of handshakes: the oldest goes, so that strangers holding connections open cannot
       // keep a rank out for longer than it takes them to open new ones.
@@ -203,7 +213,14 @@ void AuthStoreServer::AcceptLoop() {
     connection->accepted = Clock::now();
     Connection* c = connection.get();
     connections_.push_back(std::move(connection));
-    c->thread = std::thread([this, c] { Serve(c); });
+    try {
+      c->thread = std::thread([this, c] { Serve(c); });
+    } catch (const std::system_error&) {
+      // No thread to be had (a pids limit): this connection is refused, the server goes on.
+      connections_.pop_back();
+      --pending_;
+      close(fd);
+    }
   }
 }
 
@@ -260,8 +277,7 @@ void AuthStoreServer::Serve(Connection* c) {
     while (true) {
       // Idle for as long as the client likes (a rank between collectives); the destructor's
       // shutdown() ends the wait.
-      absl::StatusOr<wire::Frame> request =
-          wire::ReadFrame(c->fd, max_body, Clock::time_point::max(), Clock::now() + kRequestTimeout);
+      absl::StatusOr<wire::Frame> request = wire::ReadFrame(c->fd, max_body, Clock::time_point::max(), kRequestTimeout);
       // A frame over the bound is not read: the connection goes, and the bytes with it.
       if (!request.ok()) break;
       const wire::Frame answer = Handle(*request, c);

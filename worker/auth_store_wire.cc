@@ -7,7 +7,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -121,9 +120,28 @@ absl::Status WriteFrame(int fd, const Frame& frame, Clock::time_point deadline) 
   return WriteAll(fd, EncodeFrame(frame), deadline);
 }
 
+namespace {
+
+// A frame whose first byte is in (or due before `deadline`), read whole before `deadline`.
+absl::StatusOr<Frame> ReadStartedFrame(int fd, size_t max_body_bytes, Clock::time_point deadline);
+
+}  // namespace
+
 absl::StatusOr<Frame> ReadFrame(int fd, size_t max_body_bytes, Clock::time_point first_byte_deadline,
                                 Clock::time_point deadline) {
   if (absl::Status s = WaitReady(fd, POLLIN, first_byte_deadline); !s.ok()) return s;
+  return ReadStartedFrame(fd, max_body_bytes, deadline);
+}
+
+absl::StatusOr<Frame> ReadFrame(int fd, size_t max_body_bytes, Clock::time_point first_byte_deadline,
+                                Clock::duration rest) {
+  if (absl::Status s = WaitReady(fd, POLLIN, first_byte_deadline); !s.ok()) return s;
+  return ReadStartedFrame(fd, max_body_bytes, Clock::now() + rest);
+}
+
+namespace {
+
+absl::StatusOr<Frame> ReadStartedFrame(int fd, size_t max_body_bytes, Clock::time_point deadline) {
   absl::StatusOr<std::string> length = ReadExactly(fd, 4, deadline);
   if (!length.ok()) return length.status();
   const uint64_t body_bytes = GetLE(*length, 0, 4);
@@ -153,6 +171,8 @@ absl::StatusOr<Frame> ReadFrame(int fd, size_t max_body_bytes, Clock::time_point
   if (at != body->size()) return absl::InvalidArgumentError("malformed rendezvous frame (trailing bytes)");
   return frame;
 }
+
+}  // namespace
 
 Reply ReplyFor(absl::StatusCode code) {
   switch (code) {

@@ -93,6 +93,10 @@ absl::Status WriteFrame(int fd, const Frame& frame, Clock::time_point deadline);
 // frame to start (an idle connection may wait long), `deadline` the rest once it has.
 absl::StatusOr<Frame> ReadFrame(int fd, size_t max_body_bytes, Clock::time_point first_byte_deadline,
                                 Clock::time_point deadline);
+// The same, the rest bounded by `rest` from when the frame starts (a server's idle connection: a
+// deadline taken before the idle wait would have passed by the time a late request comes).
+absl::StatusOr<Frame> ReadFrame(int fd, size_t max_body_bytes, Clock::time_point first_byte_deadline,
+                                Clock::duration rest);
 
 // Reply <-> absl::StatusCode.
 Reply ReplyFor(absl::StatusCode code);
