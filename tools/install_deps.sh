@@ -20,6 +20,9 @@ PACKAGES=(
   libsqlite3-dev
   # The metrics endpoints: a small embeddable HTTP server (Prometheus text format written by hand).
   libcivetweb-dev
+  # The rendezvous handshake: HMAC-SHA256 and CRYPTO_memcmp from libcrypto (worker/auth_store.h),
+  # named here rather than left to come with libgrpc++-dev.
+  libssl-dev
   # Tests and benchmarks; clang-format checks the C++ style (tools/check_format.sh).
   clang-format
   libgtest-dev libgmock-dev libbenchmark-dev nlohmann-json3-dev
