@@ -101,33 +101,23 @@ absl::StatusOr<c10::intrusive_ptr<AuthStoreClient>> AuthStoreClient::Connect(con
   auto backoff = std::chrono::milliseconds(20);
   absl::Status last = absl::UnavailableError("no attempt");
   do {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    addrinfo* found = nullptr;
-    const std::string port = std::to_string(o.port);
-    if (const int rc = getaddrinfo(o.host.c_str(), port.c_str(), &hints, &found); rc != 0) {
-      last = absl::UnavailableError(gai_strerror(rc));
+    absl::StatusOr<wire::AddressList> found = wire::ResolveTcp(o.host, o.port);
+    if (!found.ok()) {
+      last = found.status();
     } else {
-      for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      for (addrinfo* a = found->get(); a != nullptr; a = a->ai_next) {
         Attempt attempt = ConnectSocket(*a, deadline);
         // The handshake gets a few seconds at most: a server that accepts and then says nothing
         // (not ours, or overloaded) is tried again.
         if (attempt.fd >= 0)
           attempt = Handshake(attempt.fd, o.secret, std::min(deadline, Clock::now() + std::chrono::seconds(10)));
-        if (attempt.fd >= 0) {
-          freeaddrinfo(found);
-          return c10::make_intrusive<AuthStoreClient>(attempt.fd, o);
-        }
+        if (attempt.fd >= 0) return c10::make_intrusive<AuthStoreClient>(attempt.fd, o);
         if (!attempt.retry) {
-          freeaddrinfo(found);
           return absl::Status(attempt.error.code(),
                               absl::StrCat("rendezvous at ", where, ": ", attempt.error.message()));
         }
         last = attempt.error;
       }
-      freeaddrinfo(found);
     }
     std::this_thread::sleep_for(
         std::min<Clock::duration>(backoff, std::max<Clock::duration>(deadline - Clock::now(), {})));

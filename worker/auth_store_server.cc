@@ -89,22 +89,17 @@ absl::StatusOr<std::unique_ptr<AuthStoreServer>> AuthStoreServer::Start(AuthStor
     return absl::InvalidArgumentError(absl::StrCat("rendezvous port ", options.port, " is out of range"));
   }
   const std::string where = absl::StrCat(options.host, ":", options.port);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string port_text = std::to_string(options.port);
-  if (const int rc = getaddrinfo(options.host.c_str(), port_text.c_str(), &hints, &found); rc != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot host a rendezvous on ", where, ": ", gai_strerror(rc)));
+  absl::StatusOr<wire::AddressList> found = wire::ResolveTcp(options.host, options.port);
+  if (!found.ok()) {
+    return absl::UnavailableError(absl::StrCat("cannot host a rendezvous on ", where, ": ", found.status().message()));
   }
+  const addrinfo& first = **found;
   // The first address only: the store is served on exactly one.
-  const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  const int fd = socket(first.ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   const int one = 1;
   if (fd >= 0) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  const bool bound = fd >= 0 && bind(fd, found->ai_addr, found->ai_addrlen) == 0 && listen(fd, 128) == 0;
+  const bool bound = fd >= 0 && bind(fd, first.ai_addr, first.ai_addrlen) == 0 && listen(fd, 128) == 0;
   const int error = errno;
-  freeaddrinfo(found);
   if (!bound) {
     if (fd >= 0) close(fd);
     return absl::UnavailableError(absl::StrCat("cannot host a rendezvous on ", where, ": ", std::strerror(error)));

@@ -174,6 +174,18 @@ absl::StatusOr<Frame> ReadStartedFrame(int fd, size_t max_body_bytes, Clock::tim
 
 }  // namespace
 
+absl::StatusOr<AddressList> ResolveTcp(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (const int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found); rc != 0) {
+    return absl::UnavailableError(gai_strerror(rc));
+  }
+  return AddressList(found, &freeaddrinfo);
+}
+
 Reply ReplyFor(absl::StatusCode code) {
   switch (code) {
     case absl::StatusCode::kOk:

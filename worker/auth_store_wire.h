@@ -29,8 +29,11 @@
 #ifndef BERTSHARD_WORKER_AUTH_STORE_WIRE_H_
 #define BERTSHARD_WORKER_AUTH_STORE_WIRE_H_
 
+#include <netdb.h>
+
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -97,6 +100,11 @@ absl::StatusOr<Frame> ReadFrame(int fd, size_t max_body_bytes, Clock::time_point
 // deadline taken before the idle wait would have passed by the time a late request comes).
 absl::StatusOr<Frame> ReadFrame(int fd, size_t max_body_bytes, Clock::time_point first_byte_deadline,
                                 Clock::duration rest);
+
+// The TCP addresses of host:port (numeric port), freed with the list; UNAVAILABLE naming
+// getaddrinfo's reason when there are none. The server listens on the first, a client tries each.
+using AddressList = std::unique_ptr<addrinfo, decltype(&freeaddrinfo)>;
+absl::StatusOr<AddressList> ResolveTcp(const std::string& host, int port);
 
 // Reply <-> absl::StatusCode.
 Reply ReplyFor(absl::StatusCode code);
