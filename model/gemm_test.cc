@@ -103,7 +103,9 @@ TEST(OneDnnLinear, WeightFormPerDtype) {
   const at::Tensor x = at::randn({4, 64}), w = at::randn({48, 64}) / 8, b = at::randn({48});
   const at::Tensor packed = PackOneDnnWeight(w);
   EXPECT_EQ(packed.is_mkldnn(), DnnlSgemm() == nullptr);
-  if (!packed.is_mkldnn()) EXPECT_EQ(packed.sizes(), (std::vector<int64_t>{64, 48}));
+  if (!packed.is_mkldnn()) {
+    EXPECT_EQ(packed.sizes(), (std::vector<int64_t>{64, 48}));
+  }
   const at::Tensor wb = w.to(at::kBFloat16), xb = x.to(at::kBFloat16), bb = b.to(at::kBFloat16);
   const at::Tensor packed_bf16 = PackOneDnnWeight(wb);
   EXPECT_TRUE(packed_bf16.is_mkldnn());

@@ -179,10 +179,14 @@ TEST_F(JobServingTest, AFailedRankFailsTheJobAndTheRequest) {
   const std::string failure = targets_->failure();
   EXPECT_EQ(failure.rfind("job-1: worker w1 (rank 1) at " + failing.Rank("w1").address + ": forward 0 failed", 0), 0u)
       << failure;
-  // The job no longer serves: the next request is refused before any rank is called.
+  // The job no longer serves: the next request is refused before any rank is called. The failing
+  // rank answered the first forward, so it holds exactly one; the healthy rank's copy of that
+  // forward may have been cancelled before it arrived (the fan-out cancels the rest on a failure),
+  // so it holds at most one.
   auto later = serving_->Infer(request, Soon(), nullptr);
   EXPECT_EQ(later.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(first_.requests().size(), 1u);
+  EXPECT_EQ(failing.requests().size(), 1u);
+  EXPECT_LE(first_.requests().size(), 1u);
 }
 
 TEST_F(JobServingTest, BadRequestsAreRefusedBeforeAnyForward) {

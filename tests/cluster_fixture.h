@@ -318,7 +318,9 @@ class Cluster : public ::testing::Test, public LocalCluster {
   }
 
   void StopCoordinator() {
-    if (coordinator_ > 0) EXPECT_EQ(TerminateCoordinator(), 0);
+    if (coordinator_ > 0) {
+      EXPECT_EQ(TerminateCoordinator(), 0);
+    }
   }
 
   // Pause points (common/fault_point.h). UseFaultDir, called from a derived fixture's constructor,

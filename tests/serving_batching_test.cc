@@ -265,7 +265,9 @@ TEST_F(BatchingTest, ConcurrentRequestsMergeAndEachGetsExactlyItsOwnRows) {
       EXPECT_EQ(Shape(*FindOutput(c.infer_merged, "last_hidden_state")),
                 (std::vector<int64_t>{rows, c.infer_alone.tokens().seq(), 32}));
       ExpectSaneBatch(c.infer_merged.batch(), rows, c.infer_alone.tokens().seq(), kCalls);
-      if (c.micro_batches > 1) EXPECT_EQ(c.infer_merged.batch().requests(), 1);
+      if (c.micro_batches > 1) {
+        EXPECT_EQ(c.infer_merged.batch().requests(), 1);
+      }
       merged += c.infer_merged.batch().requests() > 1;
       if (c.infer_merged.batch().requests() == kCalls) {
         EXPECT_EQ(c.infer_merged.batch().rows(), total_rows);

@@ -288,7 +288,9 @@ TEST(ShardedRunErrors, NcclBackendRunsOnAGpuAndFailsClearlyElsewhere) {
   Result r = Shardctl({"run", "--local", "--checkpoint", dir, "--input", dir + "/input.json", "--output", output,
                        "--backend", "nccl", "--timeout", "60"});
   const char* expect_gpu = std::getenv("BERTSHARD_EXPECT_GPU");
-  if (expect_gpu != nullptr && std::string(expect_gpu) == "1") EXPECT_EQ(r.exit_code, 0) << r.err;
+  if (expect_gpu != nullptr && std::string(expect_gpu) == "1") {
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+  }
   if (r.exit_code == 0) {
     const auto got = ReadTensors(output);
     const auto want = ReadTensors(dir + "/expected.safetensors");

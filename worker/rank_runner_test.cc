@@ -56,7 +56,9 @@ RankOptions Rank(const fs::path& dir, int rank, int master_port) {
   RankOptions o;
   // The run's secret, made once per directory as shardctl makes it.
   o.secret_file = (dir / "rendezvous_secret").string();
-  if (!fs::exists(o.secret_file)) EXPECT_TRUE(common::WriteSecretFile(o.secret_file, std::string(32, 'k')).ok());
+  if (!fs::exists(o.secret_file)) {
+    EXPECT_TRUE(common::WriteSecretFile(o.secret_file, std::string(32, 'k')).ok());
+  }
   o.plan_path = (dir / "plan.pb").string();
   o.rank = rank;
   o.master_port = master_port;
