@@ -79,6 +79,16 @@ EncodeOptions Truncate(int64_t max_length) {
   return o;
 }
 
+// The ids of a pair of Words('a', kept1) and Words('b', kept2): [CLS] a.. [SEP] b.. [SEP].
+Ids PairOfWords(int kept1, int kept2) {
+  Ids ids{101};
+  ids.insert(ids.end(), kept1, 1037);
+  ids.push_back(102);
+  ids.insert(ids.end(), kept2, 1038);
+  ids.push_back(102);
+  return ids;
+}
+
 TEST(WordPiece, KnownUncasedTokenisations) {
   // tests/testdata/vocab/README.md
   EXPECT_EQ(*Uncased().TokenIds("a new test"), (Ids{1037, 2047, 3231}));
@@ -342,12 +352,7 @@ TEST(WordPiece, TruncatesPairsLongestFirstAsHf) {
     SCOPED_TRACE(testing::Message() << c.n1 << " + " << c.n2 << " tokens, max_length " << c.max_length);
     auto e = Uncased().Encode(Words('a', c.n1), absl::string_view(Words('b', c.n2)), Truncate(c.max_length));
     ASSERT_TRUE(e.ok()) << e.status();
-    Ids want{101};
-    want.insert(want.end(), c.kept1, 1037);
-    want.push_back(102);
-    want.insert(want.end(), c.kept2, 1038);
-    want.push_back(102);
-    EXPECT_EQ(e->input_ids, want);
+    EXPECT_EQ(e->input_ids, PairOfWords(c.kept1, c.kept2));
     Ids types(static_cast<size_t>(c.kept1 + 2), 0);
     types.insert(types.end(), c.kept2 + 1, 1);
     EXPECT_EQ(e->token_type_ids, types);
@@ -370,12 +375,7 @@ TEST(WordPiece, TruncatingLongTextsReadsOnlyWhatTheLimitNeedsWithHfsAnswer) {
     SCOPED_TRACE(testing::Message() << c.n1 << " + " << c.n2 << " tokens, max_length " << c.max_length);
     auto e = Uncased().Encode(Words('a', c.n1), absl::string_view(Words('b', c.n2)), Truncate(c.max_length));
     ASSERT_TRUE(e.ok()) << e.status();
-    Ids want{101};
-    want.insert(want.end(), c.kept1, 1037);
-    want.push_back(102);
-    want.insert(want.end(), c.kept2, 1038);
-    want.push_back(102);
-    EXPECT_EQ(e->input_ids, want);
+    EXPECT_EQ(e->input_ids, PairOfWords(c.kept1, c.kept2));
     EXPECT_TRUE(e->truncated);
   }
   // A single text: its first pieces, whatever follows (here a [MASK] and bad words far on).
