@@ -5,6 +5,8 @@
 //
 // A bad flag value exits 2. SIGTERM or SIGINT: health goes NOT_SERVING, new calls are refused,
 // in-flight calls get --drain_timeout to finish, then the process exits 0.
+#include <malloc.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -239,6 +241,12 @@ int RunServer(ServeOptions serve) {
 }  // namespace bertshard::server
 
 int main(int argc, char** argv) {
+  // Buffers of 256 KiB and more (requests and answers being read, parsed and sent) are mapped on
+  // their own and go back to the system when freed. glibc's default raises this threshold to the
+  // largest block freed so far, after which such buffers come from the heaps and stay there: a
+  // client that sent big requests or left big answers unread kept the coordinator at its peak
+  // after it went (issue 21, item 6).
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<bertshard::server::ServeOptions> serve = bertshard::server::ServeOptionsFromFlags();

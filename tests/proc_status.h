@@ -1,7 +1,7 @@
 // File: tests/proc_status.h
 // -----------------------------------------------------------------------------
 // What the memory tests read of another process: fields of /proc/PID/status (VmRSS, VmHWM,
-// Threads) and a sampler that keeps the highest VmRSS seen while a call runs.
+// Threads), its open descriptors, and a sampler that keeps the highest VmRSS seen while a call runs.
 //
 // Example:
 //   RssSampler sampler(pid);
@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -37,6 +38,17 @@ inline int64_t StatusValue(pid_t pid, const std::string& name) {
 
 // A Vm* field in bytes.
 inline int64_t StatusBytes(pid_t pid, const std::string& name) { return StatusValue(pid, name) * 1024; }
+
+// The descriptors `pid` has open (sockets included); -1 if unreadable.
+inline int OpenDescriptors(pid_t pid) {
+  std::error_code error;
+  int n = 0;
+  for (std::filesystem::directory_iterator it("/proc/" + std::to_string(pid) + "/fd", error), end; !error && it != end;
+       it.increment(error)) {
+    ++n;
+  }
+  return error ? -1 : n;
+}
 
 inline double MiB(int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); }
 

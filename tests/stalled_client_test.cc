@@ -70,9 +70,19 @@ class StalledClientTest : public ::testing::Test {
         std::vector<std::string>{"--metrics_listen=127.0.0.1:0", "--keepalive_time=2s", "--keepalive_timeout=2s"});
     cluster_->max_receive_message_bytes_ = 64 << 20;
     ASSERT_EQ(cluster_->Start(1), "");
-    const std::string model = CheckpointWithWordVocabulary("tests/testdata/model/bert_model", "stalled-model");
+    // A BertModel 64 wide (answers of 4 MiB at 16,384 tokens), 2 layers, with the word vocabulary
+    // of CheckpointWithWordVocabulary ("w5 w6" are ids 5 and 6).
+    const std::string model = std::filesystem::absolute(TempDir() + "/stalled-model").string();
+    const Cli init = Shardctl({"init-checkpoint", "--variant", "BertModel", "--seed", "7", "--out", model, "--config",
+                               R"({"vocab_size": 99, "hidden_size": 64, "num_attention_heads": 4,
+                                   "intermediate_size": 128, "num_hidden_layers": 2, "max_position_embeddings": 16})"});
+    ASSERT_EQ(init.exit_code, 0) << init.all();
+    std::ofstream vocab(model + "/vocab.txt");
+    vocab << "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n";
+    for (int i = 5; i < 99; ++i) vocab << "w" << i << "\n";
+    vocab.close();
     std::string error;
-    job_ = SubmitTp(*cluster_, std::filesystem::absolute(model).string(), 1, &error);
+    job_ = SubmitTp(*cluster_, model, 1, &error);
     ASSERT_EQ(error, "");
     ASSERT_EQ(cluster_->WaitReady(job_), "");
     const std::string log = ReadAll(cluster_->data_dir_ + ".log");
@@ -104,14 +114,16 @@ class StalledClientTest : public ::testing::Test {
     const absl::Time start = absl::Now();
     const grpc::Status status = cluster_->stub().Embed(Context(std::chrono::seconds(10)).get(), embed, &response);
     *took = absl::Now() - start;
-    if (status.ok()) EXPECT_EQ(response.embeddings_size(), 1);
+    if (status.ok()) {
+      EXPECT_EQ(response.embeddings_size(), 1);
+    }
     return status;
   }
 
   // Starts the flooder and waits for its first answer (its calls are all out by then).
   void StartFlood(const std::string& log) {
     flooder_ = Spawn({"tests/flood_client", "--server=127.0.0.1:" + std::to_string(cluster_->port_), "--job=" + job_,
-                      "--requests=64", "--connections=2", "--rows=1024", "--seq=16"},
+                      "--requests=64", "--connections=3", "--rows=1024", "--seq=16"},
                      log);
     ASSERT_GT(flooder_, 0);
     ASSERT_TRUE(WaitFor([&] { return ReadAll(log).find("answered") != std::string::npos; }, absl::Seconds(120)))
@@ -128,6 +140,7 @@ TEST_F(StalledClientTest, AStoppedFlooderNeitherStarvesAnotherClientNorKeepsItsM
   const pid_t coordinator = cluster_->coordinator_;
   const int64_t rss_idle = StatusBytes(coordinator, "VmRSS");
   const int64_t threads_idle = StatusValue(coordinator, "Threads");
+  const int fds_idle = OpenDescriptors(coordinator);
   const std::string log = TempDir() + "/flood_client.log";
   std::ofstream(log, std::ios::trunc).close();
   StartFlood(log);
@@ -146,51 +159,53 @@ TEST_F(StalledClientTest, AStoppedFlooderNeitherStarvesAnotherClientNorKeepsItsM
   EXPECT_TRUE(WaitFor([&] { return QueueDepth() == 0; }, absl::Seconds(120))) << QueueDepth();
   const int64_t rss_held = StatusBytes(coordinator, "VmRSS");
   const int64_t threads_held = StatusValue(coordinator, "Threads");
+  const int fds_held = OpenDescriptors(coordinator);
   absl::Duration took_held;
   const grpc::Status embedded_held = EmbedOneSentence(&took_held);
   EXPECT_TRUE(embedded_held.ok()) << embedded_held.error_code() << ": " << embedded_held.error_message();
 
-  // The keepalive closes the stopped client's connections: the calls end, their threads and
-  // answers go, without the client being killed.
+  // The keepalive closes the stopped client's connections (their sockets leave the coordinator's
+  // descriptors): the calls end, their threads and answers go, without the client being killed.
   const absl::Time stopped_at = absl::Now();
-  const bool released = WaitFor(
-      [&] {
-        return StatusValue(coordinator, "Threads") <= threads_idle + 4 &&
-               StatusBytes(coordinator, "VmRSS") <= rss_idle + (32 << 20);
-      },
-      absl::Seconds(30));
+  auto back_to_idle = [&] {
+    return OpenDescriptors(coordinator) <= fds_idle && StatusValue(coordinator, "Threads") <= threads_idle + 4 &&
+           StatusBytes(coordinator, "VmRSS") <= rss_idle + (24 << 20);
+  };
+  // Within keepalive_time + keepalive_timeout and some slack for a loaded machine.
+  const bool closed = WaitFor([&] { return OpenDescriptors(coordinator) <= fds_idle; }, absl::Seconds(10));
+  const absl::Duration close_took = absl::Now() - stopped_at;
+  const bool released = closed && WaitFor(back_to_idle, absl::Seconds(10));
   const absl::Duration release_took = absl::Now() - stopped_at;
   const int64_t rss_released = StatusBytes(coordinator, "VmRSS");
   const int64_t threads_released = StatusValue(coordinator, "Threads");
+  const int fds_released = OpenDescriptors(coordinator);
 
   ASSERT_EQ(kill(flooder_, SIGKILL), 0);
   WaitExit(flooder_);
   flooder_ = -1;
-  const bool freed = WaitFor(
-      [&] {
-        return StatusValue(coordinator, "Threads") <= threads_idle + 4 &&
-               StatusBytes(coordinator, "VmRSS") <= rss_idle + (32 << 20);
-      },
-      absl::Seconds(20));
+  const bool freed = WaitFor(back_to_idle, absl::Seconds(20));
   const int64_t peak = sampler.Stop();
   const int64_t rss_after = StatusBytes(coordinator, "VmRSS");
   const int64_t threads_after = StatusValue(coordinator, "Threads");
+  const int fds_after = OpenDescriptors(coordinator);
   std::printf(
-      "coordinator idle: %.1f MiB, %lld threads; flood queued or running at the Embed: %lld\n"
+      "coordinator idle: %.1f MiB, %lld threads, %d descriptors; flood queued or running at the Embed: %lld\n"
       "Embed while the flood ran: %s in %.3f s; once it was answered: %s in %.3f s\n"
-      "stopped flooder, answers held: %.1f MiB, %lld threads (peak %.1f MiB)\n"
-      "keepalive: %s after %.1f s: %.1f MiB, %lld threads\n"
-      "after SIGKILL: %.1f MiB, %lld threads\n",
-      MiB(rss_idle), static_cast<long long>(threads_idle), static_cast<long long>(depth_at_embed),
+      "stopped flooder, answers held: %.1f MiB, %lld threads, %d descriptors (peak %.1f MiB)\n"
+      "connections %s after %.1f s; memory %s after %.1f s: %.1f MiB, %lld threads, %d descriptors\n"
+      "after SIGKILL: %.1f MiB, %lld threads, %d descriptors\n",
+      MiB(rss_idle), static_cast<long long>(threads_idle), fds_idle, static_cast<long long>(depth_at_embed),
       embedded.ok() ? "OK" : "failed", absl::ToDoubleSeconds(took), embedded_held.ok() ? "OK" : "failed",
-      absl::ToDoubleSeconds(took_held), MiB(rss_held), static_cast<long long>(threads_held), MiB(peak),
-      released ? "released" : "NOT released", absl::ToDoubleSeconds(release_took), MiB(rss_released),
-      static_cast<long long>(threads_released), MiB(rss_after), static_cast<long long>(threads_after));
+      absl::ToDoubleSeconds(took_held), MiB(rss_held), static_cast<long long>(threads_held), fds_held, MiB(peak),
+      closed ? "closed" : "NOT closed", absl::ToDoubleSeconds(close_took), released ? "released" : "NOT released",
+      absl::ToDoubleSeconds(release_took), MiB(rss_released), static_cast<long long>(threads_released), fds_released,
+      MiB(rss_after), static_cast<long long>(threads_after), fds_after);
   std::printf("flooder's log:\n%s\n", ReadAll(log).c_str());
   std::fflush(stdout);
   EXPECT_LT(took, absl::Seconds(10));
-  EXPECT_TRUE(released) << "a stopped client's calls still held " << MiB(rss_released - rss_idle) << " MiB and "
-                        << threads_released - threads_idle << " threads";
+  EXPECT_TRUE(released) << "a stopped client's calls still held " << MiB(rss_released - rss_idle) << " MiB, "
+                        << threads_released - threads_idle << " threads and " << fds_released - fds_idle
+                        << " descriptors";
   EXPECT_TRUE(freed) << "after the flooder was killed the coordinator held " << MiB(rss_after - rss_idle) << " MiB and "
                      << threads_after - threads_idle << " threads more than idle";
   EXPECT_EQ(cluster_->TerminateCoordinator(), 0);
