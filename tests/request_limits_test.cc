@@ -145,10 +145,14 @@ TEST(RequestLimits, AHugeInferThroughALiveCoordinatorIsRefusedWithBoundedMemory)
     EXPECT_FALSE(refused.error_message().empty());
     // Parsed, the arrays alone were 768 MB (844 MiB of growth); read, the messages are 96
     // and 288 MB. The quota is 4 x the 33.6 MiB request limit.
+#if !defined(__SANITIZE_ADDRESS__)  // ASan's quarantine holds freed memory (the coordinator is an ASan build too)
     EXPECT_LT(sampled - before, 160 << 20) << "the coordinator's RSS grew by " << MiB(sampled - before) << " MiB";
+#endif
   }
+#if !defined(__SANITIZE_ADDRESS__)
   EXPECT_LT(StatusBytes(coordinator, "VmHWM") - idle, 192 << 20)
       << "the coordinator's VmHWM is " << MiB(StatusBytes(coordinator, "VmHWM") - idle) << " MiB over its RSS";
+#endif
 
   // The coordinator goes on serving.
   const grpc::Status again = cluster.stub().Infer(Context(120).get(), full, &answer);
