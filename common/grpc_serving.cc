@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/resource_quota.h"
 #include "grpcpp/support/server_interceptor.h"
 
 namespace bertshard::common {
@@ -115,7 +117,8 @@ class RpcMetricsInterceptorFactory final : public grpc::experimental::ServerInte
 
 absl::StatusOr<StartedServer> StartServer(const std::string& address, const std::vector<grpc::Service*>& services,
                                           int max_message_bytes, MetricsRegistry* metrics,
-                                          std::shared_ptr<grpc::ServerCredentials> credentials) {
+                                          std::shared_ptr<grpc::ServerCredentials> credentials,
+                                          const ServerTransport& transport) {
   if (address.empty() || !absl::StrContains(address, ':')) {
     return absl::InvalidArgumentError(
         absl::StrCat("listen address '", address, "' is not host:port (e.g. 0.0.0.0:50051)"));
@@ -134,8 +137,21 @@ absl::StatusOr<StartedServer> StartServer(const std::string& address, const std:
                            &started.port);
   // gRPC sets SO_REUSEPORT by default: a second server would silently share the port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.SetMaxReceiveMessageSize(max_message_bytes);
+  builder.SetMaxReceiveMessageSize(
+      transport.max_receive_bytes > 0 ? std::min(transport.max_receive_bytes, max_message_bytes) : max_message_bytes);
   builder.SetMaxSendMessageSize(max_message_bytes);
+  if (transport.max_transport_memory_bytes > 0) {
+    // The builder keeps its own reference to the quota's core object.
+    grpc::ResourceQuota quota(absl::StrCat("server ", address));
+    quota.Resize(static_cast<size_t>(transport.max_transport_memory_bytes));
+    builder.SetResourceQuota(quota);
+  }
+  if (transport.keepalive_time > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                               static_cast<int>(absl::ToInt64Milliseconds(transport.keepalive_time)));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                               static_cast<int>(absl::ToInt64Milliseconds(transport.keepalive_timeout)));
+  }
   for (grpc::Service* service : services) builder.RegisterService(service);
   if (!interceptors.empty()) builder.experimental().SetInterceptorCreators(std::move(interceptors));
   started.server = builder.BuildAndStart();

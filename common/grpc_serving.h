@@ -39,12 +39,33 @@ struct StartedServer {
   int port = 0;
 };
 
+// How a server treats its connections beyond the message limit.
+struct ServerTransport {
+  // The largest message received, when smaller than the send limit (0: the same). gRPC parses a
+  // message whole before any handler can look at it, and a packed repeated int64 takes 8 bytes
+  // per element however few it had on the wire: a server whose requests are small should not
+  // receive what it may send.
+  int max_receive_bytes = 0;
+  // gRPC's memory quota for the server's transports (grpc::ResourceQuota; 0: none). gRPC reads a
+  // message whole before it checks it against max_receive_bytes, so without a quota a message of
+  // any size (up to 4 GiB) is held before it is refused; with one, once the connections' read
+  // buffers reach it, a stream is reset (RESOURCE_EXHAUSTED, "RST_STREAM with error code 11") and
+  // its bytes dropped. Make it several times max_receive_bytes: concurrent requests share it.
+  int64_t max_transport_memory_bytes = 0;
+  // HTTP/2 keepalive: every `keepalive_time` the server pings each connection, and closes one whose
+  // ping is not answered within `keepalive_timeout` (a client process stopped or gone without a
+  // FIN), ending its calls. Zero: no pings.
+  absl::Duration keepalive_time = absl::ZeroDuration();
+  absl::Duration keepalive_timeout = absl::Seconds(20);
+};
+
 // INVALID_ARGUMENT for an address that is not host:port; UNAVAILABLE when it cannot be bound.
 // `metrics` (optional, must outlive the server): where the per-call metrics above are recorded;
 // its errors (INVALID_ARGUMENT, ALREADY_EXISTS) if they cannot be registered there.
 absl::StatusOr<StartedServer> StartServer(const std::string& address, const std::vector<grpc::Service*>& services,
                                           int max_message_bytes = 64 << 20, MetricsRegistry* metrics = nullptr,
-                                          std::shared_ptr<grpc::ServerCredentials> credentials = nullptr);
+                                          std::shared_ptr<grpc::ServerCredentials> credentials = nullptr,
+                                          const ServerTransport& transport = {});
 
 // Health NOT_SERVING, then stop accepting calls and give in-flight ones `drain` to finish.
 void DrainAndShutdown(grpc::Server* server, absl::Duration drain);

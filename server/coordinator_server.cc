@@ -1,6 +1,7 @@
 #include "server/coordinator_server.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <utility>
 #include <vector>
@@ -231,6 +232,17 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
 
 #undef RETURN_IF_DENIED
 
+int DefaultMaxRequestBytes(const BatchLimits& batching) {
+  if (batching.max_request_text_bytes <= 0) return 0;
+  constexpr int64_t kMost = std::numeric_limits<int>::max();
+  // Per token: three varints of at most 10 bytes, and at most 4 bytes of text framing (a text takes
+  // 3 tokens at least, and a text and its pair up to 6 bytes of tag and length each).
+  constexpr int64_t kBytesPerToken = 40;
+  const int64_t tokens = std::min(std::max<int64_t>(batching.max_batch_tokens, 1), kMost / kBytesPerToken);
+  const int64_t bytes = std::min(batching.max_request_text_bytes, kMost) + tokens * kBytesPerToken + (1 << 20);
+  return static_cast<int>(std::clamp<int64_t>(bytes, 4 << 20, kMost));
+}
+
 CoordinatorServer::CoordinatorServer(std::unique_ptr<Cluster> cluster, std::unique_ptr<Service> service,
                                      std::unique_ptr<grpc::Server> server, int port)
     : cluster_(std::move(cluster)), service_(std::move(service)), server_(std::move(server)), port_(port) {}
@@ -255,9 +267,19 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(cons
   if (options.metrics != nullptr) {
     ASSIGN_OR_RETURN(collectors, RegisterCoordinatorMetrics(options.metrics, cluster.get()));
   }
+  common::ServerTransport transport = {.keepalive_time = options.keepalive_time,
+                                       .keepalive_timeout = options.keepalive_timeout};
+  transport.max_receive_bytes =
+      options.max_request_bytes > 0 ? options.max_request_bytes : DefaultMaxRequestBytes(options.cluster.batching);
+  const int64_t received = transport.max_receive_bytes > 0
+                               ? std::min(transport.max_receive_bytes, options.max_message_bytes)
+                               : options.max_message_bytes;
+  transport.max_transport_memory_bytes = options.max_transport_memory_bytes != 0
+                                             ? std::max<int64_t>(options.max_transport_memory_bytes, 0)
+                                             : std::max<int64_t>(4 * received, 64 << 20);
   ASSIGN_OR_RETURN(common::StartedServer started,
                    common::StartServer(options.listen_address, {service.get()}, options.max_message_bytes,
-                                       options.metrics, options.server_credentials));
+                                       options.metrics, options.server_credentials, transport));
   std::unique_ptr<CoordinatorServer> server(
       new CoordinatorServer(std::move(cluster), std::move(service), std::move(started.server), started.port));
   server->collectors_ = std::move(collectors);

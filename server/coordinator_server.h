@@ -33,8 +33,22 @@ namespace bertshard::server {
 struct CoordinatorOptions {
   // host:port; port 0 picks a free port.
   std::string listen_address = "0.0.0.0:50051";
-  // Largest request or response message accepted; plans of big models are a few MiB.
+  // Largest message sent (answers: hidden states of big batches, plans of big models) and, unless
+  // max_request_bytes says less, received.
   int max_message_bytes = 256 << 20;
+  // Largest request received; 0: DefaultMaxRequestBytes(cluster.batching). gRPC parses a request
+  // whole before a handler sees it, and token ids take 8 bytes each once parsed, so a request the
+  // serving limits would refuse must not be received: 96 MB of ids cost 844 MiB before this.
+  int max_request_bytes = 0;
+  // gRPC's memory quota for reading requests (common/grpc_serving.h ServerTransport): gRPC reads a
+  // request whole before refusing it as too large, so this is what bounds a message of any size.
+  // 0: 4 x the request limit, at least 64 MiB; negative: none.
+  int64_t max_transport_memory_bytes = 0;
+  // HTTP/2 keepalive (common/grpc_serving.h ServerTransport): a client that stops reading (a
+  // stopped process) holds each of its calls' threads and answers until its connection closes; a
+  // ping unanswered for keepalive_timeout closes it. Zero keepalive_time: no pings.
+  absl::Duration keepalive_time = absl::Seconds(30);
+  absl::Duration keepalive_timeout = absl::Seconds(10);
   ClusterOptions cluster;
   // Optional, not owned, must outlive the server: gets the per-call gRPC metrics and the
   // coordinator's own (bertshard_coordinator_jobs{state}, bertshard_coordinator_workers{health}).
@@ -45,6 +59,12 @@ struct CoordinatorOptions {
   // TLS (common/grpc_tls.h); null: plaintext. The channels to the workers are cluster.worker_credentials.
   std::shared_ptr<grpc::ServerCredentials> server_credentials;
 };
+
+// The largest request every limit of `batching` admits: its texts (max_request_text_bytes), the
+// framing of max_batch_tokens tokens (three int64 arrays of up to 10 bytes per token, and the texts'
+// own framing), and 1 MiB for the rest (job id, options, the other RPCs). At the defaults 33.6
+// MiB; at least 4 MiB. 0 (no bound beyond the message limit) when the text bytes are uncapped.
+int DefaultMaxRequestBytes(const BatchLimits& batching);
 
 class CoordinatorServer {
  public:

@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <string>
 
@@ -176,6 +177,41 @@ TEST(CoordinatorServerLimits, OversizedMessagesAndUnknownJobsAreRefused) {
   v1::SubmitJobRequest submit;  // no checkpoint
   grpc::ClientContext submit_context;
   EXPECT_EQ(stub->SubmitJob(&submit_context, submit, &job).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+// Requests are received only up to what the serving limits admit, whatever the message limit
+// answers may use (issue 21, item 4: gRPC parses a request whole before any handler sees it).
+TEST(CoordinatorServerLimits, RequestsAreReceivedOnlyUpToWhatTheServingLimitsAdmit) {
+  BatchLimits defaults;
+  EXPECT_EQ(DefaultMaxRequestBytes(defaults), (32 << 20) + 16384 * 40 + (1 << 20));
+  BatchLimits small{.max_batch_tokens = 512, .max_request_text_bytes = 1 << 20};
+  EXPECT_EQ(DefaultMaxRequestBytes(small), 4 << 20);  // the floor
+  BatchLimits uncapped{.max_request_text_bytes = 0};
+  EXPECT_EQ(DefaultMaxRequestBytes(uncapped), 0);  // the message limit then
+  BatchLimits huge{.max_batch_tokens = int64_t{1} << 40, .max_request_text_bytes = int64_t{1} << 40};
+  EXPECT_EQ(DefaultMaxRequestBytes(huge), std::numeric_limits<int>::max());
+
+  CoordinatorOptions options{.listen_address = "127.0.0.1:0", .max_message_bytes = 64 << 20};
+  options.cluster.batching.max_batch_tokens = 512;
+  options.cluster.batching.max_request_text_bytes = 1 << 20;  // receives up to 4 MiB
+  auto server = CoordinatorServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  auto stub = v1::Coordinator::NewStub(grpc::CreateCustomChannel("127.0.0.1:" + std::to_string((*server)->port()),
+                                                                 grpc::InsecureChannelCredentials(), args));
+  v1::InferRequest infer;
+  infer.set_job_id("job-x");
+  v1::InferResponse response;
+  for (const int ids : {(4 << 20) + 1, (4 << 20) - 64}) {
+    infer.mutable_tokens()->mutable_input_ids()->Resize(ids, 1);  // one byte each on the wire
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    const grpc::Status status = stub->Infer(&context, infer, &response);
+    // Over the request limit: refused before parsing; under it: read, and the job is unknown.
+    EXPECT_EQ(status.error_code(), ids > (4 << 20) ? grpc::StatusCode::RESOURCE_EXHAUSTED : grpc::StatusCode::NOT_FOUND)
+        << ids << ": " << status.error_message();
+  }
 }
 
 // With tokens: RPCs that change state need the cluster token, the others the read token (or the

@@ -5,6 +5,8 @@
 //
 // A bad flag value exits 2. SIGTERM or SIGINT: health goes NOT_SERVING, new calls are refused,
 // in-flight calls get --drain_timeout to finish, then the process exits 0.
+#include <malloc.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -76,7 +78,22 @@ ABSL_FLAG(int, max_jobs_per_client, 16,
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(24 * 7),
           "how long ended (FAILED, CANCELLED) jobs stay in the job database, listed and readable, before they are "
           "deleted (e.g. 168h, 30m; inf: kept for good). Jobs that have not ended are never deleted");
-ABSL_FLAG(int, max_message_bytes, 256 << 20, "largest request or response message, bytes");
+ABSL_FLAG(int, max_message_bytes, 256 << 20,
+          "largest message sent (answers), bytes; also the largest received unless --max_request_bytes is less");
+ABSL_FLAG(int, max_request_bytes, 0,
+          "largest request message received, bytes, refused RESOURCE_EXHAUSTED before it is parsed (0: what the "
+          "serving limits admit: --max_request_text_bytes + 40 x --max_batch_tokens + 1 MiB, at least 4 MiB; "
+          "--max_message_bytes when --max_request_text_bytes is 0)");
+ABSL_FLAG(int64_t, max_transport_memory_bytes, 0,
+          "gRPC's memory quota for reading requests, bytes: gRPC reads a message whole before it refuses it as too "
+          "large, so this bounds what any message costs (past it a request's stream is reset, RESOURCE_EXHAUSTED); "
+          "concurrent requests share it (0: 4 x the request limit, at least 64 MiB; -1: none)");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30),
+          "how often the coordinator pings each client connection (0: never); a connection whose ping is not "
+          "answered within --keepalive_timeout is closed and its calls end, so a client that stopped reading holds "
+          "no thread or answer for longer");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10),
+          "how long a keepalive ping may go unanswered before the connection is closed");
 
 namespace bertshard::server {
 namespace {
@@ -123,8 +140,23 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
   options.cluster.worker_credentials = security->peer_credentials;
   options.cluster.max_jobs_per_client = absl::GetFlag(FLAGS_max_jobs_per_client);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
-  if (options.cluster.max_jobs_per_client < 0 || options.max_message_bytes < 4096) {
-    return absl::InvalidArgumentError("--max_jobs_per_client must be >= 0 and --max_message_bytes >= 4096");
+  options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  if (options.cluster.max_jobs_per_client < 0 || options.max_message_bytes < 4096 ||
+      (options.max_request_bytes != 0 && options.max_request_bytes < 4096)) {
+    return absl::InvalidArgumentError(
+        "--max_jobs_per_client must be >= 0, --max_message_bytes >= 4096 and --max_request_bytes 0 or >= 4096");
+  }
+  options.max_transport_memory_bytes = absl::GetFlag(FLAGS_max_transport_memory_bytes);
+  if (options.max_transport_memory_bytes < -1 ||
+      (options.max_transport_memory_bytes > 0 && options.max_transport_memory_bytes < (1 << 20))) {
+    return absl::InvalidArgumentError("--max_transport_memory_bytes must be 0, -1 or at least 1 MiB");
+  }
+  options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
+  options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  if (options.keepalive_time < absl::ZeroDuration() || options.keepalive_timeout <= absl::ZeroDuration() ||
+      options.keepalive_time > absl::Hours(24 * 24) || options.keepalive_timeout > absl::Hours(24 * 24)) {
+    return absl::InvalidArgumentError(
+        "--keepalive_time must be >= 0 (0: no pings) and --keepalive_timeout positive, both under 24 days");
   }
   options.cluster.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   options.cluster.missed_heartbeats = absl::GetFlag(FLAGS_missed_heartbeats);
@@ -209,6 +241,12 @@ int RunServer(ServeOptions serve) {
 }  // namespace bertshard::server
 
 int main(int argc, char** argv) {
+  // Buffers of 256 KiB and more (requests and answers being read, parsed and sent) are mapped on
+  // their own and go back to the system when freed. glibc's default raises this threshold to the
+  // largest block freed so far, after which such buffers come from the heaps and stay there: a
+  // client that sent big requests or left big answers unread kept the coordinator at its peak
+  // after it went (issue 21, item 6).
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
   absl::SetProgramUsageMessage("bertshard coordinator: --listen=HOST:PORT [--drain_timeout=10s]");
   absl::ParseCommandLine(argc, argv);
   absl::StatusOr<bertshard::server::ServeOptions> serve = bertshard::server::ServeOptionsFromFlags();

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Static checks of deploy/docker: the CPU Dockerfile and the GPU Dockerfile.cuda (which cannot be
 built here) parse, start from debian:bookworm-slim, build the same Bazel targets (the CUDA one with
---config=cuda and a CUDA LibTorch), install the same binaries, and end in a runtime stage with a
+--config=cuda and the pinned PyTorch wheel's CUDA LibTorch), install the same binaries, and end in a runtime stage with a
 non-root user (10001), OCI labels, no compiler and no -dev package; compose.yaml starts the
 coordinator and workers with the fixed flags. Standard library only (plus `docker-compose config`
 where Debian's docker-compose is installed).
@@ -161,12 +161,49 @@ class DockerfileTest(unittest.TestCase):
         self.assertEqual(cuda_targets, cpu_targets)
         self.assertEqual(cpu_flags, set())
         self.assertEqual(cuda_flags, {"--config=cuda"})
+
+    def test_cuda_image_takes_libtorch_from_the_pinned_wheel(self):
+        """Issue 22: Dockerfile.cuda downloaded LibTorch 2.4.1 / CUDA 12.4 from download.pytorch.org
+        while everything GPU-side was built and checked against the PyTorch 2.11 / CUDA 13 wheel of
+        tools/requirements-libtorch.txt. The image must take LibTorch (and the CUDA runtime and
+        NCCL the wheel pins) from that wheel through tools/libtorch_from_wheel.sh, and install the
+        rest of CUDA for the wheel's CUDA release."""
+        cuda_path = os.path.join(DOCKER, "Dockerfile.cuda")
         text = read(cuda_path)
-        self.assertIn("BERTSHARD_LIBTORCH=/opt/libtorch", text)
-        self.assertRegex(text, r"ARG LIBTORCH_URL=https://download\.pytorch\.org/libtorch/cu\d+/libtorch-cxx11-abi-")
-        self.assertIn("COPY --from=build /opt/libtorch/lib/ /opt/libtorch/lib/", text)
-        cuda_base = [s for s in stages(cuda_path) if s.name == "cuda-base"][0]
-        self.assertTrue(any("cuda-cudart" in a and "libnccl2" in a for a in cuda_base.args("RUN")))
+        all_stages = stages(cuda_path)
+        self.assertFalse("download.pytorch.org" in text, "Dockerfile.cuda downloads LibTorch from download.pytorch.org")
+        self.assertFalse("LIBTORCH_URL" in text, "Dockerfile.cuda takes LibTorch from LIBTORCH_URL")
+        build = [s for s in all_stages if s.name == "build"][0]
+        copies = " ".join(build.args("COPY"))
+        for tool in ("tools/requirements-libtorch.txt", "tools/libtorch_from_wheel.sh"):
+            self.assertIn(tool, copies, f"the build stage does not copy {tool} before building")
+        runs = " ".join(build.args("RUN"))
+        self.assertRegex(runs, r"bash tools/libtorch_from_wheel\.sh\)")
+        self.assertIn("bash tools/libtorch_from_wheel.sh --cuda-home", runs)
+        env = " ".join(build.args("ENV"))
+        self.assertIn("BERTSHARD_LIBTORCH=/opt/libtorch-wheel/site-packages/torch", env)
+        self.assertIn("CUDA_HOME=/opt/libtorch-wheel/cuda", env)
+        # The CUDA release every stage installs is the wheel's (nvidia-cuda-runtime==13.0.x -> 13-0).
+        requirements = read(os.path.join(REPO, "tools", "requirements-libtorch.txt"))
+        runtime_version = re.search(r"^nvidia-cuda-runtime==(\d+)\.(\d+)\.", requirements, re.M)
+        self.assertIsNotNone(runtime_version, "tools/requirements-libtorch.txt pins no nvidia-cuda-runtime")
+        wanted = f"{runtime_version.group(1)}-{runtime_version.group(2)}"
+        versions = re.findall(r"^ARG CUDA_VERSION=(\S+)$", text, re.M)
+        self.assertTrue(versions, "no ARG CUDA_VERSION")
+        self.assertEqual(set(versions), {wanted}, f"CUDA_VERSION {versions} is not the wheel's CUDA {wanted}")
+        self.assertRegex(requirements, re.compile(r"^torch==2\.", re.M), "the pinned wheel is a PyTorch 2.x")
+        # What the wheel's libtorch_cuda.so loads beyond its own CUDA runtime, CUPTI and NCCL (the
+        # list tools/gpu_bundle.sh leaves to a GPU host's PyTorch) is installed in the CUDA base.
+        cuda_base = [s for s in all_stages if s.name == "cuda-base"][0]
+        packages = " ".join(cuda_base.args("RUN"))
+        for lib in ("cublas", "cufft", "curand", "cusolver", "cusparse", "nvjitlink", "nvrtc", "nvtx", "cufile",
+                    "cudnn", "cusparselt", "nvshmem"):
+            self.assertRegex(packages, rf"\b(lib)?(cuda-)?{lib}\d*-", f"the CUDA base installs no {lib}")
+        self.assertNotIn("cuda-cudart", packages, "the CUDA runtime comes from the wheel, not a second one")
+        self.assertNotIn("libnccl2", packages, "NCCL comes from the wheel, not a second one")
+        # The runtime stage holds the wheel's libraries at the paths the binaries' rpath names.
+        self.assertIn("COPY --from=build /runtime/ /opt/libtorch-wheel/site-packages/", text)
+        self.assertIn("/opt/libtorch-wheel/site-packages/nvidia/nccl/lib", text)
 
     def test_parser_sees_continuations_and_comments(self):
         s = stages(os.path.join(DOCKER, "Dockerfile"))

@@ -327,12 +327,18 @@ def check_workload(docs, overlay, workload, binaries, known_flags, tmp):
             check(claim.get("readOnly") is True and one(docs, "PersistentVolumeClaim", claim.get("claimName", "")),
                   f"{where}: /models is not a read-only PersistentVolumeClaim of these manifests")
 
-        # GPUs: only in the gpu overlay, and there on every worker.
+        # GPUs: only in the gpu overlay, and there on every worker, which must also run on it
+        # (--device=cuda:0; the default, cpu, registers it as a CPU worker and no nccl job is placed
+        # on it). Elsewhere the device is the default or cpu.
         gpus = [res.get(part, {}).get(GPU) for part in ("requests", "limits") if GPU in res.get(part, {})]
+        device = values.get("device", "cpu")
         if overlay == "gpu" and role == "worker":
             check(int(res.get("limits", {}).get(GPU, 0)) >= 1, f"{where}: no {GPU} limit in the gpu overlay")
+            check(device == "cuda:0", f"{where}: --device is {device!r}, not cuda:0, in the gpu overlay")
+            check(c.get("image", "").startswith("bertshard-cuda"), f"{where}: image {c.get('image')} is not bertshard-cuda")
         else:
             check(not gpus, f"{where}: {GPU} set in the {overlay} overlay")
+            check(role != "worker" or device == "cpu", f"{where}: --device is {device!r} in the {overlay} overlay")
     return results
 
 

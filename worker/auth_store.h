@@ -87,6 +87,11 @@ struct AuthStoreServerOptions {
   std::string secret;
   std::chrono::milliseconds max_wait{120000};  // the longest any get or wait may last
   std::chrono::milliseconds handshake_timeout{3000};
+  // Once a request's first byte is in, the rest must arrive within this, and the answer must be
+  // taken within it: a client that stops halfway holds its thread no longer. Between requests a
+  // connection may stay idle for good (a rank between collectives; a lost connection breaks the
+  // store for that rank).
+  std::chrono::milliseconds request_timeout{30000};
   int max_pending = 64;   // connections still in the handshake; a new one drops the oldest
   int max_clients = 512;  // authenticated connections; one more is told kBusy and closed
   AuthStoreLimits limits;

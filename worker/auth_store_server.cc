@@ -27,9 +27,6 @@ namespace {
 using wire::Clock;
 
 constexpr int64_t kEntryOverheadBytes = 64;
-// A request, once its first byte is in, must arrive whole within this: a client that stops halfway
-// holds its thread no longer.
-constexpr auto kRequestTimeout = std::chrono::seconds(30);
 
 int64_t EntryBytes(const std::string& key, const std::string& value) {
   return static_cast<int64_t>(key.size() + value.size()) + kEntryOverheadBytes;
@@ -272,11 +269,12 @@ void AuthStoreServer::Serve(Connection* c) {
     while (true) {
       // Idle for as long as the client likes (a rank between collectives); the destructor's
       // shutdown() ends the wait.
-      absl::StatusOr<wire::Frame> request = wire::ReadFrame(c->fd, max_body, Clock::time_point::max(), kRequestTimeout);
+      absl::StatusOr<wire::Frame> request =
+          wire::ReadFrame(c->fd, max_body, Clock::time_point::max(), options_.request_timeout);
       // A frame over the bound is not read: the connection goes, and the bytes with it.
       if (!request.ok()) break;
       const wire::Frame answer = Handle(*request, c);
-      if (!wire::WriteFrame(c->fd, answer, Clock::now() + kRequestTimeout).ok()) break;
+      if (!wire::WriteFrame(c->fd, answer, Clock::now() + options_.request_timeout).ok()) break;
     }
     absl::MutexLock lock(&mu_);
     --clients_;

@@ -233,19 +233,29 @@ TEST(AuthStore, OversizedKeysAndValuesAreRefusedAndTheConnectionKeepsWorking) {
 
 // A member that announces a frame larger than any request may be is cut off before the server
 // reads (or allocates) it.
-TEST(AuthStore, AnOversizedFrameClosesTheConnectionUnread) {
-  auto host = Host();
-  const int fd = RawConnect(host->getPort());
-  ASSERT_GE(fd, 0);
+// A raw connection to 127.0.0.1:port that has passed the handshake with kSecret; -1 if it did not.
+int RawAuthenticated(int port) {
+  const int fd = RawConnect(port);
+  if (fd < 0) return -1;
   const auto deadline = Clock::now() + seconds(5);
   absl::StatusOr<std::string> hello = wire::ReadExactly(fd, wire::kServerHelloBytes, deadline);
-  ASSERT_TRUE(hello.ok()) << hello.status();
   const std::string client_nonce(wire::kNonceBytes, 'n');
-  const std::string proof = wire::HandshakeMac(kSecret, "client", hello->substr(8), client_nonce);
-  ASSERT_TRUE(wire::WriteAll(fd, std::string(wire::kClientMagic) + client_nonce + proof, deadline).ok());
-  absl::StatusOr<std::string> verdict = wire::ReadExactly(fd, 1 + wire::kMacBytes, deadline);
-  ASSERT_TRUE(verdict.ok()) << verdict.status();
-  ASSERT_EQ((*verdict)[0], wire::kAccepted);
+  if (hello.ok()) {
+    const std::string proof = wire::HandshakeMac(kSecret, "client", hello->substr(8), client_nonce);
+    if (wire::WriteAll(fd, std::string(wire::kClientMagic) + client_nonce + proof, deadline).ok()) {
+      absl::StatusOr<std::string> verdict = wire::ReadExactly(fd, 1 + wire::kMacBytes, deadline);
+      if (verdict.ok() && (*verdict)[0] == wire::kAccepted) return fd;
+    }
+  }
+  close(fd);
+  return -1;
+}
+
+TEST(AuthStore, AnOversizedFrameClosesTheConnectionUnread) {
+  auto host = Host();
+  const int fd = RawAuthenticated(host->getPort());
+  ASSERT_GE(fd, 0);
+  const auto deadline = Clock::now() + seconds(5);
   const uint32_t huge = 1u << 30;
   ASSERT_TRUE(wire::WriteAll(fd, std::string(reinterpret_cast<const char*>(&huge), 4), deadline).ok());
   EXPECT_EQ(ReadUntilClosed(fd), "");
@@ -266,6 +276,73 @@ TEST(AuthStore, AHandshakeThatNeverComesFreesItsSlot) {
   close(silent);
   auto client = Join(host->getPort());
   EXPECT_TRUE(client.ok()) << client.status();
+}
+
+// The request timeout (AuthStoreServerOptions::request_timeout, 30 s by default, 300 ms here) bounds
+// a request once it has started, never the idle time before it: a connection that stops halfway
+// through a request is dropped after it, and so is one that never authenticates (after the
+// handshake timeout); an authenticated connection idle for 3 timeouts, whose next request then
+// arrives in pieces, is served (it was dropped: the deadline was taken before the idle wait); and
+// a busy one (a get waiting longer than the timeout, then request after request) is kept.
+TEST(AuthStore, TheRequestTimeoutDropsStalledAndUnauthenticatedConnectionsNotIdleOrBusyOnes) {
+  const milliseconds timeout(300);
+  auto host = Host({.handshake_timeout = timeout, .request_timeout = timeout});
+  const int port = host->getPort();
+  wire::Frame num_keys;
+  num_keys.code = wire::kNumKeys;
+  const std::string request = wire::EncodeFrame(num_keys);
+  const auto answered = [](int fd) {
+    absl::StatusOr<wire::Frame> answer = wire::ReadFrame(fd, 1 << 20, Clock::now() + seconds(5), seconds(5));
+    return answer.ok() && answer->code == wire::kOk;
+  };
+
+  // Unauthenticated and silent: dropped after the handshake timeout.
+  const auto start = Clock::now();
+  const int stranger = RawConnect(port);
+  ASSERT_GE(stranger, 0);
+  EXPECT_EQ(ReadUntilClosed(stranger).size(), wire::kServerHelloBytes);  // the greeting, then closed
+  EXPECT_GE(Clock::now() - start, milliseconds(250));
+  EXPECT_LT(Clock::now() - start, seconds(5));
+  close(stranger);
+
+  // Authenticated, then three bytes of a request and nothing more: dropped after the timeout.
+  const int stalled = RawAuthenticated(port);
+  ASSERT_GE(stalled, 0);
+  ASSERT_TRUE(wire::WriteAll(stalled, request.substr(0, 3), Clock::now() + seconds(5)).ok());
+  const auto stalled_at = Clock::now();
+  EXPECT_EQ(ReadUntilClosed(stalled), "");
+  EXPECT_GE(Clock::now() - stalled_at, milliseconds(250));
+  EXPECT_LT(Clock::now() - stalled_at, seconds(5));
+  EXPECT_EQ(host->server().stats().clients, 0);  // its end, not ours: the socket is still open here
+  close(stalled);
+
+  // Authenticated and idle for three timeouts (the idle time is what is tested), then a request
+  // in two pieces 100 ms apart: served, and the connection goes on.
+  const int idle = RawAuthenticated(port);
+  ASSERT_GE(idle, 0);
+  std::this_thread::sleep_for(3 * timeout);
+  ASSERT_TRUE(wire::WriteAll(idle, request.substr(0, 2), Clock::now() + seconds(5)).ok());
+  std::this_thread::sleep_for(milliseconds(100));
+  ASSERT_TRUE(wire::WriteAll(idle, request.substr(2), Clock::now() + seconds(5)).ok());
+  EXPECT_TRUE(answered(idle)) << "an idle connection's late request was not served";
+  ASSERT_TRUE(wire::WriteAll(idle, request, Clock::now() + seconds(5)).ok());
+  EXPECT_TRUE(answered(idle));
+  close(idle);
+
+  // Busy: a get that waits 3 timeouts for its key, then requests back to back for 3 timeouts.
+  auto client = Join(port);
+  ASSERT_TRUE(client.ok()) << client.status();
+  std::thread setter([&] {
+    std::this_thread::sleep_for(3 * timeout);  // the wait being longer than the timeout is the point
+    host->set("late", Bytes("v"));
+  });
+  EXPECT_EQ((*client)->get("late"), Bytes("v"));
+  setter.join();
+  for (const auto end = Clock::now() + 3 * timeout; Clock::now() < end;) {
+    EXPECT_TRUE(Thrown([&] { (*client)->add("count", 1); }).ok());
+  }
+  EXPECT_TRUE(Thrown([&] { (*client)->getNumKeys(); }).ok());
+  EXPECT_TRUE(Eventually([&] { return host->server().stats().clients == 1; })) << host->server().stats().clients;
 }
 
 // Strangers that open connections and say nothing cannot keep a rank out: each new connection
