@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -147,10 +148,12 @@ absl::StatusOr<StartedServer> StartServer(const std::string& address, const std:
     builder.SetResourceQuota(quota);
   }
   if (transport.keepalive_time > absl::ZeroDuration()) {
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
-                               static_cast<int>(absl::ToInt64Milliseconds(transport.keepalive_time)));
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-                               static_cast<int>(absl::ToInt64Milliseconds(transport.keepalive_timeout)));
+    // gRPC takes int milliseconds and falls back to its 2 h default on 0 or a negative value.
+    const auto ms = [](absl::Duration d) {
+      return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, INT_MAX));
+    };
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ms(transport.keepalive_time));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(transport.keepalive_timeout));
   }
   for (grpc::Service* service : services) builder.RegisterService(service);
   if (!interceptors.empty()) builder.experimental().SetInterceptorCreators(std::move(interceptors));

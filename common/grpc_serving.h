@@ -50,11 +50,14 @@ struct ServerTransport {
   // message whole before it checks it against max_receive_bytes, so without a quota a message of
   // any size (up to 4 GiB) is held before it is refused; with one, once the connections' read
   // buffers reach it, a stream is reset (RESOURCE_EXHAUSTED, "RST_STREAM with error code 11") and
-  // its bytes dropped. Make it several times max_receive_bytes: concurrent requests share it.
+  // its bytes dropped. The stream gRPC picks may be another connection's than the largest
+  // sender's: the quota trades an out-of-memory kill for a reset call. Make it several times
+  // max_receive_bytes: concurrent requests share it.
   int64_t max_transport_memory_bytes = 0;
-  // HTTP/2 keepalive: every `keepalive_time` the server pings each connection, and closes one whose
-  // ping is not answered within `keepalive_timeout` (a client process stopped or gone without a
-  // FIN), ending its calls. Zero: no pings.
+  // HTTP/2 keepalive: every `keepalive_time` the server pings each connection with calls in flight
+  // (gRPC's default: none without calls), and closes one whose ping is not answered within
+  // `keepalive_timeout` (a client process stopped or gone without a FIN), ending its calls. Zero:
+  // no pings. Durations are clamped to [1 ms, INT_MAX ms].
   absl::Duration keepalive_time = absl::ZeroDuration();
   absl::Duration keepalive_timeout = absl::Seconds(20);
 };

@@ -277,6 +277,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(cons
   transport.max_transport_memory_bytes = options.max_transport_memory_bytes != 0
                                              ? std::max<int64_t>(options.max_transport_memory_bytes, 0)
                                              : std::max<int64_t>(4 * received, 64 << 20);
+  if (transport.max_transport_memory_bytes > 0 && transport.max_transport_memory_bytes < 2 * received) {
+    // Below that, a request the receive limit admits would be reset whenever it came.
+    return absl::InvalidArgumentError(absl::StrCat("the transport memory quota (", transport.max_transport_memory_bytes,
+                                                   " bytes) must be at least twice the largest request received (",
+                                                   received, " bytes), or -1 for none"));
+  }
   ASSIGN_OR_RETURN(common::StartedServer started,
                    common::StartServer(options.listen_address, {service.get()}, options.max_message_bytes,
                                        options.metrics, options.server_credentials, transport));

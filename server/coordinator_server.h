@@ -48,7 +48,7 @@ struct CoordinatorOptions {
   // stopped process) holds each of its calls' threads and answers until its connection closes; a
   // ping unanswered for keepalive_timeout closes it. Zero keepalive_time: no pings.
   absl::Duration keepalive_time = absl::Seconds(30);
-  absl::Duration keepalive_timeout = absl::Seconds(10);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
   ClusterOptions cluster;
   // Optional, not owned, must outlive the server: gets the per-call gRPC metrics and the
   // coordinator's own (bertshard_coordinator_jobs{state}, bertshard_coordinator_workers{health}).

@@ -86,14 +86,16 @@ ABSL_FLAG(int, max_request_bytes, 0,
           "--max_message_bytes when --max_request_text_bytes is 0)");
 ABSL_FLAG(int64_t, max_transport_memory_bytes, 0,
           "gRPC's memory quota for reading requests, bytes: gRPC reads a message whole before it refuses it as too "
-          "large, so this bounds what any message costs (past it a request's stream is reset, RESOURCE_EXHAUSTED); "
-          "concurrent requests share it (0: 4 x the request limit, at least 64 MiB; -1: none)");
+          "large, so this bounds what the connections' read buffers hold together (past it gRPC resets a stream, "
+          "RESOURCE_EXHAUSTED, which may be another connection's than the largest sender's); at least twice the "
+          "request limit (0: 4 x the request limit, at least 64 MiB; -1: none)");
 ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30),
-          "how often the coordinator pings each client connection (0: never); a connection whose ping is not "
-          "answered within --keepalive_timeout is closed and its calls end, so a client that stopped reading holds "
-          "no thread or answer for longer");
-ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(10),
-          "how long a keepalive ping may go unanswered before the connection is closed");
+          "how often the coordinator pings each client connection that has calls in flight (0: never); one whose "
+          "ping is not answered within --keepalive_timeout is closed and its calls end, so a client that stopped "
+          "reading holds no thread or answer for longer");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(20),
+          "how long a keepalive ping may go unanswered before the connection is closed (the ping waits behind the "
+          "answer bytes already sent: too short cuts off slow, healthy clients downloading large answers)");
 
 namespace bertshard::server {
 namespace {

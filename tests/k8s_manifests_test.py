@@ -480,6 +480,7 @@ def main():
     binaries = {"coordinator": os.path.abspath(args.coordinator), "worker": os.path.abspath(args.worker)}
     known_flags = {role: binary_flags(path) for role, path in binaries.items()}
 
+    worker_args = {}  # overlay -> the worker container's args, as first rendered
     for overlay in OVERLAYS:
         renders = {}
         for kubectl in args.kubectls:
@@ -497,6 +498,11 @@ def main():
                 print(f"  kubernetes-validate --strict ({KUBERNETES_VERSION}): all valid")
             checkov(args.venv, path, tmp)
             check_overlay(overlay, docs, binaries, known_flags, tmp)
+            for d in docs:
+                if d.get("kind") == "StatefulSet":
+                    for c in d["spec"]["template"]["spec"].get("containers", []):
+                        if c.get("name") == "worker":
+                            worker_args.setdefault(overlay, c.get("args", []))
         if renders:
             first = args.kubectls[0]
             for kubectl, docs in renders.items():
@@ -505,6 +511,12 @@ def main():
                     diff = "\n".join(difflib.unified_diff("\n".join(normalized(renders[first])).splitlines(),
                                                           "\n".join(normalized(docs)).splitlines(), first, kubectl, lineterm=""))
                     error(f"{overlay}: {kubectl} renders differently from {first}:\n{diff[:5000]}")
+    # An overlay that sets the worker's args replaces the base's list whole (a strategic merge of a
+    # list of strings): each must keep every arg the cpu overlay (the base's) has, so that an arg
+    # added to the base later is not silently dropped there.
+    for overlay, got in worker_args.items():
+        missing = [a for a in worker_args.get("cpu", []) if a not in got]
+        check(not missing, f"{overlay}: the worker's args lack the base's {missing}")
     some = next(iter(renders.values()), None) if renders else None
     if some:
         validator_guard(args.venv, tmp, some)

@@ -156,10 +156,12 @@ TEST_F(StalledClientTest, AStoppedFlooderNeitherStarvesAnotherClientNorKeepsItsM
 
   // The other client: answered within its deadline while the flood is queued and its answers
   // wait for a reader that is gone.
+  // Read before the Embed: with nothing of the flood left to wait behind, the Embed would show nothing.
+  const int64_t depth_at_embed = QueueDepth();
+  ASSERT_GT(depth_at_embed, 0) << "the flood was answered before the other client's Embed was sent";
   absl::Duration took;
   const grpc::Status embedded = EmbedOneSentence(&took);
   EXPECT_TRUE(embedded.ok()) << embedded.error_code() << ": " << embedded.error_message();
-  const int64_t depth_at_embed = QueueDepth();
 
   // Every call the coordinator took from the flood is answered (or refused): what is left waits
   // in gRPC for the stopped reader.
