@@ -117,11 +117,17 @@ std::vector<WorkerStub> WorkerPool::Release(const std::string& job_id) {
   return holding;
 }
 
+void WorkerPool::SetUnloading(const std::string& worker_id, bool unloading) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it != workers_.end()) it->second.unloading = unloading;
+}
+
 std::vector<IdleWorker> WorkerPool::Idle() const {
   absl::MutexLock lock(&mu_);
   std::vector<IdleWorker> idle;
   for (const auto& [id, w] : workers_) {
-    if (w.info.healthy() && w.info.job_id().empty()) {
+    if (w.info.healthy() && w.info.job_id().empty() && !w.unloading) {
       idle.push_back({id, w.info.address(), w.info.device(), w.info.gpu_bus_id()});
     }
   }
