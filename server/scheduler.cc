@@ -468,14 +468,18 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
       },
       [&](size_t /*rank*/, const absl::Status& failure) {
         absl::MutexLock lock(&mu_);
-        // Stopping: see LoadContexts. A late failure of a group already lost changes nothing.
-        if (stopping_ || load.runtime->ended || load.runtime->group.generation != load.generation) return;
+        // Stopping: see LoadContexts.
+        if (stopping_ || load.runtime->ended) return;
         if (LoadCanNeverSucceed(failure)) {
-          // The checkpoint or the request is wrong: no other workers would load it.
+          // The checkpoint or the request is wrong: no other workers would load it. So even when
+          // another rank's failure of this load lost the group first (its placement is gone), the
+          // job ends here rather than loading again to the same refusal.
           FailJobLocked(load.job_id, std::string(failure.message()));
           return;
         }
-        LoseGroupLocked(load.job_id, load.generation, std::string(failure.message()));
+        const absl::optional<absl::Cord> unreachable = failure.GetPayload(kUnreachableWorkerPayload);
+        LoseGroupLocked(load.job_id, load.generation, std::string(failure.message()),  // late: nothing
+                        unreachable.has_value() ? std::string(*unreachable) : "");
       });
 }
 
@@ -599,7 +603,8 @@ void Scheduler::MarkUnloadingLocked(const std::string& worker_id,
   // Only the shards of jobs that run here matter: those may be placed on this worker again.
   bool live = false;
   for (const std::string& job_id : unload) live |= runtimes_.count(job_id) > 0;
-  pool_->SetUnloading(worker_id, live);
+  // Done unloading: it may take a waiting job now (nothing else would schedule then).
+  if (pool_->SetUnloading(worker_id, live) && !live) ScheduleLocked();
 }
 
 std::shared_ptr<JobServing> Scheduler::CloseServingLocked(JobRuntime& runtime, const std::string& why) {

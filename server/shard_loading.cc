@@ -49,9 +49,14 @@ bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRe
         return;
       }
       const UnreachableRank down = FindUnreachableRank(ranks);
-      on_failure(r, down.rank >= 0 ? absl::UnavailableError(down.cause)
-                                   : absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                                                  absl::StrCat(rank, status.error_message())));
+      if (down.rank < 0) {
+        on_failure(r, absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                                   absl::StrCat(rank, status.error_message())));
+        return;
+      }
+      absl::Status lost = absl::UnavailableError(down.cause);
+      lost.SetPayload(kUnreachableWorkerPayload, absl::Cord(ranks[static_cast<size_t>(down.rank)].worker_id));
+      on_failure(r, lost);
     });
   }
   for (auto& t : threads) t.join();

@@ -44,7 +44,9 @@ absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::
 // `on_progress(rank, progress)` for every message; `on_failure(rank, failure)` once per failed rank,
 // the failure's message naming the worker and rank ("... cancelled" when its context was
 // cancelled), its code the worker's (UNAVAILABLE when a worker of the job does not answer its
-// health check: then that worker is named, Blame). True when every rank loaded.
+// health check: then that worker is named, Blame, and its id is the failure's
+// kUnreachableWorkerPayload). True when every rank loaded.
+inline constexpr char kUnreachableWorkerPayload[] = "bertshard.dev/unreachable-worker";
 bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRequest& request,
                        const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts,
                        const std::function<void(size_t rank, const v1::LoadProgress&)>& on_progress,

@@ -33,6 +33,7 @@ struct Reported {
   std::map<size_t, int> progress ABSL_GUARDED_BY(mu);
   std::map<size_t, std::string> causes ABSL_GUARDED_BY(mu);
   std::map<size_t, absl::StatusCode> codes ABSL_GUARDED_BY(mu);
+  std::map<size_t, std::string> unreachable ABSL_GUARDED_BY(mu);  // kUnreachableWorkerPayload
 };
 
 bool Load(const std::vector<RankStub>& ranks, Reported* reported,
@@ -51,6 +52,8 @@ bool Load(const std::vector<RankStub>& ranks, Reported* reported,
         absl::MutexLock lock(&reported->mu);
         reported->causes[rank] = std::string(failure.message());
         reported->codes[rank] = failure.code();
+        const absl::optional<absl::Cord> unreachable = failure.GetPayload(kUnreachableWorkerPayload);
+        if (unreachable.has_value()) reported->unreachable[rank] = std::string(*unreachable);
       });
 }
 
@@ -90,6 +93,7 @@ TEST(LoadShardsOnRanks, FailuresAreBlamedOnTheWorkerThatNoLongerAnswers) {
     absl::MutexLock lock(&alive.mu);
     EXPECT_EQ(alive.causes, (std::map<size_t, std::string>{{0, "worker w0 (rank 0): the disk is on fire"}}));
     EXPECT_EQ(alive.codes[0], absl::StatusCode::kInternal);  // the worker's own code
+    EXPECT_TRUE(alive.unreachable.empty());
   }
   Reported dead;
   EXPECT_FALSE(Load({Rank("w0", failing.Address()), Rank("w1", kNobody)}, &dead));
@@ -99,6 +103,7 @@ TEST(LoadShardsOnRanks, FailuresAreBlamedOnTheWorkerThatNoLongerAnswers) {
     EXPECT_EQ(cause.rfind(std::string("worker w1 (rank 1) at ") + kNobody + " is unreachable: ", 0), 0u)
         << "rank " << rank << ": " << cause;
     EXPECT_EQ(dead.codes[rank], absl::StatusCode::kUnavailable);  // a lost worker: worth placing again
+    EXPECT_EQ(dead.unreachable[rank], "w1");
   }
 }
 

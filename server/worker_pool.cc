@@ -117,10 +117,13 @@ std::vector<WorkerStub> WorkerPool::Release(const std::string& job_id) {
   return holding;
 }
 
-void WorkerPool::SetUnloading(const std::string& worker_id, bool unloading) {
+bool WorkerPool::SetUnloading(const std::string& worker_id, bool unloading) {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(worker_id);
-  if (it != workers_.end()) it->second.unloading = unloading;
+  if (it == workers_.end()) return false;
+  const bool was = it->second.unloading;
+  it->second.unloading = unloading;
+  return was;
 }
 
 std::vector<IdleWorker> WorkerPool::Idle() const {

@@ -91,8 +91,8 @@ class WorkerPool {
   // While a worker drops the shard of a job it no longer serves, it is kept out of placement: a job
   // placed again on that worker would otherwise have its new shard's load race the old one's
   // unload (ALREADY_EXISTS, or the new shard dropped). Cleared with false, or by a new entry for
-  // its address. Unknown ids are ignored.
-  void SetUnloading(const std::string& worker_id, bool unloading) ABSL_LOCKS_EXCLUDED(mu_);
+  // its address. Unknown ids are ignored. Returns whether it was unloading before.
+  bool SetUnloading(const std::string& worker_id, bool unloading) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The healthy workers without a job and not unloading (SetUnloading), in id order, with their devices (for
   // PlaceRanks).

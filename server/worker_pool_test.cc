@@ -137,7 +137,8 @@ TEST_F(WorkerPoolTest, AnUnloadingWorkerIsNotIdleUntilItsUnloadEnds) {
   const v1::WorkerInfo b = Add(9002);
   pool_.SetUnloading(a.worker_id(), true);
   EXPECT_EQ(Ids(pool_.Idle()), std::vector<std::string>{b.worker_id()});
-  pool_.SetUnloading(a.worker_id(), false);
+  EXPECT_TRUE(pool_.SetUnloading(a.worker_id(), false));  // it was
+  EXPECT_FALSE(pool_.SetUnloading(a.worker_id(), false));
   EXPECT_EQ(Ids(pool_.Idle()), (std::vector<std::string>{a.worker_id(), b.worker_id()}));
   pool_.SetUnloading(b.worker_id(), true);
   pool_.SetUnloading("no-such-worker", true);
