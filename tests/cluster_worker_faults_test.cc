@@ -47,6 +47,15 @@ TEST_F(Cluster, KilledWorkersJobWaitsToBePlacedAgainAndCoordinatorRestartKeepsJo
   EXPECT_NE(lost.degraded().find(victim_id), std::string::npos) << lost.DebugString();
   EXPECT_NE(RecoveryReason(lost).find("rank 3"), std::string::npos) << lost.DebugString();
   EXPECT_EQ(lost.restarts(), 1);
+  // shardctl says it too: `jobs` in its detail, `job` in the degraded field.
+  const std::string server = "--server=127.0.0.1:" + std::to_string(port_);
+  const testing::Cli listed = testing::Shardctl({"jobs", server});
+  EXPECT_EQ(listed.exit_code, 0) << listed.output;
+  EXPECT_NE(listed.output.find("recovering: lost worker " + victim_id), std::string::npos) << listed.output;
+  const testing::Cli shown = testing::Shardctl({"job", server, job.id()});
+  EXPECT_EQ(shown.exit_code, 0) << shown.output;
+  EXPECT_NE(shown.output.find("degraded"), std::string::npos) << shown.output;
+  EXPECT_NE(shown.output.find("lost worker " + victim_id), std::string::npos) << shown.output;
   EXPECT_TRUE(WaitForWorkers(3));  // the survivors are idle again
   // Within 3 1/4 heartbeat intervals of its last heartbeat the coordinator marks it dead.
   bool dead = false;
