@@ -1,9 +1,10 @@
 // File: server/scheduler.h
 // -----------------------------------------------------------------------------
 // The coordinator's jobs: admission (SubmitJob), placement of their ranks on idle workers
-// (placement.h), loading with progress (shard_loading.h), failing and cancelling them, re-adoption
-// after a restart (job_recovery.h, readoption.h), and what a worker's arrival, departure or
-// silence means for its job. Jobs persist in a JobStore; the workers are a WorkerPool's.
+// (placement.h), loading with progress (shard_loading.h), losing a job's group and placing it
+// again (group_restarts.h), failing and cancelling them, re-adoption after a restart
+// (job_recovery.h, readoption.h), and what a worker's arrival, departure or silence means for its
+// job. Jobs persist in a JobStore; the workers are a WorkerPool's.
 // Cluster (cluster.h) is the front that the gRPC layer talks to; the rules users see are there.
 //
 // Example:
@@ -11,10 +12,11 @@
 //   ASSIGN_OR_RETURN(auto scheduler, Scheduler::Create(options, std::move(store), &pool));
 //   ASSIGN_OR_RETURN(v1::Job job, scheduler->SubmitJob(request, "host:10.0.0.1"));
 //   scheduler->RegisterWorker(worker);  // placed and loading once enough workers are idle
-//   ASSIGN_OR_RETURN(ForwardTarget next, scheduler->NextForward(job.id()));  // a READY job's ranks
+//   ASSIGN_OR_RETURN(ForwardTarget next, scheduler->NextForward(job.id(), deadline));  // its ranks
 //
 // Failure model: as cluster.h says. A write the job store refuses is said on stderr (once per
-// distinct failure); a job the store cannot follow into LOADING or READY fails; a placement the
+// distinct failure); a job the store cannot follow into LOADING, READY or back to PENDING (a lost
+// group) fails; a placement the
 // store refuses is retried by the monitor every quarter heartbeat interval.
 //
 // Thread safety: thread-safe. One lock (mu_) guards the jobs' runtimes, the index of PENDING jobs
