@@ -243,6 +243,39 @@ TEST_F(ClusterRestart, PlacesAgainAfterTheGracePeriodNamingTheMissingRank) {
             "not come back within 300ms (restart 1 of at most 10)");
 }
 
+// A job stored while it recovered from a lost group (PENDING, "recovering: ...") recovers again
+// after a coordinator restart: Job.degraded says what was lost, and requests wait for the group.
+TEST_F(ClusterRestart, AJobRecoveringFromALostGroupStillSaysSoAfterARestart) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  {
+    auto store = jobs::JobStore::Open(path_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)
+                    ->Transition("job-1", v1::PENDING,
+                                 "recovering: lost worker w-1 (rank 1) at 127.0.0.1:10 stopped heartbeating (silent "
+                                 "for 3.2s) (restart 2 of at most 10); waiting for 4 healthy idle CPU workers (gloo); "
+                                 "0 are free")
+                    .ok());
+  }
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::PENDING);
+  EXPECT_EQ(
+      job.degraded(),
+      "lost worker w-1 (rank 1) at 127.0.0.1:10 stopped heartbeating (silent for 3.2s) (restart 1 of at most 10)");
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.pending_reason().rfind("recovering: lost worker w-1 (rank 1)", 0), 0u) << job.pending_reason();
+  // Requests queue for the group (UNAVAILABLE once their deadline is near), not refused as PENDING.
+  v1::InferRequest infer;
+  infer.set_job_id("job-1");
+  infer.mutable_tokens()->set_rows(1);
+  infer.mutable_tokens()->set_seq(1);
+  infer.mutable_tokens()->add_input_ids(101);
+  const absl::Status waited = cluster_->Infer(infer, absl::Now() + absl::Milliseconds(500)).status();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
+  EXPECT_NE(waited.message().find("has no group serving"), std::string::npos) << waited;
+}
+
 TEST_F(ClusterRestart, PutsPlannedJobsBackToPending) {
   ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::PLANNED));
   ASSERT_NO_FATAL_FAILURE(Start());

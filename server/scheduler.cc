@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/fault_point.h"
 #include "common/grpc_auth.h"
@@ -70,6 +71,7 @@ absl::Status Scheduler::RecoverJobsLocked() {
     runtime->backend = std::move(job.backend);
     runtime->submitted_by = job.job.submitted_by();
     runtime->pending_note = std::move(job.pending_note);
+    if (job.job.state() == v1::PENDING) ResumeRecoveryLocked(job.job.pending_reason(), *runtime);
     runtime->recovery = std::move(job.recovery);
     if (runtime->recovery != nullptr)
       runtime->group.rank_workers.assign(static_cast<size_t>(runtime->plan.world_size()), "");
@@ -77,6 +79,18 @@ absl::Status Scheduler::RecoverJobsLocked() {
     runtimes_[job.job.id()] = std::move(runtime);
   }
   return absl::OkStatus();
+}
+
+void Scheduler::ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime) {
+  // The reason LoseGroupLocked stored: "recovering: lost CAUSE (restart K of at most N)", then
+  // "; " and what it waited for. The cause may hold parentheses; the restart count is the last.
+  constexpr absl::string_view kPrefix = "recovering: lost ";
+  if (!absl::StartsWith(stored_reason, kPrefix)) return;
+  const size_t count = stored_reason.rfind(" (restart ");
+  if (count == std::string::npos || count < kPrefix.size()) return;
+  const std::string cause = stored_reason.substr(kPrefix.size(), count - kPrefix.size());
+  runtime.group.restarts.Lost(cause, absl::Now());  // the count starts again here
+  runtime.pending_note = absl::StrCat("recovering: ", runtime.group.restarts.Describe());
 }
 
 v1::RegisterWorkerResponse Scheduler::RegisterWorker(const v1::RegisterWorkerRequest& request) {

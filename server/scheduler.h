@@ -173,6 +173,9 @@ class Scheduler final : public ForwardTargets {
   // Builds the runtimes of the stored jobs (RecoverStoredJobs). Called once, before any worker
   // registers.
   absl::Status RecoverJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A PENDING job stored while it recovered from a lost group (its reason says so) recovers again
+  // here: Job.degraded and its requests' waiting hold across a coordinator restart.
+  void ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What the entry a worker replaced (it registers again from its address) means for its job: a
   // recovering job forgets its reports; a job it still holds unbroken is kept (returned: job and
   // rank, for the new entry); any other fails.

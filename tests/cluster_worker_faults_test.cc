@@ -86,6 +86,7 @@ TEST_F(Cluster, KilledWorkersJobWaitsToBePlacedAgainAndCoordinatorRestartKeepsJo
   ASSERT_EQ(jobs.jobs_size(), 2);
   EXPECT_EQ(jobs.jobs(0).id(), job.id());
   EXPECT_EQ(jobs.jobs(0).state(), v1::PENDING);  // still waiting to be placed again
+  EXPECT_NE(jobs.jobs(0).degraded().find("lost worker " + victim_id), std::string::npos) << jobs.jobs(0).DebugString();
   EXPECT_NE(RecoveryReason(jobs.jobs(0)).find(victim_id), std::string::npos) << jobs.jobs(0).DebugString();
   EXPECT_EQ(jobs.jobs(1).state(), v1::PENDING);
   EXPECT_TRUE(WaitForWorkers(3)) << ReadAll(data_dir_ + ".log") << ReadAll(WorkerLog(0)) << ReadAll(WorkerLog(1))
