@@ -74,7 +74,9 @@ bool TransitionAllowed(v1::JobState from, v1::JobState to) {
     case v1::PLANNED:
       return to == v1::LOADING || to == v1::PENDING;
     case v1::LOADING:
-      return to == v1::READY;
+      return to == v1::READY || to == v1::PENDING;  // PENDING: a worker lost while loading
+    case v1::READY:
+      return to == v1::PENDING;  // a worker lost: placed and loaded again
     default:
       return false;
   }

@@ -12,6 +12,7 @@
 //
 //   PENDING -> PLANNED -> LOADING -> READY        any non-terminal -> FAILED | CANCELLED
 //   PLANNED -> PENDING (workers lost before loading)
+//   LOADING, READY -> PENDING (a worker lost: the job is placed and loaded again)
 //
 // Example:
 //   ASSIGN_OR_RETURN(auto store, JobStore::Open("/var/lib/bertshard/jobs.db"));

@@ -87,6 +87,25 @@ TEST(JobStore, EnforcesTheLifeCycle) {
   EXPECT_FALSE(TransitionAllowed(v1::LOADING, v1::LOADING));
 }
 
+// A job that lost a worker is placed and loaded again: READY and LOADING go back to PENDING, with
+// the loss as the pending reason and in the history.
+TEST(JobStore, ReadyAndLoadingJobsGoBackToPendingWhenAWorkerIsLost) {
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
+  for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY}) ASSERT_TRUE((*store)->Transition("j", s, "").ok());
+  auto pending = (*store)->Transition("j", v1::PENDING, "recovering: worker w1 (rank 0) stopped heartbeating");
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(pending->pending_reason(), "recovering: worker w1 (rank 0) stopped heartbeating");
+  EXPECT_EQ(pending->history(pending->history_size() - 1).state(), v1::PENDING);
+  for (v1::JobState s : {v1::PLANNED, v1::LOADING}) ASSERT_TRUE((*store)->Transition("j", s, "").ok());
+  EXPECT_TRUE((*store)->Transition("j", v1::PENDING, "lost while loading").ok());
+  EXPECT_TRUE(TransitionAllowed(v1::READY, v1::PENDING));
+  EXPECT_TRUE(TransitionAllowed(v1::LOADING, v1::PENDING));
+  EXPECT_FALSE(TransitionAllowed(v1::READY, v1::LOADING));
+  EXPECT_FALSE(TransitionAllowed(v1::FAILED, v1::PENDING));
+}
+
 // The scheduler rewrites why a PENDING job waits as the pool changes; only while it is PENDING.
 TEST(JobStore, RewritesThePendingReasonOfPendingJobsOnly) {
   auto store = JobStore::Open(":memory:");

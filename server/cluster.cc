@@ -77,6 +77,9 @@ absl::Status CheckServing(const v1::Job& job) {
   if (!job.recovering().empty()) {
     return absl::UnavailableError(absl::StrCat("job ", job.id(), " is recovering (", job.recovering(), "); retry"));
   }
+  if (!job.degraded().empty()) {
+    return absl::UnavailableError(absl::StrCat("job ", job.id(), " is recovering (", job.degraded(), "); retry"));
+  }
   if (job.state() != v1::READY) {
     return absl::FailedPreconditionError(
         absl::StrCat("job ", job.id(), " is ", v1::JobState_Name(job.state()), "; inference needs READY"));

@@ -10,19 +10,24 @@
 // queue, decoding), which asks the scheduler only for the job's ranks (ForwardTargets).
 //
 // Failure model: a worker silent for ClusterOptions::missed_heartbeats heartbeat intervals (3) is
-// dead (so its jobs fail within 3 1/4 intervals of its last heartbeat; workers beat on a fixed
-// schedule, so a healthy worker stalled for up to about two intervals keeps its job); a dead worker, any rank error, or
-// a failed Forward call to any rank fails its job at once with a cause naming the worker and rank and what failed, and
-// the surviving ranks are told to unload. Workers' collectives have timeouts, so no rank waits
-// forever.
+// dead (so its job's group is lost within 3 1/4 intervals of its last heartbeat; workers beat on a
+// fixed schedule, so a healthy worker stalled for up to about two intervals keeps its job); a dead,
+// leaving or re-registered worker, any rank error, or a failed Forward or load call to any rank
+// loses its job's group at once with a reason naming the worker and rank and what failed: the
+// surviving ranks are told to unload and the job is placed and loaded again on idle workers, with
+// backoff (ClusterOptions::restarts, group_restarts.h), instead of failing; requests wait for the
+// new group (the batch in flight is sent once more on it), UNAVAILABLE shortly before their
+// deadline if none comes. Past --max_restarts losses in a row, or on a load refused for what it
+// asks, the job FAILS. Workers' collectives have timeouts, so no rank waits forever.
 //
 // Coordinator restarts end no job. Workers report the shards they hold (job, rank, world size,
 // next sequence number) when they register and with every heartbeat. On start, jobs that were
 // READY or LOADING wait up to `readopt_grace` for all their ranks (Job.recovering says which;
 // Infer answers UNAVAILABLE meanwhile). All back, each rank once, unbroken and on the same next
 // sequence: READY again with rank -> worker and the sequence rebuilt, so Infer answers as before.
-// Otherwise FAILED with the true cause (see readoption.h), at once when a rank's worker comes back
-// without it, and the ranks that did come back unload. PLANNED jobs (nothing loaded yet) go back to PENDING. Held
+// Otherwise placed and loaded again (as for a lost worker, above) with the true cause (see
+// readoption.h), at once when a rank's worker comes back without it, and the ranks that did come
+// back unload. PLANNED jobs (nothing loaded yet) go back to PENDING. Held
 // shards of jobs this coordinator does not know, has ended, or placed on other workers are unloaded through the
 // RegisterWorker and Heartbeat responses. A worker that registers again while its old entry still
 // serves a job keeps the job when it reports holding that rank.
@@ -91,8 +96,9 @@ class Cluster {
   // whose deadline passed while it waited is never sent; once its forward has started on the ranks
   // the forward runs to the end (stopping some ranks mid-forward would desynchronise them), and
   // the caller gets DEADLINE_EXCEEDED / CANCELLED at once.
-  // UNAVAILABLE while the job is recovering after a restart (retry), or when a rank's Forward
-  // call fails (the job fails with it, at once). `caller` names the client and connection for
+  // UNAVAILABLE while the job is recovering after a restart (retry), or when no group answers the
+  // request's batch before shortly ahead of its deadline (its group lost, and the one placed again
+  // not READY in time, or failing too). `caller` names the client and connection for
   // the batcher's turns and shares (BatchQueue::Submit); RESOURCE_EXHAUSTED past a share.
   absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, absl::Time deadline,
                                           const std::function<bool()>& cancelled = nullptr, const Caller& caller = {});

@@ -20,6 +20,7 @@
 #include "common/model_root.h"
 #include "grpcpp/security/credentials.h"
 #include "server/batch_queue.h"
+#include "server/group_restarts.h"
 
 namespace bertshard::server {
 
@@ -38,6 +39,10 @@ struct ClusterOptions {
   // After a start, how long READY and LOADING jobs from the database wait for their ranks to
   // come back (workers register again within about a heartbeat interval of the start).
   absl::Duration readopt_grace = absl::Seconds(10);
+  // What a job does when its group loses a worker (killed, silent, leaving, a failed forward or
+  // load): placed and loaded again on idle workers, with backoff, at most max_restarts times in a
+  // row (--max_restarts, --restart_backoff, --restart_backoff_max, --restart_reset_after); then FAILED.
+  RestartPolicy restarts;
   // Dynamic batching of each job's Infer and Embed calls (see BatchQueue).
   BatchLimits batching;
   // Called for every merged forward, on the job's batch thread (metrics); may be null.

@@ -167,6 +167,11 @@ HeldShards SortHeldShards(const v1::WorkerInfo& worker, const google::protobuf::
       continue;
     }
     if (serving_job == h.job_id() && serving_rank == h.rank()) continue;  // serving it
+    // Placed again on this worker under another rank (a lost group, issue 22), and the report was
+    // made before its old shard went: the worker holds one shard per job id, so an Unload now would
+    // drop the new one once loaded. Its new load fails on the old shard instead (ALREADY_EXISTS),
+    // which loses the group and unloads it.
+    if (!worker.job_id().empty() && worker.job_id() == h.job_id()) continue;
     auto waiting = recovering.find(h.job_id());
     if (waiting != recovering.end() && serving_job.empty()) {
       waiting->second->reports.push_back({worker.worker_id(), worker.address(), h});

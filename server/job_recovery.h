@@ -128,7 +128,8 @@ struct HeldShards {
 // `worker` (its id, address, and the job and rank it serves) reports `held`. `known` says what the
 // store knows of a job; `recovering` are the jobs waiting for their ranks, updated here: a report
 // from an idle worker joins its job's reports; a rank that this worker's address held before the
-// restart and no longer holds is lost.
+// restart and no longer holds is lost; a shard of the job the worker now serves, under another rank
+// (placed again after a lost group, reported before its old shard went), is never unloaded.
 HeldShards SortHeldShards(const v1::WorkerInfo& worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
                           const std::function<HeldJob(const std::string& job_id)>& known,
                           const std::map<std::string, JobRecovery*>& recovering);

@@ -232,6 +232,7 @@ TEST(SortHeldShards, AWorkerKeepsTheShardItServes) {
   google::protobuf::RepeatedPtrField<v1::HeldShard> held;
   *held.Add() = Held("job-2", 1);
   *held.Add() = Held("job-1", 0);  // busy with job-2: not taken back, unloads
+  *held.Add() = Held("job-2", 0);  // job-2 placed again here as rank 1: its shard, not to drop
   const HeldShards sorted = SortHeldShards(
       worker, held, [](const std::string&) { return HeldJob::kKnown; }, recovering);
   EXPECT_EQ(sorted.unload, std::vector<std::string>{"job-1"});

@@ -57,42 +57,59 @@ JobServing::JobServing(std::string job_id, v1::ShardPlan plan, std::shared_ptr<c
       input_bounds_{options.batching.max_batch_tokens, options.batching.max_request_text_bytes},
       queue_(
           options.batching, PaddingFor(plan_),
-          [this](const v1::TokenInputs& merged, int micro_batches, absl::Time /*callers' latest deadline*/,
-                 const v1::ForwardWant& want) { return Forward(merged, micro_batches, want); },
+          [this](const v1::TokenInputs& merged, int micro_batches, absl::Time callers_deadline,
+                 const v1::ForwardWant& want) { return Forward(merged, micro_batches, callers_deadline, want); },
           [variant = plan_.variant()](const std::string& name) { return PerTokenOutput(variant, name); },
           options.batch_observer) {}
 
 void JobServing::Close(const std::string& reason) { queue_.Close(reason); }
 
 absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, int micro_batches,
-                                                 const v1::ForwardWant& want) {
-  // Not the callers' deadline: a rank call cut short by one fails the job (the ranks' order can no
+                                                 absl::Time callers_deadline, const v1::ForwardWant& want) {
+  // Not the callers' deadline: a rank call cut short by one fails the group (the ranks' order can no
   // longer be vouched for), and the workers finish the forward anyway. Callers whose deadline passes
   // get DEADLINE_EXCEEDED from the batch queue at once; the forward itself is bounded by the
   // server's own limit (the workers' collectives time out well before it when a peer is gone).
-  const absl::Time deadline = absl::Now() + forward_timeout_;
-  // It may have ended while this batch waited (its queue is closed by now too).
-  ASSIGN_OR_RETURN(ForwardTarget target, targets_->NextForward(job_id_));
+  const absl::Time now = absl::Now();
+  const absl::Time deadline = now + forward_timeout_;
+  // How long the batch may wait for a group while the job's is placed again: up to shortly before
+  // the callers' latest deadline, so that they hear UNAVAILABLE and why rather than a bare timeout.
+  const absl::Duration margin =
+      std::max(absl::ZeroDuration(), std::min(absl::Seconds(1), (callers_deadline - now) / 10));
+  const absl::Time wait_until = std::min(deadline, callers_deadline - margin);
+  ForwardTarget target;
+  ForwardOutcome outcome;
   v1::ForwardRequest forward;
-  forward.set_sequence(target.sequence);
-  forward.set_job_id(job_id_);
-  *forward.mutable_inputs() = merged;
-  forward.set_micro_batches(std::max(1, micro_batches));
-  *forward.mutable_want() = want;
-  ForwardOutcome outcome = ForwardOnAllRanks(target.ranks, forward, deadline, target.abort.get());
-  if (outcome.aborted) {
-    // The job failed meanwhile (the cluster says why); nothing more to blame.
-    return absl::UnavailableError(absl::StrCat("inference failed: ", outcome.status.error_message()));
-  }
-  if (outcome.failed_rank >= 0) {
-    // The ranks may be out of step now: the job fails at once, and the survivors unload.
-    const RankStub& failed = target.ranks[static_cast<size_t>(outcome.failed_rank)];
-    const std::string cause =
-        Blame(target.ranks, absl::StrCat("worker ", failed.worker_id, " (rank ", outcome.failed_rank, ") at ",
-                                         failed.address, ": forward ", forward.sequence(),
-                                         " failed: ", common::FromGrpcStatus(outcome.status).ToString()));
-    targets_->FailJob(job_id_, cause);
-    return absl::UnavailableError(absl::StrCat("inference failed: ", cause));
+  for (int attempt = 0;; ++attempt) {
+    // It may have ended while this batch waited (its queue is closed by now too).
+    ASSIGN_OR_RETURN(target, targets_->NextForward(job_id_, wait_until));
+    forward.Clear();
+    forward.set_sequence(target.sequence);
+    forward.set_job_id(job_id_);
+    *forward.mutable_inputs() = merged;
+    forward.set_micro_batches(std::max(1, micro_batches));
+    *forward.mutable_want() = want;
+    outcome = ForwardOnAllRanks(target.ranks, forward, deadline, target.abort.get());
+    if (!outcome.aborted && outcome.failed_rank < 0) break;
+    std::string cause;
+    if (outcome.aborted) {
+      // The group was lost meanwhile (the scheduler says why) or the job ended.
+      cause = outcome.status.error_message();
+    } else {
+      // The ranks may be out of step now: the group is dropped at once, the survivors unload, and
+      // the job is placed again.
+      const RankStub& failed = target.ranks[static_cast<size_t>(outcome.failed_rank)];
+      const std::string first = absl::StrCat("worker ", failed.worker_id, " (rank ", outcome.failed_rank, ") at ",
+                                             failed.address, ": forward ", forward.sequence(),
+                                             " failed: ", common::FromGrpcStatus(outcome.status).ToString());
+      const UnreachableRank down = FindUnreachableRank(target.ranks);
+      cause = down.rank >= 0 ? down.cause : first;
+      targets_->LoseGroup(job_id_, target.generation, cause,
+                          down.rank >= 0 ? target.ranks[static_cast<size_t>(down.rank)].worker_id : "");
+    }
+    // Inference is idempotent: the batch is sent once more, on the group that replaces the lost
+    // one, before its callers hear of the loss.
+    if (attempt >= 1) return absl::UnavailableError(absl::StrCat("inference failed: ", cause));
   }
   // Nothing a worker sends back is served unchecked: a wrong shape would hand callers a wrong
   // slice, a NaN a wrong answer. The job goes on (the ranks are in step), the batch's callers get

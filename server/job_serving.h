@@ -12,8 +12,14 @@
 //   ASSIGN_OR_RETURN(v1::EmbedResponse response, serving.Embed(request, deadline, cancelled));
 //
 // Failure model: bad requests are INVALID_ARGUMENT (FAILED_PRECONDITION for what the job cannot
-// do) before anything is queued; a forward that fails on a rank fails the job (ForwardTargets::
-// FailJob, with the worker to blame) and every request of its batch gets UNAVAILABLE; an answer
+// do) before anything is queued. A forward that fails on a rank (or is cut off because the group
+// was lost elsewhere) loses the job's group (ForwardTargets::LoseGroup, with the worker to blame:
+// the scheduler places it again) and is sent once more, on the group that replaces it (inference
+// is idempotent); only when that fails too do the batch's requests get UNAVAILABLE. While no group
+// serves, a batch waits for one until shortly before its callers' latest deadline (a tenth of the
+// time left, at most a second, so that the answer is UNAVAILABLE saying why, not a bare
+// DEADLINE_EXCEEDED), bounded by forward_timeout; callers whose own deadline passes first get
+// DEADLINE_EXCEEDED from the batch queue. An answer
 // that does not fit the batch (a shape, a row count, a NaN or infinity: CheckForwardResponse)
 // gets them INTERNAL naming the worker, and is never served; Close fails the waiting requests.
 // Deadlines and cancellation hold per request (see BatchQueue); a request over the bounds
@@ -46,18 +52,27 @@ namespace bertshard::server {
 struct ForwardTarget {
   std::vector<RankStub> ranks;          // in rank order
   int64_t sequence = 0;                 // the forward's number: every rank expects the next one
-  std::shared_ptr<ForwardAbort> abort;  // the job's: ends its forward in flight when it fails elsewhere
+  std::shared_ptr<ForwardAbort> abort;  // the group's: ends its forward in flight when it is lost elsewhere
+  // Which placement of the job's group this is: a loss reported for an earlier one (a forward that
+  // failed on a group already replaced) changes nothing.
+  int64_t generation = 0;
 };
 
-// What a JobServing needs from the cluster (Cluster implements it).
+// What a JobServing needs from the cluster (the Scheduler implements it).
 class ForwardTargets {
  public:
   virtual ~ForwardTargets() = default;
   // The job's ranks for its next forward, numbered: the sequence advances once per call, so a
-  // caller that gets a target must send it. FAILED_PRECONDITION when the job no longer serves.
-  virtual absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id) = 0;
-  // A forward failed on a rank (`cause` names it): the ranks may be out of step, so the job fails.
-  virtual void FailJob(const std::string& job_id, const std::string& cause) = 0;
+  // caller that gets a target must send it. While the job's group is being placed and loaded
+  // again, waits for it until `wait_until`, then UNAVAILABLE saying why. FAILED_PRECONDITION when
+  // the job no longer serves (it ended).
+  virtual absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, absl::Time wait_until) = 0;
+  // A forward failed on placement `generation` of the job's group (`cause` names the worker;
+  // `unreachable_worker` is the one that does not answer its health check, "" when all do): the
+  // ranks may be out of step, so the group is dropped and placed again (or the job fails, past
+  // --max_restarts).
+  virtual void LoseGroup(const std::string& job_id, int64_t generation, const std::string& cause,
+                         const std::string& unreachable_worker) = 0;
 };
 
 struct JobServingOptions {
@@ -90,8 +105,10 @@ class JobServing {
   int calls() const { return calls_.load(); }
 
  private:
-  // One merged forward on every rank of the job; runs on the queue's thread.
-  absl::StatusOr<BatchOutputs> Forward(const v1::TokenInputs& merged, int micro_batches, const v1::ForwardWant& want);
+  // One merged forward on every rank of the job (sent once more on the next group when its group
+  // is lost under it); runs on the queue's thread. `callers_deadline`: the batch's latest.
+  absl::StatusOr<BatchOutputs> Forward(const v1::TokenInputs& merged, int micro_batches, absl::Time callers_deadline,
+                                       const v1::ForwardWant& want);
 
   const std::string job_id_;
   const v1::ShardPlan plan_;

@@ -18,30 +18,56 @@ namespace {
 
 constexpr int kHiddenSize = 8;  // SmallPlan's
 
-// The cluster's side: the job's ranks, numbered forwards, and what failed the job.
+// The cluster's side: the job's groups of ranks, one serving at a time, and each group lost. A lost
+// group is replaced by the next one given (as the scheduler places the job again); with none left
+// the job has ended. Forwards are numbered per group (a fresh load numbers from 0).
 class Targets : public ForwardTargets {
  public:
-  explicit Targets(std::vector<RankStub> ranks) : ranks_(std::move(ranks)) {}
-  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id) override {
+  explicit Targets(std::vector<std::vector<RankStub>> groups) : groups_(std::move(groups)) {}
+  explicit Targets(std::vector<RankStub> ranks) : Targets(std::vector<std::vector<RankStub>>{std::move(ranks)}) {}
+  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, absl::Time wait_until) override {
     absl::MutexLock lock(&mu_);
-    if (!failure_.empty()) return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
-    return ForwardTarget{ranks_, next_++, abort_};
+    wait_until_ = wait_until;
+    if (recovering_) return absl::UnavailableError(absl::StrCat("job ", job_id, " has no group serving"));
+    if (static_cast<size_t>(generation_) >= groups_.size()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
+    }
+    return ForwardTarget{groups_[static_cast<size_t>(generation_)], next_++, abort_, generation_};
   }
-  void FailJob(const std::string& job_id, const std::string& cause) override {
+  void LoseGroup(const std::string& job_id, int64_t generation, const std::string& cause,
+                 const std::string& unreachable_worker) override {
     absl::MutexLock lock(&mu_);
-    failure_ = job_id + ": " + cause;
+    losses_.push_back(absl::StrCat(job_id, " (group ", generation, "): ", cause,
+                                   unreachable_worker.empty() ? "" : " [unreachable " + unreachable_worker + "]"));
+    if (generation != generation_) return;  // late: already replaced
+    ++generation_;
+    next_ = 0;
+    abort_ = std::make_shared<ForwardAbort>();
   }
-  std::string failure() const {
+  // No group serves and none has come back yet: NextForward answers UNAVAILABLE at once (the
+  // scheduler would wait until `wait_until` first).
+  void SetRecovering() {
     absl::MutexLock lock(&mu_);
-    return failure_;
+    recovering_ = true;
+  }
+  std::vector<std::string> losses() const {
+    absl::MutexLock lock(&mu_);
+    return losses_;
+  }
+  absl::Time wait_until() const {
+    absl::MutexLock lock(&mu_);
+    return wait_until_;
   }
 
  private:
-  const std::vector<RankStub> ranks_;
-  const std::shared_ptr<ForwardAbort> abort_ = std::make_shared<ForwardAbort>();
+  const std::vector<std::vector<RankStub>> groups_;
   mutable absl::Mutex mu_;
+  std::shared_ptr<ForwardAbort> abort_ ABSL_GUARDED_BY(mu_) = std::make_shared<ForwardAbort>();
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t next_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string failure_ ABSL_GUARDED_BY(mu_);
+  bool recovering_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time wait_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  std::vector<std::string> losses_ ABSL_GUARDED_BY(mu_);
 };
 
 // The last stage of SmallPlan's model: logits, and (when the want asks) one row result per row
@@ -163,11 +189,42 @@ TEST_F(JobServingTest, InferKeepsTheOutputsByDefaultAndDropsThemForPredictionsOn
   EXPECT_EQ(last_.requests()[1].sequence(), 1);
 }
 
-TEST_F(JobServingTest, AFailedRankFailsTheJobAndTheRequest) {
+// A forward that fails on a rank loses the group (naming the worker) and is sent once more on the
+// group that replaces it; the caller never hears of the loss.
+TEST_F(JobServingTest, AFailedForwardIsSentOnceMoreOnTheGroupThatReplacesIt) {
   FakeWorker failing([](grpc::ServerContext*, const v1::ForwardRequest&, v1::ForwardResponse*) {
     return grpc::Status(grpc::StatusCode::INTERNAL, "collective timed out");
   });
-  targets_ = std::make_unique<Targets>(std::vector<RankStub>{first_.Rank("w0"), failing.Rank("w1")});
+  targets_ = std::make_unique<Targets>(std::vector<std::vector<RankStub>>{{first_.Rank("w0"), failing.Rank("w1")},
+                                                                          {first_.Rank("w0"), last_.Rank("w2")}});
+  serving_ = std::make_unique<JobServing>("job-1", SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION),
+                                          TempDirAssets(SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION)),
+                                          targets_.get(), JobServingOptions());
+  v1::InferRequest request;
+  *request.mutable_tokens() = TwoRows();
+  auto response = serving_->Infer(request, Soon(), nullptr);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(response->predictions_size(), 2);
+  const std::vector<std::string> losses = targets_->losses();
+  ASSERT_EQ(losses.size(), 1u);
+  EXPECT_EQ(
+      losses[0].rfind("job-1 (group 0): worker w1 (rank 1) at " + failing.Rank("w1").address + ": forward 0 failed", 0),
+      0u)
+      << losses[0];
+  EXPECT_EQ(failing.requests().size(), 1u);
+  ASSERT_EQ(last_.requests().size(), 1u);
+  EXPECT_EQ(last_.requests()[0].sequence(), 0);  // the new group's first forward
+  EXPECT_EQ(last_.requests()[0].inputs().input_ids_size(), 6);
+}
+
+// Sent once more only: when the replacement fails too, the batch's callers get UNAVAILABLE naming
+// the cause, and once the job has ended the next request is refused before any rank is called.
+TEST_F(JobServingTest, AForwardFailingOnTheReplacementTooIsUnavailable) {
+  FakeWorker failing([](grpc::ServerContext*, const v1::ForwardRequest&, v1::ForwardResponse*) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, "collective timed out");
+  });
+  targets_ = std::make_unique<Targets>(std::vector<std::vector<RankStub>>{{first_.Rank("w0"), failing.Rank("w1")},
+                                                                          {first_.Rank("w0"), failing.Rank("w1")}});
   serving_ = std::make_unique<JobServing>("job-1", SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION),
                                           TempDirAssets(SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION)),
                                           targets_.get(), JobServingOptions());
@@ -176,17 +233,33 @@ TEST_F(JobServingTest, AFailedRankFailsTheJobAndTheRequest) {
   auto response = serving_->Infer(request, Soon(), nullptr);
   EXPECT_EQ(response.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(response.status().message().find("collective timed out"), std::string::npos) << response.status();
-  const std::string failure = targets_->failure();
-  EXPECT_EQ(failure.rfind("job-1: worker w1 (rank 1) at " + failing.Rank("w1").address + ": forward 0 failed", 0), 0u)
-      << failure;
-  // The job no longer serves: the next request is refused before any rank is called. The failing
-  // rank answered the first forward, so it holds exactly one; the healthy rank's copy of that
-  // forward may have been cancelled before it arrived (the fan-out cancels the rest on a failure),
-  // so it holds at most one.
+  const std::vector<std::string> losses = targets_->losses();
+  ASSERT_EQ(losses.size(), 2u);
+  EXPECT_EQ(losses[1].rfind("job-1 (group 1): worker w1 (rank 1)", 0), 0u) << losses[1];
+  // Both groups are gone: the next request is refused before any rank is called. The failing rank
+  // answered both forwards; the healthy rank's copies may have been cancelled before they arrived
+  // (the fan-out cancels the rest on a failure).
   auto later = serving_->Infer(request, Soon(), nullptr);
   EXPECT_EQ(later.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(failing.requests().size(), 1u);
-  EXPECT_LE(first_.requests().size(), 1u);
+  EXPECT_EQ(failing.requests().size(), 2u);
+  EXPECT_LE(first_.requests().size(), 2u);
+}
+
+// While no group serves, a batch waits for one until shortly before its callers' deadline, so that
+// they hear UNAVAILABLE and why, not a bare DEADLINE_EXCEEDED.
+TEST_F(JobServingTest, WithNoGroupServingABatchWaitsUntilShortlyBeforeItsDeadline) {
+  Serve(v1::BERT_FOR_SEQUENCE_CLASSIFICATION);
+  targets_->SetRecovering();
+  v1::InferRequest request;
+  *request.mutable_tokens() = TwoRows();
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  auto response = serving_->Infer(request, deadline, nullptr);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kUnavailable) << response.status();
+  EXPECT_NE(response.status().message().find("has no group serving"), std::string::npos) << response.status();
+  const absl::Time waited_until = targets_->wait_until();
+  EXPECT_LT(waited_until, deadline);                            // the margin: a tenth of 5 s
+  EXPECT_GT(waited_until, deadline - absl::Milliseconds(600));  // but no more than that
+  EXPECT_TRUE(last_.requests().empty());
 }
 
 TEST_F(JobServingTest, BadRequestsAreRefusedBeforeAnyForward) {
@@ -302,8 +375,8 @@ TEST_F(JobServingTest, AWorkersNonFiniteOrMisshapenAnswerIsAnErrorNamingItNeverS
     }
     EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << status;
     EXPECT_NE(status.message().find("worker w1 (rank 1) at " + bad.Address()), std::string::npos) << status;
-    EXPECT_EQ(targets_->failure(), "");  // the ranks are in step: the job goes on
-    serving_.reset();                    // before `bad` goes
+    EXPECT_TRUE(targets_->losses().empty());  // the ranks are in step: the group goes on
+    serving_.reset();                         // before `bad` goes
   }
 }
 

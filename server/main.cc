@@ -49,6 +49,14 @@ ABSL_FLAG(int, missed_heartbeats, 3,
 ABSL_FLAG(int, collective_timeout_s, 60, "rendezvous and collective timeout on the workers, seconds");
 ABSL_FLAG(absl::Duration, readopt_grace, absl::Seconds(10),
           "after a restart, how long READY and LOADING jobs wait for all their ranks' workers to register");
+ABSL_FLAG(int, max_restarts, 10,
+          "times in a row a job whose workers are lost (killed, silent, leaving, a failed forward or load) is "
+          "placed and loaded again before it ends FAILED; 0: the first loss ends it");
+ABSL_FLAG(absl::Duration, restart_backoff, absl::Seconds(1),
+          "wait before the second restart in a row (the first is at once), doubling for each after");
+ABSL_FLAG(absl::Duration, restart_backoff_max, absl::Seconds(60), "longest wait between restarts");
+ABSL_FLAG(absl::Duration, restart_reset_after, absl::Minutes(10),
+          "a job that served this long since its last restart counts its next loss as the first");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port for the Prometheus endpoint GET /metrics (port 0: any free port; empty: none)");
 // Dynamic batching of each job's Infer/Embed calls (TEI's defaults for the token budget).
@@ -167,6 +175,17 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
   }
   options.cluster.collective_timeout_seconds = absl::GetFlag(FLAGS_collective_timeout_s);
   options.cluster.readopt_grace = absl::GetFlag(FLAGS_readopt_grace);
+  auto& restarts = options.cluster.restarts;
+  restarts.max_restarts = absl::GetFlag(FLAGS_max_restarts);
+  restarts.backoff_initial = absl::GetFlag(FLAGS_restart_backoff);
+  restarts.backoff_max = absl::GetFlag(FLAGS_restart_backoff_max);
+  restarts.reset_after = absl::GetFlag(FLAGS_restart_reset_after);
+  if (restarts.max_restarts < 0 || restarts.backoff_initial < absl::ZeroDuration() ||
+      restarts.backoff_max < restarts.backoff_initial || restarts.reset_after < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--max_restarts, --restart_backoff and --restart_reset_after must be >= 0, and --restart_backoff_max >= "
+        "--restart_backoff");
+  }
   options.cluster.job_retention = absl::GetFlag(FLAGS_job_retention);
   if (options.cluster.job_retention < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--job_retention must be >= 0 (inf: keep ended jobs for good)");

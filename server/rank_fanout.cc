@@ -95,18 +95,23 @@ ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::F
 
 // The ping is the worker's gRPC health check: it changes nothing there (ReservePort, used before,
 // now hosts a rendezvous store for minutes) and needs no token. Pings need no lock.
-std::string Blame(const std::vector<RankStub>& ranks, const std::string& first_failure) {
+UnreachableRank FindUnreachableRank(const std::vector<RankStub>& ranks) {
   for (size_t r = 0; r < ranks.size(); ++r) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     grpc::health::v1::HealthCheckResponse ignored;
     grpc::Status status = ranks[r].health->Check(&context, grpc::health::v1::HealthCheckRequest(), &ignored);
     if (!status.ok()) {
-      return absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, ") at ", ranks[r].address,
-                          " is unreachable: ", status.error_message());
+      return {static_cast<int>(r), absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, ") at ", ranks[r].address,
+                                                " is unreachable: ", status.error_message())};
     }
   }
-  return first_failure;
+  return {};
+}
+
+std::string Blame(const std::vector<RankStub>& ranks, const std::string& first_failure) {
+  UnreachableRank down = FindUnreachableRank(ranks);
+  return down.rank >= 0 ? down.cause : first_failure;
 }
 
 }  // namespace bertshard::server

@@ -69,8 +69,17 @@ class ForwardAbort {
 ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::ForwardRequest& forward,
                                  absl::Time deadline, ForwardAbort* abort = nullptr);
 
+// The first rank whose worker does not answer its gRPC health check (2 s each), and the cause
+// naming it ("worker ID (rank R) at ADDR is unreachable: ..."); rank -1 when every worker answers.
+struct UnreachableRank {
+  int rank = -1;
+  std::string cause;
+};
+UnreachableRank FindUnreachableRank(const std::vector<RankStub>& ranks);
+
 // When ranks fail together (a dead worker makes its peers' collectives fail too), the cause is
-// the worker that no longer answers its gRPC health check (2 s each); otherwise `first_failure`.
+// the worker that no longer answers its gRPC health check (FindUnreachableRank); otherwise
+// `first_failure`.
 std::string Blame(const std::vector<RankStub>& ranks, const std::string& first_failure);
 
 }  // namespace bertshard::server

@@ -93,7 +93,7 @@ ReadoptionDecision DecideReadoption(const ReadoptionInput& in) {
   }
   if (in.was_loading) {
     return Fail(absl::StrCat("the coordinator restarted while the job was loading; ", absl::StrJoin(where, ", "),
-                             " had not finished loading; resubmit the job"));
+                             " had not finished loading"));
   }
   return Fail(absl::StrCat("after a coordinator restart ", absl::StrJoin(where, ", "),
                            in.grace_over ? absl::StrCat(" did not come back within ", absl::FormatDuration(in.grace))

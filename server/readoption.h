@@ -1,7 +1,9 @@
 // File: server/readoption.h
 // -----------------------------------------------------------------------------
 // How a restarted coordinator decides whether it can take back a job its workers still hold.
-// Pure: the Cluster gathers what the re-registering workers report and applies the decision.
+// Pure: the Cluster gathers what the re-registering workers report and applies the decision. A
+// "fail" here ends the taking back, not the job: the scheduler then places and loads the job again
+// with the cause as the reason (issue 22), as for any lost group.
 //
 // The rules, in order:
 //   1. A report that does not fit the job (rank outside the plan, another world size), a broken

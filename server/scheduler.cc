@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/fault_point.h"
 #include "common/grpc_auth.h"
@@ -37,7 +38,7 @@ void Scheduler::Stop() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     for (auto& [id, runtime] : runtimes_) {
-      for (auto& context : runtime->load_contexts) context->TryCancel();
+      for (auto& context : runtime->group.load_contexts) context->TryCancel();
       if (auto serving = CloseServingLocked(*runtime, "the coordinator is shutting down")) {
         servings.push_back(std::move(serving));
       }
@@ -63,19 +64,33 @@ absl::Status Scheduler::RecoverJobsLocked() {
                                        RecordLocked(status, what);
                                      }));
   for (RecoveredJob& job : jobs) {
-    auto runtime = std::make_shared<JobRuntime>();
+    auto runtime = std::make_shared<JobRuntime>(options_.restarts);
     runtime->plan = std::move(job.plan);
     runtime->checkpoint = job.job.request().checkpoint();
     runtime->assets = std::move(job.assets);
     runtime->backend = std::move(job.backend);
     runtime->submitted_by = job.job.submitted_by();
     runtime->pending_note = std::move(job.pending_note);
+    if (job.job.state() == v1::PENDING) ResumeRecoveryLocked(job.job.pending_reason(), *runtime);
     runtime->recovery = std::move(job.recovery);
-    if (runtime->recovery != nullptr) runtime->rank_workers.assign(static_cast<size_t>(runtime->plan.world_size()), "");
+    if (runtime->recovery != nullptr)
+      runtime->group.rank_workers.assign(static_cast<size_t>(runtime->plan.world_size()), "");
     if (job.job.state() == v1::PENDING) pending_.push_back({job.job.id(), job.job.pending_reason()});
     runtimes_[job.job.id()] = std::move(runtime);
   }
   return absl::OkStatus();
+}
+
+void Scheduler::ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime) {
+  // The reason LoseGroupLocked stored: "recovering: lost CAUSE (restart K of at most N)", then
+  // "; " and what it waited for. The cause may hold parentheses; the restart count is the last.
+  constexpr absl::string_view kPrefix = "recovering: lost ";
+  if (!absl::StartsWith(stored_reason, kPrefix)) return;
+  const size_t count = stored_reason.rfind(" (restart ");
+  if (count == std::string::npos || count < kPrefix.size()) return;
+  const std::string cause = stored_reason.substr(kPrefix.size(), count - kPrefix.size());
+  runtime.group.restarts.Lost(cause, absl::Now());  // the count starts again here
+  runtime.pending_note = absl::StrCat("recovering: ", runtime.group.restarts.Describe());
 }
 
 v1::RegisterWorkerResponse Scheduler::RegisterWorker(const v1::RegisterWorkerRequest& request) {
@@ -90,6 +105,7 @@ v1::RegisterWorkerResponse Scheduler::RegisterWorker(const v1::RegisterWorkerReq
   if (kept.has_value()) MoveRankLocked(kept->first, kept->second, &worker);
   v1::RegisterWorkerResponse response;
   TakeHeldShardsLocked(worker, request.held(), response.mutable_unload_job_ids());
+  MarkUnloadingLocked(worker.worker_id(), response.unload_job_ids());
   ScheduleLocked();
   response.set_worker_id(worker.worker_id());
   response.set_heartbeat_interval_ms(static_cast<int32_t>(absl::ToInt64Milliseconds(options_.heartbeat_interval)));
@@ -108,11 +124,10 @@ std::optional<std::pair<std::string, int32_t>> Scheduler::SettleReplacedLocked(
   for (const v1::HeldShard& h : request.held()) {
     if (h.job_id() == old.job_id() && h.rank() == old.rank()) shard = &h;
   }
-  if (shard != nullptr && shard->broken().empty() && runtime != runtimes_.end() && !runtime->second->ended) {
-    return std::make_pair(old.job_id(), old.rank());
-  }
-  FailJobLocked(
-      old.job_id(),
+  if (runtime == runtimes_.end() || runtime->second->ended) return std::nullopt;
+  if (shard != nullptr && shard->broken().empty()) return std::make_pair(old.job_id(), old.rank());
+  LoseGroupLocked(
+      old.job_id(), runtime->second->group.generation,
       absl::StrCat("worker ", old.worker_id(), " (rank ", old.rank(), ") at ", request.address(), " registered again ",
                    shard == nullptr ? "without its shard" : absl::StrCat("with its shard broken: ", shard->broken())));
   return std::nullopt;
@@ -124,8 +139,8 @@ void Scheduler::MoveRankLocked(const std::string& job_id, int32_t rank, v1::Work
   worker->set_rank(rank);
   JobRuntime& runtime = *runtimes_.at(job_id);
   const size_t r = static_cast<size_t>(rank);
-  if (r < runtime.rank_workers.size()) runtime.rank_workers[r] = worker->worker_id();
-  if (r < runtime.progress.size()) runtime.progress[r].set_worker_id(worker->worker_id());
+  if (r < runtime.group.rank_workers.size()) runtime.group.rank_workers[r] = worker->worker_id();
+  if (r < runtime.group.progress.size()) runtime.group.progress[r].set_worker_id(worker->worker_id());
   auto job = store_->Get(job_id);
   if (job.ok() && rank < job->ranks_size()) {
     std::vector<v1::RankAssignment> ranks(job->ranks().begin(), job->ranks().end());
@@ -145,12 +160,13 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
     if (!worker.has_value()) {
       return absl::NotFoundError(absl::StrCat("unknown worker ", request.worker_id(), "; register again"));
     }
-    FailWorkersJobLocked(*worker, "is shutting down");
+    LoseWorkersGroupLocked(*worker, "is shutting down");
     ScheduleLocked();  // the pool is smaller: what waiting jobs say they wait for changes
     return response;
   }
   ASSIGN_OR_RETURN(const v1::WorkerInfo before, pool_->Beat(request.worker_id(), request.free_memory_bytes()));
   TakeHeldShardsLocked(before, request.held(), response.mutable_unload_job_ids());
+  MarkUnloadingLocked(request.worker_id(), response.unload_job_ids());
   if (!before.healthy()) {
     pool_->MarkHealthy(request.worker_id());  // back after a pause: its old job has already failed
     ScheduleLocked();
@@ -194,8 +210,10 @@ void Scheduler::DecideRecoveryLocked(const std::string& job_id) {
       changed_.SignalAll();  // Job.recovering changed
       return;
     case ReadoptionDecision::Outcome::kFail:
+      // Not the end of the job: its ranks that came back unload, and it is placed and loaded
+      // again (issue 22, item 5), like any group that lost a worker.
       runtime.recovery.reset();
-      FailJobLocked(job_id, decision.cause);  // the ranks that came back unload
+      LoseGroupLocked(job_id, runtime.group.generation, decision.cause);
       return;
     case ReadoptionDecision::Outcome::kAdopt:
       break;
@@ -203,11 +221,11 @@ void Scheduler::DecideRecoveryLocked(const std::string& job_id) {
       return;
   }
   runtime.recovery.reset();
-  runtime.rank_workers = decision.rank_workers;
-  runtime.next_sequence = decision.next_sequence;
+  runtime.group.rank_workers = decision.rank_workers;
+  runtime.group.next_sequence = decision.next_sequence;
   // Every reporting worker is in the pool: one that registers again takes its reports back.
   Adoption adoption = RecordAdoption(
-      *store_, job_id, runtime.rank_workers,
+      *store_, job_id, runtime.group.rank_workers,
       [this](const std::string& id) {
         std::optional<v1::WorkerInfo> w = pool_->Find(id);
         return w.has_value() ? w->address() : std::string();
@@ -216,8 +234,9 @@ void Scheduler::DecideRecoveryLocked(const std::string& job_id) {
         mu_.AssertHeld();
         RecordLocked(status, what);
       });
-  runtime.progress = std::move(adoption.progress);
-  runtime.serving = adoption.ready;
+  runtime.group.progress = std::move(adoption.progress);
+  runtime.group.serving = adoption.ready;
+  if (adoption.ready) runtime.group.restarts.Served(absl::Now());
   changed_.SignalAll();
 }
 
@@ -261,7 +280,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   // Job and plan in one write: a full or read-only database refuses the job whole, with the
   // store's code (RESOURCE_EXHAUSTED, FAILED_PRECONDITION), and nothing has started yet.
   RETURN_IF_ERROR(store_->Create(job, &plan));
-  auto runtime = std::make_shared<JobRuntime>();
+  auto runtime = std::make_shared<JobRuntime>(options_.restarts);
   runtime->plan = std::move(plan);
   runtime->checkpoint = request.request().checkpoint();
   runtime->assets = std::move(assets);
@@ -277,10 +296,23 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
 void Scheduler::ScheduleLocked() {
   if (stopping_ || draining_) return;
   std::vector<PendingJob> still_pending;
-  std::vector<size_t> waiting;  // into still_pending: those no placement fits now
+  std::vector<size_t> waiting;  // into still_pending: those no placement fits now, or in backoff
+  const absl::Time now = absl::Now();
+  next_backoff_end_ = absl::InfiniteFuture();
+  const auto backing_off = [now](const JobRuntime& runtime) {
+    return runtime.group.restarts.recovering() && now < runtime.group.restarts.not_before();
+  };
   for (PendingJob& pending : pending_) {
     auto runtime = runtimes_.find(pending.job_id);
     if (runtime == runtimes_.end()) continue;
+    if (backing_off(*runtime->second)) {
+      // Lost again soon after its last placement: it waits out its backoff (the monitor schedules
+      // again when it is over), leaving the workers to the jobs behind it meanwhile.
+      next_backoff_end_ = std::min(next_backoff_end_, runtime->second->group.restarts.not_before());
+      waiting.push_back(still_pending.size());
+      still_pending.push_back(std::move(pending));
+      continue;
+    }
     const std::vector<IdleWorker> free_workers = pool_->Idle();
     const Placement placement = PlaceRanks(runtime->second->backend, runtime->second->plan.world_size(), free_workers);
     if (placement.ranks.empty()) {
@@ -294,7 +326,8 @@ void Scheduler::ScheduleLocked() {
       still_pending.push_back(std::move(pending));  // PENDING as stored; the monitor tries again
       continue;
     }
-    threads_.Start([this, id = pending.job_id] { LoadJob(id); });
+    threads_.Start(
+        [this, id = pending.job_id, generation = runtime->second->group.generation] { LoadJob(id, generation); });
   }
   pending_ = std::move(still_pending);
   // Why the others wait, against the pool as the jobs placed above left it; written only when it
@@ -303,7 +336,12 @@ void Scheduler::ScheduleLocked() {
   for (size_t i : waiting) {
     PendingJob& pending = pending_[i];
     const JobRuntime& runtime = *runtimes_.at(pending.job_id);
-    const std::string why = PlaceRanks(runtime.backend, runtime.plan.world_size(), free_workers).waiting_for;
+    const std::string why =
+        backing_off(runtime)
+            ? absl::StrCat("placing it again from ",
+                           absl::FormatTime("%H:%M:%E3S UTC", runtime.group.restarts.not_before(), absl::UTCTimeZone()),
+                           " (backoff: ", runtime.group.restarts.restarts(), " losses in a row)")
+            : PlaceRanks(runtime.backend, runtime.plan.world_size(), free_workers).waiting_for;
     const std::string reason = runtime.pending_note.empty() ? why : absl::StrCat(runtime.pending_note, "; ", why);
     if (pending.reason == reason) continue;
     const absl::Status recorded = store_->SetPendingReason(pending.job_id, reason);
@@ -315,8 +353,10 @@ void Scheduler::ScheduleLocked() {
 
 bool Scheduler::PlanJobLocked(const std::string& job_id, JobRuntime& runtime, const std::vector<IdleWorker>& workers) {
   std::vector<v1::RankAssignment> ranks;
-  runtime.rank_workers.clear();
-  runtime.progress.clear();
+  ++runtime.group.generation;  // a load of an earlier placement, still winding down, is not this one
+  runtime.group.next_sequence = 0;
+  runtime.group.rank_workers.clear();
+  runtime.group.progress.clear();
   for (size_t r = 0; r < workers.size(); ++r) {
     pool_->Assign(workers[r].worker_id, job_id, static_cast<int32_t>(r));
     v1::RankAssignment a;
@@ -324,11 +364,11 @@ bool Scheduler::PlanJobLocked(const std::string& job_id, JobRuntime& runtime, co
     a.set_worker_id(workers[r].worker_id);
     a.set_worker_address(workers[r].address);
     ranks.push_back(a);
-    runtime.rank_workers.push_back(a.worker_id());
+    runtime.group.rank_workers.push_back(a.worker_id());
     v1::RankProgress p;
     p.set_rank(a.rank());
     p.set_worker_id(a.worker_id());
-    runtime.progress.push_back(p);
+    runtime.group.progress.push_back(p);
   }
   absl::Status recorded = store_->SetRanks(job_id, ranks).status();
   if (recorded.ok()) {
@@ -340,22 +380,23 @@ bool Scheduler::PlanJobLocked(const std::string& job_id, JobRuntime& runtime, co
   // restarted coordinator would see the same).
   StoreErrorLocked(absl::StrCat("planning job ", job_id), recorded);
   for (const IdleWorker& w : workers) pool_->Unassign(w.worker_id);
-  runtime.rank_workers.clear();
-  runtime.progress.clear();
+  runtime.group.rank_workers.clear();
+  runtime.group.progress.clear();
   schedule_retry_ = true;
   return false;
 }
 
 struct Scheduler::Load {
   std::string job_id;
+  int64_t generation = 0;  // the group's placement this load is for
   std::shared_ptr<JobRuntime> runtime;
   std::vector<RankStub> ranks;  // copied: a worker registering again may change rank_workers
 };
 
-void Scheduler::LoadJob(const std::string& job_id) {
+void Scheduler::LoadJob(const std::string& job_id, int64_t generation) {
   // The job is PLANNED here, and stays so until BeginLoad: fault tests hold it in that window.
   common::PausePoint("coordinator_planned");
-  const std::optional<Load> load = BeginLoad(job_id);
+  const std::optional<Load> load = BeginLoad(job_id, generation);
   if (!load.has_value()) return;
   // A secret per load attempt, held only here and in the requests (never in the job store or a
   // log): the ranks prove it to the rendezvous, which refuses anyone else (worker/auth_store.h).
@@ -364,8 +405,8 @@ void Scheduler::LoadJob(const std::string& job_id) {
       secret.ok() ? ReserveRendezvousPort(load->ranks[0], job_id, *secret) : absl::StatusOr<int32_t>(secret.status());
   if (!port.ok()) {
     absl::MutexLock lock(&mu_);
-    // Stopping: the job stays LOADING for the next coordinator, which fails it with that cause.
-    if (!stopping_) FailJobLocked(job_id, std::string(port.status().message()));
+    // Stopping: the job stays LOADING for the next coordinator, which places it again.
+    LoseGroupLocked(job_id, generation, std::string(port.status().message()));
     return;
   }
   const std::vector<std::shared_ptr<grpc::ClientContext>> contexts = LoadContexts(*load);
@@ -373,17 +414,19 @@ void Scheduler::LoadJob(const std::string& job_id) {
   FinishLoad(*load, LoadShards(*load, *port, *secret, contexts));
 }
 
-std::optional<Scheduler::Load> Scheduler::BeginLoad(const std::string& job_id) {
+std::optional<Scheduler::Load> Scheduler::BeginLoad(const std::string& job_id, int64_t generation) {
   absl::MutexLock lock(&mu_);
   // Between planning and here (the PLANNED window) the job may have been cancelled, and a worker
   // may have registered again under a new id: neither may start a load.
   auto job = store_->Get(job_id);
   auto found = runtimes_.find(job_id);
   if (stopping_ || !job.ok() || TerminalState(job->state()) || found == runtimes_.end()) return std::nullopt;
-  Load load{job_id, found->second, {}};
-  absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs(load.runtime->rank_workers);
+  // Lost and placed again in that window: the later placement's own load runs.
+  if (found->second->group.generation != generation) return std::nullopt;
+  Load load{job_id, generation, found->second, {}};
+  absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs(load.runtime->group.rank_workers);
   if (!stubs.ok()) {
-    FailJobLocked(job_id, absl::StrCat(stubs.status().message(), " before the job began loading"));
+    LoseGroupLocked(job_id, generation, absl::StrCat(stubs.status().message(), " before the job began loading"));
     return std::nullopt;
   }
   for (WorkerStub& s : *stubs) {
@@ -407,12 +450,12 @@ std::vector<std::shared_ptr<grpc::ClientContext>> Scheduler::LoadContexts(const 
   // loads started now; the job stays LOADING for the next coordinator.
   std::vector<std::shared_ptr<grpc::ClientContext>> contexts;
   absl::MutexLock lock(&mu_);
-  if (stopping_ || load.runtime->ended) return contexts;
+  if (stopping_ || load.runtime->ended || load.runtime->group.generation != load.generation) return contexts;
   for (const RankStub& rank : load.ranks) {
     auto context = std::make_shared<grpc::ClientContext>();
     context->set_deadline(absl::ToChronoTime(absl::Now() + options_.load_timeout));
     common::AttachToken(context.get(), rank.token);
-    load.runtime->load_contexts.push_back(context);
+    load.runtime->group.load_contexts.push_back(context);
     contexts.push_back(std::move(context));
   }
   return contexts;
@@ -433,27 +476,42 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
       load.ranks, request, contexts,
       [&](size_t rank, const v1::LoadProgress& progress) {
         absl::MutexLock lock(&mu_);
-        *load.runtime->progress[rank].mutable_progress() = progress;
+        if (load.runtime->group.generation != load.generation) return;  // the group was lost
+        *load.runtime->group.progress[rank].mutable_progress() = progress;
         changed_.SignalAll();
       },
-      [&](size_t /*rank*/, const std::string& cause) {
+      [&](size_t /*rank*/, const absl::Status& failure) {
         absl::MutexLock lock(&mu_);
-        if (!stopping_) FailJobLocked(load.job_id, cause);  // stopping: see LoadContexts
+        // Stopping: see LoadContexts.
+        if (stopping_ || load.runtime->ended) return;
+        if (LoadCanNeverSucceed(failure)) {
+          // The checkpoint or the request is wrong: no other workers would load it. So even when
+          // another rank's failure of this load lost the group first (its placement is gone), the
+          // job ends here rather than loading again to the same refusal.
+          FailJobLocked(load.job_id, std::string(failure.message()));
+          return;
+        }
+        const absl::optional<absl::Cord> unreachable = failure.GetPayload(kUnreachableWorkerPayload);
+        LoseGroupLocked(load.job_id, load.generation, std::string(failure.message()),  // late: nothing
+                        unreachable.has_value() ? std::string(*unreachable) : "");
       });
 }
 
 void Scheduler::FinishLoad(const Load& load, bool all_loaded) {
   absl::MutexLock lock(&mu_);
-  load.runtime->load_contexts.clear();
-  if (!all_loaded || load.runtime->ended) return;
+  if (load.runtime->ended || load.runtime->group.generation != load.generation) return;
+  load.runtime->group.load_contexts.clear();
+  if (!all_loaded) return;
   if (absl::Status s = store_->Transition(load.job_id, v1::READY, "").status(); !s.ok()) {
     // Serving a job the database still calls LOADING would be lost at the next restart.
     StoreErrorLocked(absl::StrCat("readying job ", load.job_id), s);
     FailJobLocked(load.job_id, absl::StrCat("the job database could not record it READY: ", s.message()));
     return;
   }
-  load.runtime->serving = true;
-  changed_.SignalAll();
+  load.runtime->group.serving = true;
+  load.runtime->group.restarts.Served(absl::Now());
+  load.runtime->pending_note.clear();
+  changed_.SignalAll();  // batches waiting for the group (NextForward) go on
 }
 
 void Scheduler::FailJobLocked(const std::string& job_id, const std::string& cause, v1::JobState state) {
@@ -471,10 +529,10 @@ void Scheduler::FailJobLocked(const std::string& job_id, const std::string& caus
   if (runtime != runtimes_.end()) {
     const std::string why = absl::StrCat("job ", job_id, " is ", v1::JobState_Name(state), ": ", cause);
     runtime->second->ended = true;
-    for (auto& context : runtime->second->load_contexts) context->TryCancel();
-    runtime->second->forward_abort->Abort(why);
+    for (auto& context : runtime->second->group.load_contexts) context->TryCancel();
+    runtime->second->group.forward_abort->Abort(why);
     runtime->second->recovery.reset();
-    runtime->second->serving = false;
+    runtime->second->group.serving = false;
     if (auto serving = CloseServingLocked(*runtime->second, why)) {
       // (No JobServing exists once stopping_ is set: see WithServingRuntime.)
       threads_.Start([serving = std::move(serving)]() mutable { serving.reset(); });
@@ -492,10 +550,75 @@ void Scheduler::FailJobLocked(const std::string& job_id, const std::string& caus
   ScheduleLocked();
 }
 
-void Scheduler::FailWorkersJobLocked(const v1::WorkerInfo& worker, const std::string& why) {
+void Scheduler::LoseWorkersGroupLocked(const v1::WorkerInfo& worker, const std::string& why) {
   if (worker.job_id().empty()) return;
-  FailJobLocked(worker.job_id(), absl::StrCat("worker ", worker.worker_id(), " (rank ", worker.rank(), ") at ",
-                                              worker.address(), " ", why));
+  auto runtime = runtimes_.find(worker.job_id());
+  if (runtime == runtimes_.end()) return;
+  LoseGroupLocked(
+      worker.job_id(), runtime->second->group.generation,
+      absl::StrCat("worker ", worker.worker_id(), " (rank ", worker.rank(), ") at ", worker.address(), " ", why));
+}
+
+void Scheduler::LoseGroupLocked(const std::string& job_id, int64_t generation, const std::string& cause,
+                                const std::string& unreachable_worker) {
+  // Stopping: the job stays as stored; the next coordinator re-adopts it or places it again.
+  if (stopping_) return;
+  auto found = runtimes_.find(job_id);
+  if (found == runtimes_.end() || found->second->ended) return;
+  const std::shared_ptr<JobRuntime> runtime = found->second;
+  GroupRuntime& group = runtime->group;
+  if (group.generation != generation) return;  // a late report of a loss already handled
+  auto job = store_->Get(job_id);
+  if (!job.ok() || TerminalState(job->state()) || job->state() == v1::PENDING) return;
+  const GroupRestarts::Decision decision = group.restarts.Lost(cause, absl::Now());
+  if (decision.give_up) {
+    FailJobLocked(job_id, decision.cause);
+    return;
+  }
+  // The group is cut off: nothing of this placement loads, finishes or answers after.
+  ++group.generation;
+  for (auto& context : group.load_contexts) context->TryCancel();
+  group.load_contexts.clear();
+  group.forward_abort->Abort(absl::StrCat("job ", job_id, " lost its group: ", cause));
+  group.forward_abort = std::make_shared<ForwardAbort>();
+  group.serving = false;
+  group.rank_workers.clear();
+  group.progress.clear();
+  // A worker that does not answer is not placed again before it heartbeats again.
+  if (!unreachable_worker.empty()) pool_->MarkUnhealthy(unreachable_worker);
+  // The survivors drop their shard before they may be placed again (WorkerPool::SetUnloading): the
+  // job's next load on one of them would race the unload of the same job id.
+  for (const WorkerStub& w : pool_->Release(job_id)) {
+    pool_->SetUnloading(w.worker_id, true);
+    threads_.Start([this, w, job_id] {
+      UnloadShard(*w.stub, job_id, options_.worker_token);  // failed: the worker is gone or says so itself
+      absl::MutexLock lock(&mu_);
+      pool_->SetUnloading(w.worker_id, false);
+      ScheduleLocked();
+    });
+  }
+  RecordLocked(store_->SetRanks(job_id, {}).status(), absl::StrCat("clearing job ", job_id, "'s ranks"));
+  runtime->pending_note = absl::StrCat("recovering: ", group.restarts.Describe());
+  absl::StatusOr<v1::Job> pending = store_->Transition(job_id, v1::PENDING, runtime->pending_note);
+  if (!pending.ok()) {
+    // A recovery the database cannot follow would be lost at the next restart.
+    StoreErrorLocked(absl::StrCat("putting job ", job_id, " back to PENDING"), pending.status());
+    FailJobLocked(
+        job_id, absl::StrCat(cause, "; the job database could not record its recovery: ", pending.status().message()));
+    return;
+  }
+  // Ahead of the jobs that wait for their first placement: this one has callers waiting.
+  pending_.insert(pending_.begin(), {job_id, pending->pending_reason()});
+  ScheduleLocked();  // signals changed_: Job.degraded, and NextForward waiters see the loss
+}
+
+void Scheduler::MarkUnloadingLocked(const std::string& worker_id,
+                                    const google::protobuf::RepeatedPtrField<std::string>& unload) {
+  // Only the shards of jobs that run here matter: those may be placed on this worker again.
+  bool live = false;
+  for (const std::string& job_id : unload) live |= runtimes_.count(job_id) > 0;
+  // Done unloading: it may take a waiting job now (nothing else would schedule then).
+  if (pool_->SetUnloading(worker_id, live) && !live) ScheduleLocked();
 }
 
 std::shared_ptr<JobServing> Scheduler::CloseServingLocked(JobRuntime& runtime, const std::string& why) {
@@ -522,7 +645,8 @@ void Scheduler::MonitorLoop() {
   while (!stopping_) {
     // Checked every quarter interval against `missed_heartbeats` intervals of silence: a dead
     // worker's jobs fail within missed_heartbeats + 1/4 intervals of its last heartbeat.
-    changed_.WaitWithTimeout(&mu_, options_.heartbeat_interval / 4);
+    // Sooner when a restart's backoff ends first.
+    changed_.WaitWithDeadline(&mu_, std::min(absl::Now() + options_.heartbeat_interval / 4, next_backoff_end_));
     if (stopping_) break;
     // A draining server takes no heartbeats: silence then says nothing about the workers.
     if (draining_) continue;
@@ -535,8 +659,8 @@ void Scheduler::MonitorLoop() {
     // failure takes none of the others.
     const std::vector<WorkerDeparture> silent = pool_->TakeSilent(now);
     for (const WorkerDeparture& d : silent) {
-      FailWorkersJobLocked(d.info,
-                           absl::StrCat("stopped heartbeating (silent for ", absl::FormatDuration(d.silent), ")"));
+      LoseWorkersGroupLocked(d.info,
+                             absl::StrCat("stopped heartbeating (silent for ", absl::FormatDuration(d.silent), ")"));
     }
     if (!silent.empty()) ScheduleLocked();
     std::vector<std::string> overdue;
@@ -544,16 +668,25 @@ void Scheduler::MonitorLoop() {
       if (runtime->recovery != nullptr && now >= runtime->recovery->deadline) overdue.push_back(job_id);
     }
     for (const std::string& job_id : overdue) DecideRecoveryLocked(job_id);
+    if (now >= next_backoff_end_) ScheduleLocked();  // a restart's backoff is over
     SweepEndedJobsLocked(now);
   }
 }
 
-absl::StatusOr<v1::Job> Scheduler::GetJobLocked(const std::string& id) {
-  ASSIGN_OR_RETURN(v1::Job job, store_->Get(id));
-  auto runtime = runtimes_.find(id);
-  if (runtime != runtimes_.end() && runtime->second->recovery != nullptr) {
+void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
+  auto runtime = runtimes_.find(job.id());
+  if (runtime == runtimes_.end()) return;
+  if (runtime->second->recovery != nullptr) {
     job.set_recovering(runtime->second->recovery->Describe(runtime->second->plan.world_size()));
   }
+  const GroupRestarts& restarts = runtime->second->group.restarts;
+  if (restarts.recovering()) job.set_degraded(restarts.Describe());
+  job.set_restarts(restarts.restarts());
+}
+
+absl::StatusOr<v1::Job> Scheduler::GetJobLocked(const std::string& id) {
+  ASSIGN_OR_RETURN(v1::Job job, store_->Get(id));
+  FillRuntimeFieldsLocked(job);
   return job;
 }
 
@@ -566,11 +699,7 @@ absl::StatusOr<jobs::JobStore::Page> Scheduler::ListJobs(int page_size, const st
   // One page, read before the lock that the serving path takes.
   ASSIGN_OR_RETURN(jobs::JobStore::Page page, store_->ListPage(page_size, page_token));
   absl::MutexLock lock(&mu_);
-  for (v1::Job& job : page.jobs) {
-    auto runtime = runtimes_.find(job.id());
-    if (runtime == runtimes_.end() || runtime->second->recovery == nullptr) continue;
-    job.set_recovering(runtime->second->recovery->Describe(runtime->second->plan.world_size()));
-  }
+  for (v1::Job& job : page.jobs) FillRuntimeFieldsLocked(job);
   return page;
 }
 
@@ -602,7 +731,7 @@ v1::JobEvent Scheduler::EventLocked(const v1::Job& job) {
   *event.mutable_job() = job;
   auto runtime = runtimes_.find(job.id());
   if (runtime != runtimes_.end()) {
-    for (const auto& p : runtime->second->progress) *event.add_ranks() = p;
+    for (const auto& p : runtime->second->group.progress) *event.add_ranks() = p;
   }
   return event;
 }
@@ -634,29 +763,47 @@ absl::Status Scheduler::WatchJob(const std::string& id, absl::Time deadline,
   }
 }
 
-absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id) {
+absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, absl::Time wait_until) {
   absl::MutexLock lock(&mu_);
-  auto found = runtimes_.find(job_id);
-  if (found == runtimes_.end() || !found->second->serving) {
-    // It ended while this batch waited (its queue is closed by now too).
-    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
+  std::shared_ptr<JobRuntime> found;
+  while (true) {
+    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+    auto it = runtimes_.find(job_id);
+    if (it == runtimes_.end()) {
+      // It ended while this batch waited (its queue is closed by now too).
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
+    }
+    found = it->second;
+    if (found->group.serving) break;
+    if (!found->group.restarts.recovering()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " does not serve now"));
+    }
+    // Its group is being placed and loaded again: the batch waits for it (FinishLoad signals).
+    if (absl::Now() >= wait_until) {
+      return absl::UnavailableError(absl::StrCat("job ", job_id, " has no group serving (",
+                                                 found->group.restarts.Describe(),
+                                                 ") and none came back before the requests' deadline; retry"));
+    }
+    changed_.WaitWithDeadline(&mu_, wait_until);
   }
-  JobRuntime& runtime = *found->second;
+  JobRuntime& runtime = *found;
   // A serving job's workers are in the pool: one that registers again keeps the rank under its
   // new id (MoveRankLocked), and one that leaves fails the job first.
-  ASSIGN_OR_RETURN(std::vector<WorkerStub> stubs, pool_->Stubs(runtime.rank_workers));
+  ASSIGN_OR_RETURN(std::vector<WorkerStub> stubs, pool_->Stubs(runtime.group.rank_workers));
   ForwardTarget target;
   for (WorkerStub& s : stubs) {
     target.ranks.push_back({s.worker_id, s.address, std::move(s.stub), options_.worker_token, std::move(s.health)});
   }
-  target.sequence = runtime.next_sequence++;
-  target.abort = runtime.forward_abort;
+  target.sequence = runtime.group.next_sequence++;
+  target.abort = runtime.group.forward_abort;
+  target.generation = runtime.group.generation;
   return target;
 }
 
-void Scheduler::FailJob(const std::string& job_id, const std::string& cause) {
+void Scheduler::LoseGroup(const std::string& job_id, int64_t generation, const std::string& cause,
+                          const std::string& unreachable_worker) {
   absl::MutexLock lock(&mu_);
-  FailJobLocked(job_id, cause);
+  LoseGroupLocked(job_id, generation, cause, unreachable_worker);
 }
 
 absl::Status Scheduler::WithServingRuntime(const std::string& job_id,
@@ -666,7 +813,10 @@ absl::Status Scheduler::WithServingRuntime(const std::string& job_id,
   // Stop() takes every batch queue out as it sets stopping_; none may be made after.
   if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
   auto found = runtimes_.find(job_id);
-  if (found != runtimes_.end() && found->second->serving) return use(found->second, v1::Job());
+  // A group being placed again: the requests queue and wait for it (NextForward).
+  if (found != runtimes_.end() && (found->second->group.serving || found->second->group.restarts.recovering())) {
+    return use(found->second, v1::Job());
+  }
   return use(nullptr, GetJobLocked(job_id));
 }
 

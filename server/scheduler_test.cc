@@ -17,6 +17,13 @@ class SchedulerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     options_.heartbeat_interval = absl::Hours(1);  // the fakes never heartbeat
+    // A lost group is placed again at once every time (backoff: SchedulerBackoffTest), twice at most.
+    options_.restarts.backoff_initial = absl::ZeroDuration();
+    options_.restarts.max_restarts = 2;
+    Start();
+  }
+  void Start() {
+    scheduler_.reset();
     pool_ = std::make_unique<WorkerPool>(options_, "test");
     auto store = jobs::JobStore::Open(":memory:");
     ASSERT_TRUE(store.ok()) << store.status();
@@ -93,7 +100,7 @@ TEST_F(SchedulerTest, PlacesAWaitingJobWhenWorkersComeAndNumbersItsForwards) {
   EXPECT_EQ(b.Loads()[0].rendezvous_secret(), secret);
   EXPECT_TRUE(pool_->Idle().empty());
   for (int64_t sequence = 0; sequence < 3; ++sequence) {
-    auto next = scheduler_->NextForward(submitted.id());
+    auto next = scheduler_->NextForward(submitted.id(), absl::Now());
     ASSERT_TRUE(next.ok()) << next.status();
     EXPECT_EQ(next->sequence, sequence);
     ASSERT_EQ(next->ranks.size(), 2u);
@@ -103,20 +110,41 @@ TEST_F(SchedulerTest, PlacesAWaitingJobWhenWorkersComeAndNumbersItsForwards) {
   }
 }
 
-TEST_F(SchedulerTest, ARankThatFailsToLoadFailsTheJobAndTheSurvivorUnloads) {
+// A rank that fails to load loses the group: the survivor unloads and the job is placed and
+// loaded again, until --max_restarts (2 here) losses in a row end it FAILED naming every one.
+TEST_F(SchedulerTest, ARankThatKeepsFailingToLoadIsPlacedAgainUntilMaxRestarts) {
   FakeWorker good, bad(grpc::Status(grpc::StatusCode::INTERNAL, "the disk is on fire"));
   Register(good);
   const std::string bad_id = Register(bad);
   const v1::Job failed = Settled(Submit(2).id());
   ASSERT_EQ(failed.state(), v1::FAILED) << failed.DebugString();
-  EXPECT_NE(failed.failure_cause().find("worker " + bad_id + " (rank 1): the disk is on fire"), std::string::npos)
+  EXPECT_NE(failed.failure_cause().find("lost its workers 3 times in a row (--max_restarts=2): 1) worker " + bad_id +
+                                        " (rank 1): the disk is on fire"),
+            std::string::npos)
       << failed.failure_cause();
+  EXPECT_EQ(bad.Loads().size(), 3u);  // the first load and two restarts
   EXPECT_TRUE(good.WaitForUnload(failed.id()));
   EXPECT_EQ(pool_->Idle().size(), 2u);  // both free again
-  EXPECT_EQ(scheduler_->NextForward(failed.id()).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(scheduler_->NextForward(failed.id(), absl::Now()).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
-TEST_F(SchedulerTest, AFailedJobFreesItsWorkersForTheNextWaitingOne) {
+// A load refused for what it asks (here the checkpoint's files) would fail on any workers: FAILED
+// at once, not placed again.
+TEST_F(SchedulerTest, ALoadThatCanNeverSucceedFailsTheJobAtOnce) {
+  FakeWorker good, refusing(grpc::Status(grpc::StatusCode::NOT_FOUND, "model.safetensors: no such file"));
+  Register(good);
+  const std::string refusing_id = Register(refusing);
+  const v1::Job failed = Settled(Submit(2).id());
+  ASSERT_EQ(failed.state(), v1::FAILED) << failed.DebugString();
+  EXPECT_EQ(failed.failure_cause(), "worker " + refusing_id + " (rank 1): model.safetensors: no such file");
+  EXPECT_EQ(refusing.Loads().size(), 1u);
+  EXPECT_TRUE(good.WaitForUnload(failed.id()));
+}
+
+// A forward that failed loses the group instead of ending the job: the survivors unload, the job
+// says it is recovering and why, is placed again ahead of the jobs waiting for a first placement,
+// and serves again from sequence 0. A late report about the lost group changes nothing.
+TEST_F(SchedulerTest, ALostGroupIsPlacedAgainAheadOfWaitingJobs) {
   FakeWorker a, b;
   Register(a);
   Register(b);
@@ -124,17 +152,41 @@ TEST_F(SchedulerTest, AFailedJobFreesItsWorkersForTheNextWaitingOne) {
   ASSERT_EQ(first.state(), v1::READY);
   const v1::Job second = Submit(2);
   EXPECT_EQ(second.state(), v1::PENDING);
-  scheduler_->FailJob(first.id(), "worker w (rank 1) at a: forward 3 failed");
-  const v1::Job ended = *scheduler_->GetJob(first.id());
-  EXPECT_EQ(ended.state(), v1::FAILED);
-  EXPECT_EQ(ended.failure_cause(), "worker w (rank 1) at a: forward 3 failed");
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(scheduler_->NextForward(first.id(), absl::Now()).ok());
+  const absl::StatusOr<ForwardTarget> lost_target = scheduler_->NextForward(first.id(), absl::Now());
+  ASSERT_TRUE(lost_target.ok());
+  scheduler_->LoseGroup(first.id(), lost_target->generation, "worker w (rank 1) at a: forward 2 failed", "");
+  const v1::Job recovering = *scheduler_->GetJob(first.id());
+  // Placed again at once (no backoff for a first loss) unless the survivors were still unloading.
+  EXPECT_NE(recovering.state(), v1::FAILED);
+  EXPECT_EQ(recovering.restarts(), 1);
+  bool said_pending = false;
+  for (const v1::StateChange& change : recovering.history()) {
+    if (change.state() == v1::PENDING && change.reason().find("recovering: lost worker w (rank 1) at a: forward 2 "
+                                                              "failed (restart 1 of at most 2)") == 0) {
+      said_pending = true;
+    }
+  }
+  EXPECT_TRUE(said_pending) << recovering.DebugString();
   EXPECT_TRUE(a.WaitForUnload(first.id()));
   EXPECT_TRUE(b.WaitForUnload(first.id()));
-  EXPECT_EQ(Settled(second.id()).state(), v1::READY);  // placed as the first one freed its workers
+  const v1::Job back = Settled(first.id());
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  EXPECT_EQ(back.degraded(), "");
+  EXPECT_EQ(a.Loads().size(), 2u);
+  EXPECT_EQ(scheduler_->GetJob(second.id())->state(), v1::PENDING);  // the recovering job went first
+  scheduler_->LoseGroup(first.id(), lost_target->generation, "late news of the lost group", "");
+  EXPECT_EQ(scheduler_->GetJob(first.id())->state(), v1::READY);
+  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(first.id(), absl::Now());
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->sequence, 0);  // the new group's first forward
+  EXPECT_NE(next->generation, lost_target->generation);
 }
 
-TEST_F(SchedulerTest, ALeavingWorkerFailsItsJobAndUnknownOnesRegisterAgain) {
-  FakeWorker a;
+// A worker that leaves (SIGTERM) loses its job's group: the job waits, saying so, until a spare
+// comes, and serves again on it.
+TEST_F(SchedulerTest, ALeavingWorkersJobIsPlacedAgainOnASpareAndUnknownOnesRegisterAgain) {
+  FakeWorker a, spare;
   const std::string id = Register(a);
   const v1::Job ready = Settled(Submit(1).id());
   ASSERT_EQ(ready.state(), v1::READY);
@@ -142,15 +194,60 @@ TEST_F(SchedulerTest, ALeavingWorkerFailsItsJobAndUnknownOnesRegisterAgain) {
   leaving.set_worker_id(id);
   leaving.set_leaving(true);
   ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
-  const v1::Job failed = *scheduler_->GetJob(ready.id());
-  EXPECT_EQ(failed.state(), v1::FAILED);
-  EXPECT_NE(failed.failure_cause().find("worker " + id + " (rank 0) at " + a.Address() + " is shutting down"),
-            std::string::npos)
-      << failed.failure_cause();
+  const v1::Job waiting = *scheduler_->GetJob(ready.id());
+  EXPECT_EQ(waiting.state(), v1::PENDING);
+  const std::string lost = "lost worker " + id + " (rank 0) at " + a.Address() + " is shutting down";
+  EXPECT_EQ(waiting.degraded().rfind(lost, 0), 0u) << waiting.degraded();
+  EXPECT_EQ(waiting.pending_reason().rfind("recovering: " + lost, 0), 0u) << waiting.pending_reason();
+  EXPECT_NE(waiting.pending_reason().find("0 are free"), std::string::npos) << waiting.pending_reason();
   EXPECT_TRUE(pool_->Idle().empty());  // out of the pool until it beats again
+  // Requests wait for the group meanwhile: the serving path is given the runtime.
+  bool given_runtime = false;
+  ASSERT_TRUE(scheduler_
+                  ->WithServingRuntime(ready.id(),
+                                       [&](const std::shared_ptr<JobRuntime>& runtime, const absl::StatusOr<v1::Job>&) {
+                                         given_runtime = runtime != nullptr;
+                                         return absl::OkStatus();
+                                       })
+                  .ok());
+  EXPECT_TRUE(given_runtime);
+  EXPECT_EQ(scheduler_->NextForward(ready.id(), absl::Now()).status().code(), absl::StatusCode::kUnavailable);
+  const std::string spare_id = Register(spare);
+  const v1::Job back = Settled(ready.id());
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  ASSERT_EQ(back.ranks_size(), 1);
+  EXPECT_EQ(back.ranks(0).worker_id(), spare_id);
   v1::HeartbeatRequest unknown;
   unknown.set_worker_id("worker-9-old");
   EXPECT_EQ(scheduler_->Heartbeat(unknown).status().code(), absl::StatusCode::kNotFound);
+}
+
+// The second loss in a row waits out its backoff before the job is placed again, saying until when,
+// even with a worker free.
+TEST_F(SchedulerTest, ASecondLossInARowWaitsOutItsBackoff) {
+  options_.restarts.backoff_initial = absl::Hours(1);
+  options_.restarts.max_restarts = 5;
+  Start();
+  FakeWorker a, b, c;
+  const std::string a_id = Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  ASSERT_EQ(ready.state(), v1::READY);
+  v1::HeartbeatRequest leaving;
+  leaving.set_leaving(true);
+  leaving.set_worker_id(a_id);
+  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  const std::string b_id = Register(b);  // the first restart is at once
+  ASSERT_EQ(Settled(ready.id()).state(), v1::READY);
+  leaving.set_worker_id(b_id);
+  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  Register(c);
+  const v1::Job backing_off = *scheduler_->GetJob(ready.id());
+  EXPECT_EQ(backing_off.state(), v1::PENDING);
+  EXPECT_EQ(backing_off.restarts(), 2);
+  EXPECT_NE(backing_off.pending_reason().find("(backoff: 2 losses in a row)"), std::string::npos)
+      << backing_off.pending_reason();
+  EXPECT_TRUE(c.Loads().empty());
+  EXPECT_EQ(pool_->Idle().size(), 1u);  // c, left free
 }
 
 // Placement happens within the call that makes it possible, so what has not loaded by the time

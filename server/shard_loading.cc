@@ -28,7 +28,7 @@ absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::
 bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRequest& request,
                        const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts,
                        const std::function<void(size_t rank, const v1::LoadProgress&)>& on_progress,
-                       const std::function<void(size_t rank, const std::string& cause)>& on_failure) {
+                       const std::function<void(size_t rank, const absl::Status& failure)>& on_failure) {
   std::vector<std::thread> threads;
   std::vector<char> loaded(ranks.size(), 0);  // each written by its rank's thread only
   for (size_t r = 0; r < ranks.size(); ++r) {
@@ -44,9 +44,19 @@ bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRe
         return;
       }
       const std::string rank = absl::StrCat("worker ", ranks[r].worker_id, " (rank ", r, "): ");
-      on_failure(r, status.error_code() == grpc::StatusCode::CANCELLED
-                        ? absl::StrCat(rank, "cancelled")
-                        : Blame(ranks, absl::StrCat(rank, status.error_message())));
+      if (status.error_code() == grpc::StatusCode::CANCELLED) {
+        on_failure(r, absl::CancelledError(absl::StrCat(rank, "cancelled")));
+        return;
+      }
+      const UnreachableRank down = FindUnreachableRank(ranks);
+      if (down.rank < 0) {
+        on_failure(r, absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                                   absl::StrCat(rank, status.error_message())));
+        return;
+      }
+      absl::Status lost = absl::UnavailableError(down.cause);
+      lost.SetPayload(kUnreachableWorkerPayload, absl::Cord(ranks[static_cast<size_t>(down.rank)].worker_id));
+      on_failure(r, lost);
     });
   }
   for (auto& t : threads) t.join();
@@ -56,16 +66,31 @@ bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRe
   return true;
 }
 
+bool LoadCanNeverSucceed(const absl::Status& failure) {
+  switch (failure.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnimplemented:
+    case absl::StatusCode::kDataLoss:
+      return true;
+    default:
+      return false;
+  }
+}
+
+grpc::Status UnloadShard(v1::Worker::Stub& stub, const std::string& job_id, const std::string& token) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  common::AttachToken(&context, token);
+  v1::UnloadRequest unload;
+  unload.set_job_id(job_id);
+  v1::UnloadResponse ignored;
+  return stub.Unload(&context, unload, &ignored);
+}
+
 void UnloadInBackground(std::shared_ptr<v1::Worker::Stub> stub, const std::string& job_id, const std::string& token) {
-  std::thread([stub = std::move(stub), job_id, token] {
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    common::AttachToken(&context, token);
-    v1::UnloadRequest unload;
-    unload.set_job_id(job_id);
-    v1::UnloadResponse ignored;
-    stub->Unload(&context, unload, &ignored);
-  }).detach();
+  std::thread([stub = std::move(stub), job_id, token] { UnloadShard(*stub, job_id, token); }).detach();
 }
 
 }  // namespace bertshard::server

@@ -41,13 +41,24 @@ absl::StatusOr<int32_t> ReserveRendezvousPort(const RankStub& rank0, const std::
 
 // Streams LoadShard(`request` with each rank's number) on every rank in parallel, each under its
 // context of `contexts` (deadline and token set, cancellable by the caller), until all have ended.
-// `on_progress(rank, progress)` for every message; `on_failure(rank, cause)` once per failed rank,
-// the cause naming the worker and rank ("... cancelled" when its context was cancelled). True
-// when every rank loaded.
+// `on_progress(rank, progress)` for every message; `on_failure(rank, failure)` once per failed rank,
+// the failure's message naming the worker and rank ("... cancelled" when its context was
+// cancelled), its code the worker's (UNAVAILABLE when a worker of the job does not answer its
+// health check: then that worker is named, Blame, and its id is the failure's
+// kUnreachableWorkerPayload). True when every rank loaded.
+inline constexpr char kUnreachableWorkerPayload[] = "bertshard.dev/unreachable-worker";
 bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRequest& request,
                        const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts,
                        const std::function<void(size_t rank, const v1::LoadProgress&)>& on_progress,
-                       const std::function<void(size_t rank, const std::string& cause)>& on_failure);
+                       const std::function<void(size_t rank, const absl::Status& failure)>& on_failure);
+
+// Whether a load that failed with `failure` would fail again on any workers: the request or the
+// checkpoint is wrong (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNIMPLEMENTED, DATA_LOSS),
+// not a worker lost or out of memory.
+bool LoadCanNeverSucceed(const absl::Status& failure);
+
+// Tells a worker to drop job `job_id`'s shard and waits for its answer (10 s at most).
+grpc::Status UnloadShard(v1::Worker::Stub& stub, const std::string& job_id, const std::string& token);
 
 // Tells a worker to drop job `job_id`'s shard, on a detached thread: the call owns what it uses
 // (the stub keeps its channel) and ends by its deadline (10 s); its outcome changes nothing.

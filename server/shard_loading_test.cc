@@ -32,6 +32,8 @@ struct Reported {
   absl::Mutex mu;
   std::map<size_t, int> progress ABSL_GUARDED_BY(mu);
   std::map<size_t, std::string> causes ABSL_GUARDED_BY(mu);
+  std::map<size_t, absl::StatusCode> codes ABSL_GUARDED_BY(mu);
+  std::map<size_t, std::string> unreachable ABSL_GUARDED_BY(mu);  // kUnreachableWorkerPayload
 };
 
 bool Load(const std::vector<RankStub>& ranks, Reported* reported,
@@ -46,9 +48,12 @@ bool Load(const std::vector<RankStub>& ranks, Reported* reported,
         absl::MutexLock lock(&reported->mu);
         if (progress.phase() == v1::LoadProgress::READY) ++reported->progress[rank];
       },
-      [&](size_t rank, const std::string& cause) {
+      [&](size_t rank, const absl::Status& failure) {
         absl::MutexLock lock(&reported->mu);
-        reported->causes[rank] = cause;
+        reported->causes[rank] = std::string(failure.message());
+        reported->codes[rank] = failure.code();
+        const absl::optional<absl::Cord> unreachable = failure.GetPayload(kUnreachableWorkerPayload);
+        if (unreachable.has_value()) reported->unreachable[rank] = std::string(*unreachable);
       });
 }
 
@@ -87,6 +92,8 @@ TEST(LoadShardsOnRanks, FailuresAreBlamedOnTheWorkerThatNoLongerAnswers) {
   {
     absl::MutexLock lock(&alive.mu);
     EXPECT_EQ(alive.causes, (std::map<size_t, std::string>{{0, "worker w0 (rank 0): the disk is on fire"}}));
+    EXPECT_EQ(alive.codes[0], absl::StatusCode::kInternal);  // the worker's own code
+    EXPECT_TRUE(alive.unreachable.empty());
   }
   Reported dead;
   EXPECT_FALSE(Load({Rank("w0", failing.Address()), Rank("w1", kNobody)}, &dead));
@@ -95,6 +102,8 @@ TEST(LoadShardsOnRanks, FailuresAreBlamedOnTheWorkerThatNoLongerAnswers) {
   for (const auto& [rank, cause] : dead.causes) {
     EXPECT_EQ(cause.rfind(std::string("worker w1 (rank 1) at ") + kNobody + " is unreachable: ", 0), 0u)
         << "rank " << rank << ": " << cause;
+    EXPECT_EQ(dead.codes[rank], absl::StatusCode::kUnavailable);  // a lost worker: worth placing again
+    EXPECT_EQ(dead.unreachable[rank], "w1");
   }
 }
 
@@ -106,6 +115,25 @@ TEST(LoadShardsOnRanks, ACancelledLoadSaysSo) {
   EXPECT_FALSE(Load({Rank("w0", worker.Address())}, &reported, contexts));
   absl::MutexLock lock(&reported.mu);
   EXPECT_EQ(reported.causes, (std::map<size_t, std::string>{{0, "worker w0 (rank 0): cancelled"}}));
+}
+
+// A load refused for what it asks (the checkpoint, the request) fails on any workers: the job ends
+// at once instead of being placed again; a lost or short-of-memory worker is worth another try.
+TEST(LoadCanNeverSucceed, OnlyForRefusalsOfTheRequestItself) {
+  EXPECT_TRUE(LoadCanNeverSucceed(absl::NotFoundError("model.safetensors: no such file")));
+  EXPECT_TRUE(LoadCanNeverSucceed(absl::InvalidArgumentError("tensor shape")));
+  EXPECT_TRUE(LoadCanNeverSucceed(absl::DataLossError("truncated")));
+  EXPECT_FALSE(LoadCanNeverSucceed(absl::UnavailableError("worker w1 is unreachable")));
+  EXPECT_FALSE(LoadCanNeverSucceed(absl::ResourceExhaustedError("out of memory")));
+  EXPECT_FALSE(LoadCanNeverSucceed(absl::InternalError("gloo: connection reset")));
+  EXPECT_FALSE(LoadCanNeverSucceed(absl::DeadlineExceededError("rendezvous")));
+}
+
+TEST(UnloadShard, WaitsForTheWorkersAnswer) {
+  FakeWorker worker;
+  EXPECT_TRUE(UnloadShard(*Rank("w0", worker.Address()).stub, "job-8", "").ok());
+  EXPECT_TRUE(worker.WaitForUnload("job-8"));
+  EXPECT_FALSE(UnloadShard(*Rank("w0", kNobody).stub, "job-8", "").ok());
 }
 
 TEST(UnloadInBackground, TheWorkerIsToldToDropTheJob) {

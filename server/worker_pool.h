@@ -88,7 +88,14 @@ class WorkerPool {
   // (which still hold a shard to drop).
   std::vector<WorkerStub> Release(const std::string& job_id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The healthy workers without a job, in id order, with their devices (for PlaceRanks).
+  // While a worker drops the shard of a job it no longer serves, it is kept out of placement: a job
+  // placed again on that worker would otherwise have its new shard's load race the old one's
+  // unload (ALREADY_EXISTS, or the new shard dropped). Cleared with false, or by a new entry for
+  // its address. Unknown ids are ignored. Returns whether it was unloading before.
+  bool SetUnloading(const std::string& worker_id, bool unloading) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The healthy workers without a job and not unloading (SetUnloading), in id order, with their devices (for
+  // PlaceRanks).
   std::vector<IdleWorker> Idle() const ABSL_LOCKS_EXCLUDED(mu_);
   // The channels of `worker_ids`, in that order; NOT_FOUND naming the first that left the pool.
   absl::StatusOr<std::vector<WorkerStub>> Stubs(const std::vector<std::string>& worker_ids) const
@@ -100,6 +107,7 @@ class WorkerPool {
     v1::WorkerInfo info;
     WorkerStub channel;
     absl::Time last_heartbeat;
+    bool unloading = false;  // SetUnloading
   };
 
   const ClusterOptions options_;

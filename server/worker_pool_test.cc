@@ -130,5 +130,22 @@ TEST_F(WorkerPoolTest, IdleWorkersCarryTheirDevicesAndStubsNameOneThatLeft) {
   EXPECT_NE(gone.message().find("worker worker-5-inc1 left the pool"), std::string::npos) << gone;
 }
 
+// A survivor of a lost group drops its shard before it may be placed again (the new load would
+// race the unload); a new entry for its address starts clear.
+TEST_F(WorkerPoolTest, AnUnloadingWorkerIsNotIdleUntilItsUnloadEnds) {
+  const v1::WorkerInfo a = Add(9001);
+  const v1::WorkerInfo b = Add(9002);
+  pool_.SetUnloading(a.worker_id(), true);
+  EXPECT_EQ(Ids(pool_.Idle()), std::vector<std::string>{b.worker_id()});
+  EXPECT_TRUE(pool_.SetUnloading(a.worker_id(), false));  // it was
+  EXPECT_FALSE(pool_.SetUnloading(a.worker_id(), false));
+  EXPECT_EQ(Ids(pool_.Idle()), (std::vector<std::string>{a.worker_id(), b.worker_id()}));
+  pool_.SetUnloading(b.worker_id(), true);
+  pool_.SetUnloading("no-such-worker", true);
+  ASSERT_TRUE(pool_.RemoveByAddress(b.address()).has_value());
+  const v1::WorkerInfo b_again = Add(9002);
+  EXPECT_EQ(Ids(pool_.Idle()), (std::vector<std::string>{a.worker_id(), b_again.worker_id()}));
+}
+
 }  // namespace
 }  // namespace bertshard::server

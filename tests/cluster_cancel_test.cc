@@ -137,8 +137,8 @@ TEST_F(BehaviourCluster, CancelPendingAndLoadingJobs) {
 // 4b. The PLANNED window: workers are assigned, the load has not begun. The coordinator's load
 // thread is held at its start ("coordinator_planned"). A job cancelled there is CANCELLED and no
 // worker is ever asked to load it. A worker that registers again there under a new id (its entry
-// replaced) fails the job naming it; before the fix the load thread looked the old id up with
-// std::map::at and the exception ended the coordinator.
+// replaced) loses the job's group naming it (it is placed again); before the fix the load thread looked the old id up
+// with std::map::at and the exception ended the coordinator.
 TEST_F(BehaviourCluster, CancelAndReRegistrationWhileAJobIsPlanned) {
   Hold("coordinator_planned");
   const v1::Job planned = Submit(kModel);
@@ -165,9 +165,14 @@ TEST_F(BehaviourCluster, CancelAndReRegistrationWhileAJobIsPlanned) {
   ASSERT_NE(registered.worker_id(), second.ranks(0).worker_id());
   Release("coordinator_planned");  // both held load threads go on
 
-  const v1::Job failed = WaitState(second.id(), v1::FAILED);
-  EXPECT_EQ(failed.state(), v1::FAILED);
-  EXPECT_NE(failed.failure_cause().find(second.ranks(0).worker_id()), std::string::npos) << failed.failure_cause();
+  // The job lost its group naming the replaced worker, and is placed and loaded again.
+  const v1::Job lost = WaitLost(second.id());
+  EXPECT_NE(lost.state(), v1::FAILED) << lost.failure_cause();
+  EXPECT_NE(RecoveryReason(lost).find(second.ranks(0).worker_id()), std::string::npos) << lost.DebugString();
+  const v1::Job back = WaitState(second.id(), v1::READY, absl::Seconds(40));
+  EXPECT_EQ(back.state(), v1::READY) << back.DebugString();
+  v1::Job second_cancelled;
+  ASSERT_TRUE(Cancel(second.id(), &second_cancelled).ok());  // its worker back for the next job
   // The worker daemon itself comes back: its next heartbeat is NOT_FOUND (the registration above
   // replaced its entry) and it registers again, replacing that entry. A job placed before then
   // would go to the entry made above, and fail when the daemon registers without its shard.

@@ -270,6 +270,33 @@ class LocalCluster {
     return job;
   }
 
+  // Why `job` last went back to PENDING to be placed again after losing a worker (its latest
+  // "recovering: ..." history entry); "" when it never did.
+  static std::string RecoveryReason(const v1::Job& job) {
+    std::string reason;
+    for (const v1::StateChange& change : job.history()) {
+      if (change.state() == v1::PENDING && change.reason().rfind("recovering: ", 0) == 0) reason = change.reason();
+    }
+    return reason;
+  }
+
+  // Polls GetJob until `job` has lost its group at least once (it is recovering, or has recovered:
+  // its history says so) or has ended, for up to `limit`; the job as last seen.
+  v1::Job WaitLost(const std::string& job, absl::Duration limit = absl::Seconds(20)) {
+    v1::Job seen;
+    const absl::Time end = absl::Now() + limit;
+    while (absl::Now() < end) {
+      v1::GetJobRequest get;
+      get.set_job_id(job);
+      if (stub_->GetJob(Context(5).get(), get, &seen).ok() &&
+          (!RecoveryReason(seen).empty() || seen.state() == v1::FAILED || seen.state() == v1::CANCELLED)) {
+        return seen;
+      }
+      usleep(20 * 1000);
+    }
+    return seen;
+  }
+
   // Settings: the coordinator's flags (an empty one is not passed), the flags given to the
   // coordinator and every worker (TlsCluster), the test's own channel credentials and the most
   // it takes in one answer (0: gRPC's default, 4 MiB).

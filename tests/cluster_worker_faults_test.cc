@@ -1,13 +1,17 @@
 // Workers failing under a serving cluster (a coordinator and four shard-worker processes on
-// loopback, a fresh cluster per test): a worker killed with SIGKILL fails its job with a cause
-// naming it (at once when it dies during an inference, whatever the heartbeat interval), a worker
-// stalled briefly keeps its job, one stopped past the threshold fails it and comes back idle, and
-// one sent SIGTERM leaves the pool at once. A killed worker's job stays FAILED across a coordinator
-// restart. (Faults at each phase of a job: tests/fault_matrix_test.cc.)
+// loopback, a fresh cluster per test): a worker killed with SIGKILL loses its job's group with a
+// cause naming it (at once when it dies during an inference, whatever the heartbeat interval) and
+// the job waits to be placed again (no spare here: it stays PENDING, recovering), a worker stalled
+// briefly keeps its job, one stopped past the threshold loses it and, once continued, the job is
+// placed again and serves, and one sent SIGTERM leaves the pool at once. A killed worker's job stays
+// PENDING across a coordinator restart. With a spare, a killed worker's job serves again by itself
+// (RecoversOnASpareUnderClients). (Faults at each phase of a job: tests/fault_matrix_test.cc.)
 #include <atomic>
+#include <cstdio>
 #include <filesystem>
 #include <thread>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -23,7 +27,7 @@ using testing::Context;
 using testing::kModel;
 using testing::ReadAll;
 using testing::WaitExit;
-TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
+TEST_F(Cluster, KilledWorkersJobWaitsToBePlacedAgainAndCoordinatorRestartKeepsJobs) {
   const v1::Job job = Submit(kModel);
   const v1::JobEvent ready = Watch(job.id());
   ASSERT_EQ(ready.job().state(), v1::READY) << ready.job().failure_cause();
@@ -34,18 +38,24 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   infer.set_job_id(job.id());
   *infer.mutable_tokens() = Tokens();
   v1::InferResponse response;
-  EXPECT_FALSE(stub_->Infer(Context().get(), infer, &response).ok());
-  v1::GetJobRequest get;
-  get.set_job_id(job.id());
-  v1::Job failed;
-  for (int i = 0; i < 100; ++i) {
-    ASSERT_TRUE(stub_->GetJob(Context().get(), get, &failed).ok());
-    if (failed.state() == v1::FAILED) break;
-    usleep(50 * 1000);
-  }
-  EXPECT_EQ(failed.state(), v1::FAILED);
-  EXPECT_NE(failed.failure_cause().find(victim_id), std::string::npos) << failed.failure_cause();
-  EXPECT_NE(failed.failure_cause().find("rank 3"), std::string::npos) << failed.failure_cause();
+  // No group comes back (three workers for four ranks): the request waits for one until shortly
+  // before its deadline, then hears UNAVAILABLE, saying why.
+  const grpc::Status waited = stub_->Infer(Context(4).get(), infer, &response);
+  EXPECT_EQ(waited.error_code(), grpc::StatusCode::UNAVAILABLE) << waited.error_message();
+  const v1::Job lost = WaitLost(job.id());
+  EXPECT_EQ(lost.state(), v1::PENDING);
+  EXPECT_NE(lost.degraded().find(victim_id), std::string::npos) << lost.DebugString();
+  EXPECT_NE(RecoveryReason(lost).find("rank 3"), std::string::npos) << lost.DebugString();
+  EXPECT_EQ(lost.restarts(), 1);
+  // shardctl says it too: `jobs` in its detail, `job` in the degraded field.
+  const std::string server = "--server=127.0.0.1:" + std::to_string(port_);
+  const testing::Cli listed = testing::Shardctl({"jobs", server});
+  EXPECT_EQ(listed.exit_code, 0) << listed.output;
+  EXPECT_NE(listed.output.find("recovering: lost worker " + victim_id), std::string::npos) << listed.output;
+  const testing::Cli shown = testing::Shardctl({"job", server, job.id()});
+  EXPECT_EQ(shown.exit_code, 0) << shown.output;
+  EXPECT_NE(shown.output.find("degraded"), std::string::npos) << shown.output;
+  EXPECT_NE(shown.output.find("lost worker " + victim_id), std::string::npos) << shown.output;
   EXPECT_TRUE(WaitForWorkers(3));  // the survivors are idle again
   // Within 3 1/4 heartbeat intervals of its last heartbeat the coordinator marks it dead.
   bool dead = false;
@@ -75,7 +85,9 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
   ASSERT_TRUE(stub_->ListJobs(Context().get(), v1::ListJobsRequest(), &jobs).ok());
   ASSERT_EQ(jobs.jobs_size(), 2);
   EXPECT_EQ(jobs.jobs(0).id(), job.id());
-  EXPECT_EQ(jobs.jobs(0).state(), v1::FAILED);
+  EXPECT_EQ(jobs.jobs(0).state(), v1::PENDING);  // still waiting to be placed again
+  EXPECT_NE(jobs.jobs(0).degraded().find("lost worker " + victim_id), std::string::npos) << jobs.jobs(0).DebugString();
+  EXPECT_NE(RecoveryReason(jobs.jobs(0)).find(victim_id), std::string::npos) << jobs.jobs(0).DebugString();
   EXPECT_EQ(jobs.jobs(1).state(), v1::PENDING);
   EXPECT_TRUE(WaitForWorkers(3)) << ReadAll(data_dir_ + ".log") << ReadAll(WorkerLog(0)) << ReadAll(WorkerLog(1))
                                  << ReadAll(WorkerLog(2)) << ReadAll(WorkerLog(3)) <<
@@ -93,6 +105,92 @@ TEST_F(Cluster, KilledWorkerFailsItsJobAndCoordinatorRestartKeepsJobs) {
                                       stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &w);
                                       return w.DebugString();
                                     }();
+}
+
+// Issue 22: a TP 2 job on four workers (two spares), under closed-loop clients checking every
+// answer against the reference. SIGKILL one of its workers: the group is lost, placed again on the
+// spares and loaded, and the job is READY again by itself; the batch in flight is sent again on the
+// new group, so clients see no error at all, or at most UNAVAILABLE for requests made during the
+// gap (never a wrong answer, never another code). Prints the time from the kill to the first answer
+// to a request sent after it and to READY again (loaded, shared machine: no bound asserted on speed).
+TEST_F(Cluster, KilledWorkersJobServesAgainOnASpareUnderClients) {
+  const v1::Job job = Submit(kModel, 2, 1);
+  ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
+  const std::vector<float> expected = Expected();
+  struct Failure {
+    grpc::StatusCode code;
+    std::string message;
+    absl::Time sent;
+  };
+  absl::Mutex mu;
+  std::vector<Failure> failures;                         // guarded by mu
+  int64_t answered = 0;                                  // guarded by mu
+  int wrong = 0;                                         // guarded by mu
+  absl::Time first_after_kill = absl::InfiniteFuture();  // the first answer to a request sent after the kill
+  absl::Time killed = absl::InfiniteFuture();            // guarded by mu
+  std::atomic<bool> stop{false};
+  constexpr int kClients = 4;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.emplace_back([&] {
+      while (!stop) {
+        v1::InferRequest infer;
+        infer.set_job_id(job.id());
+        *infer.mutable_tokens() = Tokens();
+        v1::InferResponse response;
+        const absl::Time sent = absl::Now();
+        const grpc::Status status = stub_->Infer(Context(60).get(), infer, &response);
+        absl::MutexLock lock(&mu);
+        if (!status.ok()) {
+          failures.push_back({status.error_code(), status.error_message(), sent});
+          continue;
+        }
+        ++answered;
+        if (response.outputs_size() != 1 || MaxDiff(response.outputs(0), expected) > 1e-5f) ++wrong;
+        if (sent > killed) first_after_kill = std::min(first_after_kill, absl::Now());
+      }
+    });
+  }
+  const auto answers = [&] {
+    absl::MutexLock lock(&mu);
+    return answered;
+  };
+  const auto until = [&](int64_t n) {
+    for (int k = 0; k < 3000 && answers() < n; ++k) usleep(10 * 1000);
+    return answers() >= n;
+  };
+  ASSERT_TRUE(until(8)) << "the clients are not being answered";
+  std::string victim_id;
+  const int victim = WorkerServing(job.id(), 1, &victim_id);
+  ASSERT_GE(victim, 0);
+  {
+    absl::MutexLock lock(&mu);
+    killed = absl::Now();
+  }
+  KillWorker(victim);
+  const v1::Job lost = WaitLost(job.id());
+  EXPECT_NE(RecoveryReason(lost).find(victim_id), std::string::npos) << lost.DebugString();
+  const v1::Job back = WaitState(job.id(), v1::READY, absl::Seconds(40));
+  const absl::Time ready_again = absl::Now();
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  EXPECT_EQ(back.degraded(), "");
+  for (const auto& r : back.ranks()) EXPECT_NE(r.worker_id(), victim_id);
+  // Served on the new group: more answers after it is READY (each client's next requests).
+  ASSERT_TRUE(until(answers() + 4 * kClients)) << "no answers after the job was READY again";
+  stop = true;
+  for (std::thread& t : clients) t.join();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(wrong, 0);
+  for (const Failure& f : failures) {
+    EXPECT_EQ(f.code, grpc::StatusCode::UNAVAILABLE) << f.message;
+    EXPECT_GE(f.sent, killed - absl::Seconds(1)) << "an error before the fault: " << f.message;
+    EXPECT_LT(f.sent, ready_again) << "an error after the job was READY again: " << f.message;
+  }
+  std::printf(
+      "recovery: TP 2 job, SIGKILL of rank 1, %d clients: first answer after the kill %.2f s, READY again "
+      "%.2f s, %zu client errors\n",
+      kClients, absl::ToDoubleSeconds(first_after_kill - killed), absl::ToDoubleSeconds(ready_again - killed),
+      failures.size());
 }
 
 // A healthy worker that stalls for less than the threshold keeps its job: SIGSTOP for 1.6 s, more
@@ -133,10 +231,11 @@ TEST_F(Cluster, AWorkerStalledBrieflyKeepsItsJob) {
   EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
-// Fault matrix, SIGSTOP during a forward for longer than the threshold (3 intervals of 1 s): the
-// job fails naming the stopped worker, the Infer in flight returns (an error, not a hang), and once
-// continued the worker is healthy and idle again, its shard of the failed job dropped.
-TEST_F(Cluster, AWorkerStoppedPastTheThresholdFailsItsJobAndComesBackIdle) {
+// SIGSTOP during a forward for longer than the threshold (3 intervals of 1 s): the job loses its
+// group naming the stopped worker, and once continued the worker drops its old shard, the job is
+// placed on the four again and serves; the Infer in flight is answered on the new group, or hears
+// UNAVAILABLE (never a hang, never another error).
+TEST_F(Cluster, AWorkerStoppedPastTheThresholdLosesItsGroupAndTheJobServesAgainOnceContinued) {
   v1::Job job;
   ASSERT_NO_FATAL_FAILURE(SubmitUntilServing(&job));
   std::string id;
@@ -154,21 +253,18 @@ TEST_F(Cluster, AWorkerStoppedPastTheThresholdFailsItsJobAndComesBackIdle) {
     infer_status = stub_->Infer(Context(30).get(), infer, &response);
     returned = true;
   });
-  v1::Job failed;
-  for (int k = 0; k < 200 && failed.state() != v1::FAILED; ++k) {
-    failed = GetJob(job.id());
-    if (failed.state() != v1::FAILED) usleep(50 * 1000);
-  }
-  EXPECT_EQ(failed.state(), v1::FAILED);
-  EXPECT_NE(failed.failure_cause().find(id), std::string::npos) << failed.failure_cause();
-  // The call in flight ends by the collective timeout (8 s) at the latest.
-  for (int k = 0; k < 300 && !returned; ++k) usleep(50 * 1000);
-  EXPECT_TRUE(returned) << "the Infer in flight did not return 15 s after its worker stopped";
+  const v1::Job lost = WaitLost(job.id());
+  EXPECT_NE(lost.state(), v1::FAILED) << lost.failure_cause();
+  EXPECT_NE(RecoveryReason(lost).find(id), std::string::npos) << lost.DebugString();
   EXPECT_EQ(kill(pid, SIGCONT), 0);
+  const v1::Job back = WaitState(job.id(), v1::READY, absl::Seconds(40));
   infer_thread.join();
-  EXPECT_FALSE(infer_status.ok());
-  EXPECT_TRUE(WaitForWorkers(4)) << "the continued worker did not come back healthy and idle";
-  EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  EXPECT_EQ(back.degraded(), "");
+  EXPECT_TRUE(returned);
+  EXPECT_TRUE(infer_status.ok() || infer_status.error_code() == grpc::StatusCode::UNAVAILABLE)
+      << infer_status.error_code() << " " << infer_status.error_message();
+  EXPECT_LE(InferDiff(job.id()), 1e-5f);
 }
 
 // A worker sent SIGTERM leaves the pool at once (it says so before draining), well before its
@@ -195,8 +291,8 @@ TEST_F(Cluster, ASigtermedWorkerLeavesThePoolAtOnce) {
   spawn_index_.erase(spawn_index_.begin());
 }
 
-// Heartbeats far apart: a failed forward must end the inference and the job by itself, not when
-// the liveness monitor would notice the dead worker. The forward is held at its start on every
+// Heartbeats far apart: a failed forward must lose the job's group by itself, not when the liveness
+// monitor would notice the dead worker. The forward is held at its start on every
 // worker (a pause point), the first worker there is killed, and the others are let go.
 class SlowHeartbeatCluster : public Cluster {
  protected:
@@ -207,7 +303,7 @@ class SlowHeartbeatCluster : public Cluster {
   }
 };
 
-TEST_F(SlowHeartbeatCluster, WorkerKilledDuringAnInferenceFailsItAtOnce) {
+TEST_F(SlowHeartbeatCluster, WorkerKilledDuringAnInferenceLosesTheGroupAtOnce) {
   v1::Job job;
   ASSERT_NO_FATAL_FAILURE(SubmitUntilServing(&job));
   Hold("worker_forward");
@@ -218,7 +314,9 @@ TEST_F(SlowHeartbeatCluster, WorkerKilledDuringAnInferenceFailsItAtOnce) {
     infer.set_job_id(job.id());
     *infer.mutable_tokens() = Tokens();
     v1::InferResponse response;
-    status = stub_->Infer(Context().get(), infer, &response);
+    // No group can come back (three workers for four ranks): the retry waits until shortly before
+    // this deadline.
+    status = stub_->Infer(Context(5).get(), infer, &response);
     returned = absl::Now();
   });
   const std::vector<pid_t> reached = WaitReached("worker_forward", 1);
@@ -233,9 +331,9 @@ TEST_F(SlowHeartbeatCluster, WorkerKilledDuringAnInferenceFailsItAtOnce) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
   // Well under the 20 s heartbeat interval and collective timeout; loose for a loaded machine.
   EXPECT_LT(returned - killed, absl::Seconds(6));
-  const v1::Job failed = GetJob(job.id());  // already failed: nothing waits for the monitor
-  EXPECT_EQ(failed.state(), v1::FAILED);
-  EXPECT_NE(failed.failure_cause().find(victim_id), std::string::npos) << failed.failure_cause();
+  const v1::Job lost = GetJob(job.id());  // already lost: nothing waits for the monitor
+  EXPECT_EQ(lost.state(), v1::PENDING);
+  EXPECT_NE(RecoveryReason(lost).find(victim_id), std::string::npos) << lost.DebugString();
   EXPECT_TRUE(WaitForWorkers(3));  // the survivors were told to unload
   EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));
 }

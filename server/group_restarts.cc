@@ -1,0 +1,47 @@
+#include "server/group_restarts.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace bertshard::server {
+
+absl::Duration GroupRestarts::Backoff(const RestartPolicy& policy, int k) {
+  if (k <= 1) return absl::ZeroDuration();
+  absl::Duration wait = policy.backoff_initial;
+  for (int i = 2; i < k && wait < policy.backoff_max; ++i) wait *= 2;  // bounded: no overflow
+  return std::min(wait, policy.backoff_max);
+}
+
+GroupRestarts::Decision GroupRestarts::Lost(const std::string& cause, absl::Time now) {
+  if (served_since_.has_value() && now - *served_since_ >= policy_.reset_after) causes_.clear();
+  served_since_.reset();
+  causes_.push_back(cause);
+  Decision decision;
+  decision.restart = restarts();
+  if (decision.restart > policy_.max_restarts) {
+    decision.give_up = true;
+    std::string all;
+    for (size_t i = 0; i < causes_.size(); ++i) absl::StrAppend(&all, i == 0 ? "" : "; ", i + 1, ") ", causes_[i]);
+    decision.cause = absl::StrCat("lost its workers ", causes_.size(),
+                                  " times in a row (--max_restarts=", policy_.max_restarts, "): ", all);
+    recovering_ = false;
+    return decision;
+  }
+  recovering_ = true;
+  not_before_ = now + Backoff(policy_, decision.restart);
+  decision.not_before = not_before_;
+  return decision;
+}
+
+void GroupRestarts::Served(absl::Time now) {
+  served_since_ = now;
+  recovering_ = false;
+}
+
+std::string GroupRestarts::Describe() const {
+  if (!recovering_) return "";
+  return absl::StrCat("lost ", last_cause(), " (restart ", restarts(), " of at most ", policy_.max_restarts, ")");
+}
+
+}  // namespace bertshard::server
