@@ -71,18 +71,29 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
   // get DEADLINE_EXCEEDED from the batch queue at once; the forward itself is bounded by the
   // server's own limit (the workers' collectives time out well before it when a peer is gone).
   const absl::Time now = absl::Now();
-  const absl::Time deadline = now + forward_timeout_;
   // How long the batch may wait for a group while the job's is placed again: up to shortly before
   // the callers' latest deadline, so that they hear UNAVAILABLE and why rather than a bare timeout.
   const absl::Duration margin =
       std::max(absl::ZeroDuration(), std::min(absl::Seconds(1), (callers_deadline - now) / 10));
-  const absl::Time wait_until = std::min(deadline, callers_deadline - margin);
+  const absl::Time wait_until = std::min(now + forward_timeout_, callers_deadline - margin);
   ForwardTarget target;
   ForwardOutcome outcome;
   v1::ForwardRequest forward;
+  std::string cause;  // why the last attempt's group was lost
   for (int attempt = 0;; ++attempt) {
     // It may have ended while this batch waited (its queue is closed by now too).
-    ASSIGN_OR_RETURN(target, targets_->NextForward(job_id_, wait_until));
+    absl::StatusOr<ForwardTarget> next = targets_->NextForward(job_id_, wait_until);
+    if (!next.ok()) {
+      // After a loss, the job may have ended of it (past --max_restarts) or been cancelled: the
+      // callers hear the loss, not only that the job no longer serves.
+      if (attempt == 0) return next.status();
+      return absl::UnavailableError(absl::StrCat("inference failed: ", cause, "; ", next.status().message()));
+    }
+    target = *std::move(next);
+    // The forward's own bound starts when a group is there: a batch that waited for the group to be
+    // placed again must not give the new group only what is left of it (its ranks would time out,
+    // and a healthy group be dropped).
+    const absl::Time deadline = absl::Now() + forward_timeout_;
     forward.Clear();
     forward.set_sequence(target.sequence);
     forward.set_job_id(job_id_);
@@ -91,7 +102,6 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
     *forward.mutable_want() = want;
     outcome = ForwardOnAllRanks(target.ranks, forward, deadline, target.abort.get());
     if (!outcome.aborted && outcome.failed_rank < 0) break;
-    std::string cause;
     if (outcome.aborted) {
       // The group was lost meanwhile (the scheduler says why) or the job ended.
       cause = outcome.status.error_message();

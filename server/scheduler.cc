@@ -484,10 +484,13 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
         absl::MutexLock lock(&mu_);
         // Stopping: see LoadContexts.
         if (stopping_ || load.runtime->ended) return;
-        if (LoadCanNeverSucceed(failure)) {
-          // The checkpoint or the request is wrong: no other workers would load it. So even when
-          // another rank's failure of this load lost the group first (its placement is gone), the
-          // job ends here rather than loading again to the same refusal.
+        // Late news of an older group: its placement is long gone, and the job may serve again.
+        const int64_t now = load.runtime->group.generation;
+        const bool lost_by_this_load = now == load.generation + 1 && load.runtime->group.rank_workers.empty();
+        if (LoadCanNeverSucceed(failure) && (now == load.generation || lost_by_this_load)) {
+          // The checkpoint or the request is wrong: loading it again would meet the same refusal. So
+          // even when another rank's failure of this load lost the group first (it is not placed
+          // again yet), the job ends here.
           FailJobLocked(load.job_id, std::string(failure.message()));
           return;
         }
@@ -589,12 +592,13 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int64_t generation, c
   // The survivors drop their shard before they may be placed again (WorkerPool::SetUnloading): the
   // job's next load on one of them would race the unload of the same job id.
   for (const WorkerStub& w : pool_->Release(job_id)) {
-    pool_->SetUnloading(w.worker_id, true);
+    pool_->BeginUnloadCall(w.worker_id);
     threads_.Start([this, w, job_id] {
-      UnloadShard(*w.stub, job_id, options_.worker_token);  // failed: the worker is gone or says so itself
+      // Failed: the worker is gone, or holds the shard still; it stays out of placement until a
+      // heartbeat shows the shard gone (MarkUnloadingLocked).
+      const bool unloaded = UnloadShard(*w.stub, job_id, options_.worker_token).ok();
       absl::MutexLock lock(&mu_);
-      pool_->SetUnloading(w.worker_id, false);
-      ScheduleLocked();
+      if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
     });
   }
   RecordLocked(store_->SetRanks(job_id, {}).status(), absl::StrCat("clearing job ", job_id, "'s ranks"));
@@ -646,7 +650,10 @@ void Scheduler::MonitorLoop() {
     // Checked every quarter interval against `missed_heartbeats` intervals of silence: a dead
     // worker's jobs fail within missed_heartbeats + 1/4 intervals of its last heartbeat.
     // Sooner when a restart's backoff ends first.
-    changed_.WaitWithDeadline(&mu_, std::min(absl::Now() + options_.heartbeat_interval / 4, next_backoff_end_));
+    // Not while draining: nothing is scheduled then, so a backoff that has ended stays in
+    // next_backoff_end_ and would make this wait return at once, again and again.
+    const absl::Time wake = absl::Now() + options_.heartbeat_interval / 4;
+    changed_.WaitWithDeadline(&mu_, draining_ ? wake : std::min(wake, next_backoff_end_));
     if (stopping_) break;
     // A draining server takes no heartbeats: silence then says nothing about the workers.
     if (draining_) continue;

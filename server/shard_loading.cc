@@ -70,7 +70,8 @@ bool LoadCanNeverSucceed(const absl::Status& failure) {
   switch (failure.code()) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kPermissionDenied:
+    // Not PERMISSION_DENIED: the rendezvous says it when a rank's proof fails, which is a mix-up of
+    // that attempt (an old group's rank on a reused port), not of the checkpoint.
     case absl::StatusCode::kUnimplemented:
     case absl::StatusCode::kDataLoss:
       return true;

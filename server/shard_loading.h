@@ -53,8 +53,10 @@ bool LoadShardsOnRanks(const std::vector<RankStub>& ranks, const v1::LoadShardRe
                        const std::function<void(size_t rank, const absl::Status& failure)>& on_failure);
 
 // Whether a load that failed with `failure` would fail again on any workers: the request or the
-// checkpoint is wrong (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED, UNIMPLEMENTED, DATA_LOSS),
-// not a worker lost or out of memory.
+// checkpoint is wrong (INVALID_ARGUMENT, NOT_FOUND, UNIMPLEMENTED, DATA_LOSS), not a worker lost or
+// out of memory, nor a rendezvous refusing a rank's proof (PERMISSION_DENIED: that attempt's
+// mix-up). These codes can also come from one worker's own view (its volume not mounted): such a
+// job ends rather than trying other workers.
 bool LoadCanNeverSucceed(const absl::Status& failure);
 
 // Tells a worker to drop job `job_id`'s shard and waits for its answer (10 s at most).

@@ -127,6 +127,7 @@ TEST(LoadCanNeverSucceed, OnlyForRefusalsOfTheRequestItself) {
   EXPECT_FALSE(LoadCanNeverSucceed(absl::ResourceExhaustedError("out of memory")));
   EXPECT_FALSE(LoadCanNeverSucceed(absl::InternalError("gloo: connection reset")));
   EXPECT_FALSE(LoadCanNeverSucceed(absl::DeadlineExceededError("rendezvous")));
+  EXPECT_FALSE(LoadCanNeverSucceed(absl::PermissionDeniedError("rank 1's proof of the rendezvous secret is wrong")));
 }
 
 TEST(UnloadShard, WaitsForTheWorkersAnswer) {

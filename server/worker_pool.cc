@@ -126,11 +126,26 @@ bool WorkerPool::SetUnloading(const std::string& worker_id, bool unloading) {
   return was;
 }
 
+void WorkerPool::BeginUnloadCall(const std::string& worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it != workers_.end()) ++it->second.unload_calls;
+}
+
+bool WorkerPool::EndUnloadCall(const std::string& worker_id, bool unloaded) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return false;
+  if (it->second.unload_calls > 0) --it->second.unload_calls;
+  if (!unloaded) it->second.unloading = true;
+  return it->second.unload_calls == 0 && !it->second.unloading;
+}
+
 std::vector<IdleWorker> WorkerPool::Idle() const {
   absl::MutexLock lock(&mu_);
   std::vector<IdleWorker> idle;
   for (const auto& [id, w] : workers_) {
-    if (w.info.healthy() && w.info.job_id().empty() && !w.unloading) {
+    if (w.info.healthy() && w.info.job_id().empty() && !w.unloading && w.unload_calls == 0) {
       idle.push_back({id, w.info.address(), w.info.device(), w.info.gpu_bus_id()});
     }
   }

@@ -93,9 +93,16 @@ class WorkerPool {
   // unload (ALREADY_EXISTS, or the new shard dropped). Cleared with false, or by a new entry for
   // its address. Unknown ids are ignored. Returns whether it was unloading before.
   bool SetUnloading(const std::string& worker_id, bool unloading) ABSL_LOCKS_EXCLUDED(mu_);
+  // An Unload call the coordinator makes to the worker (its job's group was lost): the worker is
+  // kept out of placement from Begin until End, whatever SetUnloading says meanwhile (a heartbeat
+  // that does not list the shard is no proof it is gone: the call may not have reached it yet).
+  // End with `unloaded` false (the call failed) leaves it SetUnloading(true), for a heartbeat to
+  // clear. Unknown ids are ignored; End returns whether the worker may be placed now.
+  void BeginUnloadCall(const std::string& worker_id) ABSL_LOCKS_EXCLUDED(mu_);
+  bool EndUnloadCall(const std::string& worker_id, bool unloaded) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The healthy workers without a job and not unloading (SetUnloading), in id order, with their devices (for
-  // PlaceRanks).
+  // The healthy workers without a job and not unloading (SetUnloading, BeginUnloadCall), in id order, with their
+  // devices (for PlaceRanks).
   std::vector<IdleWorker> Idle() const ABSL_LOCKS_EXCLUDED(mu_);
   // The channels of `worker_ids`, in that order; NOT_FOUND naming the first that left the pool.
   absl::StatusOr<std::vector<WorkerStub>> Stubs(const std::vector<std::string>& worker_ids) const
@@ -108,6 +115,7 @@ class WorkerPool {
     WorkerStub channel;
     absl::Time last_heartbeat;
     bool unloading = false;  // SetUnloading
+    int unload_calls = 0;    // BeginUnloadCall .. EndUnloadCall
   };
 
   const ClusterOptions options_;

@@ -147,5 +147,25 @@ TEST_F(WorkerPoolTest, AnUnloadingWorkerIsNotIdleUntilItsUnloadEnds) {
   EXPECT_EQ(Ids(pool_.Idle()), (std::vector<std::string>{a.worker_id(), b_again.worker_id()}));
 }
 
+// Review of issue 22's first stage: a heartbeat that did not list the lost job's shard cleared the
+// flag while the coordinator's Unload call was still on its way, and the job was placed on the
+// worker again to race it (ALREADY_EXISTS); a failed call cleared it too.
+TEST_F(WorkerPoolTest, AWorkerWithAnUnloadCallOnItsWayIsNotIdleWhateverAHeartbeatSays) {
+  const v1::WorkerInfo a = Add(9001);
+  pool_.BeginUnloadCall(a.worker_id());
+  pool_.SetUnloading(a.worker_id(), false);  // a heartbeat that lists no shard of a live job
+  EXPECT_TRUE(pool_.Idle().empty());
+  EXPECT_TRUE(pool_.EndUnloadCall(a.worker_id(), /*unloaded=*/true));
+  EXPECT_EQ(Ids(pool_.Idle()), std::vector<std::string>{a.worker_id()});
+  // A failed call: kept out until a heartbeat says the shard is gone.
+  pool_.BeginUnloadCall(a.worker_id());
+  EXPECT_FALSE(pool_.EndUnloadCall(a.worker_id(), /*unloaded=*/false));
+  EXPECT_TRUE(pool_.Idle().empty());
+  EXPECT_TRUE(pool_.SetUnloading(a.worker_id(), false));
+  EXPECT_EQ(Ids(pool_.Idle()), std::vector<std::string>{a.worker_id()});
+  pool_.BeginUnloadCall("no-such-worker");
+  EXPECT_FALSE(pool_.EndUnloadCall("no-such-worker", true));
+}
+
 }  // namespace
 }  // namespace bertshard::server
