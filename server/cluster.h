@@ -101,6 +101,25 @@ class Cluster {
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                           const std::function<bool()>& cancelled = nullptr, const Caller& caller = {});
 
+  // Which job a request means (HTTP's `model`, docs/http.md): `job` is a job id, else the name
+  // (SubmitJobRequest.name) of a job that has not ended. Empty `job`: `fallback` (--default_job,
+  // an id or name) when set, else the only serving job. NOT_FOUND for an id or name no live job
+  // has; FAILED_PRECONDITION when none is named and not exactly one job serves (the message
+  // lists the serving ones' names or ids).
+  absl::StatusOr<std::string> ResolveJob(const std::string& job, const std::string& fallback = "");
+  // The jobs that serve now (READY and not recovering), in id order.
+  struct ServingJob {
+    std::string id;
+    std::string name;  // may be empty
+    v1::ShardPlan plan;
+    std::shared_ptr<const JobAssets> assets;  // never null
+  };
+  std::vector<ServingJob> ServingJobs();
+  // A serving job's tokenizer alone (JobServing::Tokenize, ::Decode): no forward, no batching.
+  absl::StatusOr<std::vector<TokenPiece>> Tokenize(const std::string& job_id, absl::string_view text,
+                                                   bool add_special_tokens);
+  absl::StatusOr<std::string> Decode(const std::string& job_id, const std::vector<int64_t>& ids);
+
   // The server is draining for shutdown: from now on no worker is declared dead and no job is
   // scheduled. Idempotent.
   void Drain();
