@@ -221,8 +221,8 @@ absl::StatusOr<EmbedOutcome> EmbedItems(InferenceBackend* backend, const std::st
     absl::StatusOr<v1::EmbedResponse> response = backend->Embed(request, call);
     if (!response.ok()) return response.status();
     if (response->embeddings_size() != static_cast<int>(group.index.size())) {
-      return absl::InternalError(absl::StrCat("Embed answered ", response->embeddings_size(), " vectors for ",
-                                              group.index.size(), " inputs"));
+      return absl::InternalError(
+          absl::StrCat("Embed answered ", response->embeddings_size(), " vectors for ", group.index.size(), " inputs"));
     }
     for (size_t r = 0; r < group.index.size(); ++r) {
       const auto& values = response->embeddings(static_cast<int>(r)).values();
@@ -238,8 +238,9 @@ absl::StatusOr<std::string> ResolveModel(InferenceBackend* backend, const std::s
                                          const std::string& default_job, ApiError* error) {
   absl::StatusOr<std::string> job = backend->ResolveJob(model.empty() ? default_job : model);
   if (!job.ok()) {
-    *error = job.status().code() == absl::StatusCode::kUnavailable ? FromStatus(job.status())
-                                                                    : MalformedRequest(std::string(job.status().message()));
+    *error = job.status().code() == absl::StatusCode::kUnavailable
+                 ? FromStatus(job.status())
+                 : MalformedRequest(std::string(job.status().message()));
   }
   return job;
 }

@@ -95,7 +95,8 @@ HttpResponse HttpApi::Handle(const HttpRequest& request) {
   }
   if (!post) return MethodNotAllowed("POST");
   if (request.body_too_large) {
-    const ApiError error = MakeError(TeiErrorType::kValidation, "Failed to buffer the request body: length limit exceeded");
+    const ApiError error =
+        MakeError(TeiErrorType::kValidation, "Failed to buffer the request body: length limit exceeded");
     return openai ? OpenAiError(413, "invalid_request_error", error.message, "") : TeiError(error);
   }
   absl::StatusOr<Struct> body = ParseJsonObject(request.body);

@@ -83,8 +83,8 @@ TEST_F(TeiRoutesTest, EmbedsOneTextAsTeiDoesWithTimingHeaders) {
 }
 
 TEST_F(TeiRoutesTest, EmbedPassesItsOptionsAndKeepsTheInputsOrder) {
-  const HttpResponse response = Post(
-      "/embed", R"({"inputs": ["a", [101, 102], "b"], "normalize": false, "truncate": true, "dimensions": 2,
+  const HttpResponse response =
+      Post("/embed", R"({"inputs": ["a", [101, 102], "b"], "normalize": false, "truncate": true, "dimensions": 2,
                    "truncation_direction": "Right", "model": "minilm"})");
   ASSERT_EQ(response.status, 200) << response.body;
   // Texts in one Embed (call 1: rows 0, 1), token rows in another (call 2: row 0).
@@ -170,8 +170,8 @@ TEST_F(TeiRoutesTest, AnswersTooManyRequestsPastTheConcurrencyLimit) {
 TEST_F(TeiRoutesTest, NeedsTheReadTokenWhenOneIsSet) {
   options_.read_token = "read-secret";
   options_.admin_token = "admin-secret";
-  for (const std::string& header : {std::string(), std::string("Bearer wrong"), std::string("read-secret"),
-                                    std::string("Basic read-secret")}) {
+  for (const std::string& header :
+       {std::string(), std::string("Bearer wrong"), std::string("read-secret"), std::string("Basic read-secret")}) {
     SCOPED_TRACE(header);
     const HttpResponse response = Post("/embed", R"({"inputs": "a"})", header);
     EXPECT_EQ(response.status, 401);

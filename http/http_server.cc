@@ -243,9 +243,9 @@ int HttpServer::HandleRequest(mg_connection* connection, void* data) {
   request.body_too_large = !ReadBody(connection, info->content_length, server->options_.max_body_bytes, &request.body);
   if (request.body_too_large) request.body.clear();
   const HttpResponse response = server->handler_(request);
-  std::string head = absl::StrCat("HTTP/1.1 ", response.status, " ", Reason(response.status),
-                                  "\r\nContent-Type: ", response.content_type,
-                                  "\r\nContent-Length: ", response.body.size(), "\r\n");
+  std::string head =
+      absl::StrCat("HTTP/1.1 ", response.status, " ", Reason(response.status),
+                   "\r\nContent-Type: ", response.content_type, "\r\nContent-Length: ", response.body.size(), "\r\n");
   for (const auto& [name, value] : response.headers) absl::StrAppend(&head, name, ": ", value, "\r\n");
   // An unread body cannot be skipped safely on a kept connection: close it after the answer.
   absl::StrAppend(&head, request.body_too_large ? "Connection: close\r\n" : "", "\r\n");

@@ -40,8 +40,8 @@ struct mg_context;
 namespace bertshard::http {
 
 struct HttpRequest {
-  std::string method;  // "GET", "POST", ...
-  std::string path;    // without the query string
+  std::string method;         // "GET", "POST", ...
+  std::string path;           // without the query string
   std::string authorization;  // the Authorization header, "" when absent
   std::string body;           // empty when body_too_large
   bool body_too_large = false;
@@ -63,7 +63,7 @@ using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
 struct HttpTls {
   std::string cert;  // PEM chain; with key: HTTPS
   std::string key;
-  std::string ca;    // with cert + key: clients must present a certificate it signed
+  std::string ca;  // with cert + key: clients must present a certificate it signed
   bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
 };
 

@@ -15,8 +15,8 @@
 #include <optional>
 #include <string>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::http {
@@ -172,7 +172,7 @@ TEST_F(HttpsTest, WithACaAsksClientsForACertificateFromIt) {
 TEST_F(HttpsTest, RefusesTlsFilesThatCannotServe) {
   const std::vector<HttpTls> bad = {
       {F("server.pem"), "", ""},                // a certificate without its key
-      {"", "", F("ca.pem")},                     // a CA alone
+      {"", "", F("ca.pem")},                    // a CA alone
       {F("missing.pem"), F("server.key"), ""},  // unreadable
       {F("server.pem"), F("client.key"), ""},   // another certificate's key
       {F("server.pem"), F("server.key"), F("missing-ca.pem")},

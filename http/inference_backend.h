@@ -28,14 +28,14 @@ namespace bertshard::http {
 // A serving job, as /info and /v1/models describe it.
 struct ModelInfo {
   std::string job_id;
-  std::string name;        // SubmitJobRequest.name; may be empty
+  std::string name;  // SubmitJobRequest.name; may be empty
   v1::ModelVariant variant = v1::MODEL_VARIANT_UNSPECIFIED;
   std::string architecture;         // HF's class name ("BertModel", "BertForSequenceClassification")
   std::string pooling;              // "mean", "cls", ... for BertModel jobs; "" otherwise
   std::vector<std::string> labels;  // classification heads' id2label, by id
   int64_t max_input_length = 0;     // tokens, [CLS] and [SEP] included
   int64_t hidden_size = 0;
-  std::string dtype;               // "float32", "float16", "bfloat16"
+  std::string dtype;                 // "float32", "float16", "bfloat16"
   int64_t created_unix_seconds = 0;  // set by ServingModels only (it reads the job store)
   // What requests name it by: the name, else the id.
   const std::string& public_name() const { return name.empty() ? job_id : name; }

@@ -19,7 +19,8 @@ using google::protobuf::Struct;
 void AppendModel(const ModelInfo& model, std::string* out) {
   *out += "{\"id\":";
   common::AppendJsonString(model.public_name(), out);
-  absl::StrAppend(out, ",\"object\":\"model\",\"created\":", model.created_unix_seconds, ",\"owned_by\":\"bertshard\"}");
+  absl::StrAppend(out, ",\"object\":\"model\",\"created\":", model.created_unix_seconds,
+                  ",\"owned_by\":\"bertshard\"}");
 }
 
 HttpResponse InvalidRequest(const std::string& message) {

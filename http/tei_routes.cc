@@ -56,8 +56,8 @@ absl::StatusOr<ModelInfo> ModelOfKind(InferenceBackend* backend, const std::stri
     return model.status();
   }
   if (model->variant != variant) {
-    *error = MakeError(TeiErrorType::kBackend, absl::StrCat("model is not ", kind, " model (job ",
-                                                            model->public_name(), " runs ", model->architecture, ")"));
+    *error = MakeError(TeiErrorType::kBackend, absl::StrCat("model is not ", kind, " model (job ", model->public_name(),
+                                                            " runs ", model->architecture, ")"));
     return absl::FailedPreconditionError(error->message);
   }
   return model;
@@ -202,8 +202,8 @@ HttpResponse HttpApi::TeiEmbedAll(const Struct& body, const CallContext& call) {
     const v1::TokenInputs& ran = response->tokens();
     const int64_t rows = ran.rows(), seq = ran.seq();
     if (hidden == nullptr || hidden->shape_size() != 3 || hidden->shape(0) != rows || hidden->shape(1) != seq ||
-        rows != static_cast<int64_t>(group.index.size()) ||
-        hidden->values_size() != rows * seq * hidden->shape(2) || ran.attention_mask_size() != rows * seq) {
+        rows != static_cast<int64_t>(group.index.size()) || hidden->values_size() != rows * seq * hidden->shape(2) ||
+        ran.attention_mask_size() != rows * seq) {
       return TeiError(MakeError(TeiErrorType::kBackend, "the job answered without per-token hidden states"));
     }
     const int64_t width = hidden->shape(2);
@@ -233,9 +233,9 @@ HttpResponse HttpApi::TeiPredict(const Struct& body, const CallContext& call) {
   absl::StatusOr<std::vector<Sequence>> sequences = ParsePredictInputs(body, &batch);
   if (!sequences.ok()) return TeiError(MalformedRequest(std::string(sequences.status().message())));
   if (static_cast<int64_t>(sequences->size()) > options_.max_client_batch_size) {
-    return TeiError(MakeError(TeiErrorType::kValidation, absl::StrCat("batch size ", sequences->size(),
-                                                                      " > maximum allowed batch size ",
-                                                                      options_.max_client_batch_size)));
+    return TeiError(MakeError(TeiErrorType::kValidation,
+                              absl::StrCat("batch size ", sequences->size(), " > maximum allowed batch size ",
+                                           options_.max_client_batch_size)));
   }
   int64_t characters = 0;
   for (const Sequence& s : *sequences) {
@@ -292,8 +292,8 @@ HttpResponse HttpApi::TeiPredict(const Struct& body, const CallContext& call) {
         }
         const int64_t labels = logits->shape(1);
         for (int64_t k = 0; k < labels; ++k) {
-          const std::string label = k < static_cast<int64_t>(model->labels.size()) ? model->labels[k]
-                                                                                   : absl::StrCat("LABEL_", k);
+          const std::string label =
+              k < static_cast<int64_t>(model->labels.size()) ? model->labels[k] : absl::StrCat("LABEL_", k);
           row.push_back({logits->values(static_cast<int>(r * labels + k)), label});
         }
         std::stable_sort(row.begin(), row.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -321,11 +321,12 @@ HttpResponse HttpApi::TeiTokenize(const Struct& body) {
   for (const InputItem& item : inputs->items) {
     if (item.is_ids) return TeiError(MalformedRequest("`inputs` must be a string or a list of strings"));
   }
-  if (inputs->batch && inputs->items.empty()) return TeiError(MakeError(TeiErrorType::kEmpty, "`inputs` cannot be empty"));
+  if (inputs->batch && inputs->items.empty())
+    return TeiError(MakeError(TeiErrorType::kEmpty, "`inputs` cannot be empty"));
   if (static_cast<int64_t>(inputs->items.size()) > options_.max_client_batch_size) {
-    return TeiError(MakeError(TeiErrorType::kValidation, absl::StrCat("batch size ", inputs->items.size(),
-                                                                      " > maximum allowed batch size ",
-                                                                      options_.max_client_batch_size)));
+    return TeiError(MakeError(TeiErrorType::kValidation,
+                              absl::StrCat("batch size ", inputs->items.size(), " > maximum allowed batch size ",
+                                           options_.max_client_batch_size)));
   }
   absl::StatusOr<bool> special = BoolField(body, "add_special_tokens", true);
   absl::StatusOr<std::string> model = StringField(body, "model", "");
@@ -373,12 +374,13 @@ HttpResponse HttpApi::TeiDecode(const Struct& body) {
   if (!lists.ok()) return TeiError(MalformedRequest(std::string(lists.status().message())));
   if (ids->list_value().values_size() == 0) return TeiError(MakeError(TeiErrorType::kEmpty, "`ids` cannot be empty"));
   for (const InputItem& item : lists->items) {
-    if (!item.is_ids) return TeiError(MalformedRequest("`ids` must be a list of token ids or a list of token-id lists"));
+    if (!item.is_ids)
+      return TeiError(MalformedRequest("`ids` must be a list of token ids or a list of token-id lists"));
   }
   if (static_cast<int64_t>(lists->items.size()) > options_.max_client_batch_size) {
-    return TeiError(MakeError(TeiErrorType::kValidation, absl::StrCat("batch size ", lists->items.size(),
-                                                                      " > maximum allowed batch size ",
-                                                                      options_.max_client_batch_size)));
+    return TeiError(MakeError(TeiErrorType::kValidation,
+                              absl::StrCat("batch size ", lists->items.size(), " > maximum allowed batch size ",
+                                           options_.max_client_batch_size)));
   }
   absl::StatusOr<bool> skip = BoolField(body, "skip_special_tokens", true);
   absl::StatusOr<std::string> model = StringField(body, "model", "");
@@ -386,8 +388,9 @@ HttpResponse HttpApi::TeiDecode(const Struct& body) {
     if (!s.ok()) return TeiError(MalformedRequest(std::string(s.message())));
   }
   if (!*skip) {
-    return TeiError(MalformedRequest("skip_special_tokens false is not supported: bertshard decodes as HF's "
-                                     "decode(skip_special_tokens=True)"));
+    return TeiError(
+        MalformedRequest("skip_special_tokens false is not supported: bertshard decodes as HF's "
+                         "decode(skip_special_tokens=True)"));
   }
   absl::StatusOr<std::string> job = ResolveModel(backend_, *model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
@@ -441,7 +444,8 @@ HttpResponse HttpApi::TeiInfo() {
     out += "}}";
   }
   absl::StrAppend(&out, ",\"max_concurrent_requests\":", options_.max_concurrent_requests,
-                  ",\"max_input_length\":", model->max_input_length, ",\"max_batch_tokens\":", options_.max_batch_tokens,
+                  ",\"max_input_length\":", model->max_input_length,
+                  ",\"max_batch_tokens\":", options_.max_batch_tokens,
                   ",\"max_batch_requests\":", options_.max_batch_requests,
                   ",\"max_client_batch_size\":", options_.max_client_batch_size,
                   ",\"auto_truncate\":false,\"tokenization_workers\":1,\"version\":");

@@ -120,14 +120,20 @@ absl::StatusOr<std::shared_ptr<JobServing>> Cluster::ServingFor(const std::strin
 
 absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
                                                  const std::function<bool()>& cancelled, const Caller& caller) {
-  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(request.job_id()));
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(IdOf(request.job_id())));
   return serving->Infer(request, deadline, cancelled, caller);
 }
 
 absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                                  const std::function<bool()>& cancelled, const Caller& caller) {
-  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(request.job_id()));
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(IdOf(request.job_id())));
   return serving->Embed(request, deadline, cancelled, caller);
+}
+
+std::string Cluster::IdOf(const std::string& job) {
+  if (job.empty()) return job;
+  absl::StatusOr<std::string> id = ResolveJob(job);
+  return id.ok() ? *id : job;  // unknown: ServingFor says so in its own words
 }
 
 absl::StatusOr<std::string> Cluster::ResolveJob(const std::string& job, const std::string& fallback) {

@@ -86,6 +86,7 @@ class Cluster {
   // every half second), or the deadline passes.
   absl::Status WatchJob(const std::string& id, absl::Time deadline,
                         const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled);
+  // Infer and Embed take the job by id or by name (request.job_id may be either).
   // Requests on a job are batched (ClusterOptions::batching): concurrent ones merge into one
   // forward, and forwards run one at a time. A request whose caller went away (`cancelled`) or
   // whose deadline passed while it waited is never sent; once its forward has started on the ranks
@@ -127,6 +128,8 @@ class Cluster {
  private:
   Cluster(const ClusterOptions& options, std::unique_ptr<WorkerPool> pool);
 
+  // The id of the job `job` names (an id or a name, ResolveJob); `job` itself when none does.
+  std::string IdOf(const std::string& job);
   // A READY job's JobServing (job_serving.h), made on first use under the scheduler's lock.
   absl::StatusOr<std::shared_ptr<JobServing>> ServingFor(const std::string& job_id);
 

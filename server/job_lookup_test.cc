@@ -79,6 +79,14 @@ TEST_F(JobLookupTest, FindsAJobByIdNameOrAsTheOnlyServingOne) {
   EXPECT_EQ(*cluster_->ResolveJob("", "minilm"), minilm->id());  // --default_job
   EXPECT_EQ(*cluster_->ResolveJob("", other->id()), other->id());
   EXPECT_EQ(cluster_->ResolveJob("", "bge").status().code(), absl::StatusCode::kNotFound);
+  // Infer and Embed take the name for the id: the request reaches the job (which then refuses an
+  // Embed on a masked LM: it got that far).
+  v1::EmbedRequest embed;
+  embed.set_job_id("minilm");
+  embed.mutable_text()->add_texts("x");
+  const absl::Status by_name = cluster_->Embed(embed, absl::Now() + absl::Seconds(10)).status();
+  EXPECT_EQ(by_name.code(), absl::StatusCode::kFailedPrecondition) << by_name;
+  EXPECT_NE(by_name.message().find("BertModel"), std::string::npos) << by_name;
   const std::vector<Cluster::ServingJob> serving = cluster_->ServingJobs();
   ASSERT_EQ(serving.size(), 2u);
   EXPECT_TRUE(serving[0].name == "minilm" || serving[1].name == "minilm");

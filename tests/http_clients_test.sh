@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The coordinator's HTTP port (--http_listen, docs/http.md) driven by clients we did not write:
+# OpenAI's Python SDK (`openai`: client.embeddings.create with floats, base64, dimensions and
+# token ids; a wrong key -> AuthenticationError; models.list) and `requests` on every TEI route,
+# for their success and error shapes (400 empty input, 413 over the batch or payload limit, 422
+# malformed, 429 under overload, 401 without the token). Embeddings must equal the gRPC Embed's
+# (`shardctl embed --format json`). A real checkpoint (all-MiniLM-L6-v2) served TP 2 as "minilm",
+# and a small classifier from tests/testdata as "sentiment" for /predict.
+#
+# The overload is made, not hoped for: with --max_concurrent_requests=1 the first request is held
+# on its workers' forward (the worker_forward pause point, common/fault_point.h) while a second one
+# is sent.
+#
+# Needs the project venv (BERTSHARD_VENV: openai, requests) and the checkpoint (BERTSHARD_MODEL_DIR);
+# SKIPPED without either, FAILED under CI=true.
+set -euo pipefail
+
+source tests/skip_or_fail.sh
+require_venv http_clients_test
+"$venv/bin/python" -c "import openai, requests" 2>/dev/null ||
+  skip http_clients_test "openai or requests is not in $venv (tools/requirements-test.txt)"
+model="${BERTSHARD_MODEL_DIR:-}"
+if [ -z "$model" ] || [ ! -f "$model/config.json" ]; then
+  skip http_clients_test "no real checkpoint (BERTSHARD_MODEL_DIR='$model'; tools/fetch_model.sh makes it)"
+fi
+
+WORK="$TEST_TMPDIR"
+SHARDCTL=client/shardctl
+export BERTSHARD_FAULT_DIR="$WORK/faults"
+mkdir -p "$BERTSHARD_FAULT_DIR"
+printf 'http-cluster-secret\n' >"$WORK/cluster.token"
+printf 'http-read-secret\n' >"$WORK/read.token"
+
+# The classifier: tests/testdata's random BertForSequenceClassification with a vocabulary of its
+# 99 ids (it ships none), so that /predict takes text.
+classifier="$WORK/classifier"
+mkdir -p "$classifier"
+cp tests/testdata/model/sequence_classification_f16/config.json \
+  tests/testdata/model/sequence_classification_f16/model.safetensors "$classifier/"
+{
+  printf '%s\n' '[PAD]' '[UNK]' '[CLS]' '[SEP]' '[MASK]'
+  for i in $(seq 5 98); do printf 'w%d\n' "$i"; done
+} >"$classifier/vocab.txt"
+
+pids=()
+trap 'status=$?; rm -f "$BERTSHARD_FAULT_DIR"/*.hold; for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done;
+      wait 2>/dev/null || true; [ "$status" -eq 0 ] || tail -n 30 "$WORK"/*.log >&2; exit "$status"' EXIT
+server/bertshard-coordinator --listen=127.0.0.1:0 --http_listen=127.0.0.1:0 --data_dir="$WORK/coordinator" \
+  --auth_token_file="$WORK/cluster.token" --read_token_file="$WORK/read.token" --default_job=minilm \
+  --max_concurrent_requests=1 --max_client_batch_size=4 --payload_limit=65536 --drain_timeout=2s \
+  >"$WORK/coordinator.log" 2>&1 &
+pids+=($!)
+source tools/local_cluster.sh
+grpc_port=$(wait_for_port "$WORK/coordinator.log")
+http_port=$(wait_for_logged_port "$WORK/coordinator.log" 's/^http listening on port \([0-9]*\).*/\1/p')
+export BERTSHARD_SERVER="127.0.0.1:$grpc_port"
+for i in 1 2 3; do
+  worker/shard-worker --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads=1 \
+    --auth_token_file="$WORK/cluster.token" --drain_timeout=2s >"$WORK/worker$i.log" 2>&1 &
+  pids+=($!)
+done
+"$SHARDCTL" submit --token-file="$WORK/cluster.token" --checkpoint="$model" --tp=2 --name=minilm --watch \
+  >"$WORK/submit-minilm.out"
+"$SHARDCTL" submit --token-file="$WORK/cluster.token" --checkpoint="$classifier" --name=sentiment --watch \
+  >"$WORK/submit-sentiment.out"
+
+"$venv/bin/python" tests/http_clients_test.py --http "127.0.0.1:$http_port" --shardctl "$SHARDCTL" \
+  --read_token_file "$WORK/read.token" --fault_dir "$BERTSHARD_FAULT_DIR"
+
+# Every server drains and exits 0 with HTTP requests behind it.
+for p in "${pids[@]}"; do kill -TERM "$p"; done
+for p in "${pids[@]}"; do wait "$p"; done
+pids=()
+echo "http_clients_test: PASSED"
