@@ -94,11 +94,17 @@ TEST_F(TeiRoutesTest, EmbedPassesItsOptionsAndKeepsTheInputsOrder) {
   EXPECT_EQ(backend_.embeds[0].normalize(), v1::NORMALIZE_OFF);
   EXPECT_TRUE(backend_.embeds[0].truncate());
   EXPECT_EQ(backend_.embeds[0].dimensions(), 2);
+  EXPECT_FALSE(backend_.embeds[0].truncate_from_start());
   const v1::TokenInputs& tokens = backend_.embeds[1].tokens();
   EXPECT_EQ(tokens.rows(), 1);
   EXPECT_EQ(tokens.seq(), 2);
   EXPECT_EQ(tokens.input_ids(0), 101);
   EXPECT_EQ(backend_.resolved.back(), "minilm");
+  // TEI's truncation_direction Left: cut from the start (the last tokens kept).
+  ASSERT_EQ(Post("/embed", R"({"inputs": "a", "truncate": true, "truncation_direction": "Left"})").status, 200);
+  EXPECT_TRUE(backend_.embeds.back().truncate_from_start());
+  ASSERT_EQ(Post("/embed_all", R"({"inputs": "a", "truncation_direction": "Left"})").status, 200);
+  EXPECT_TRUE(backend_.infers.back().truncate_from_start());
 }
 
 TEST_F(TeiRoutesTest, PadsTokenRowsAndMasksThePadding) {
@@ -121,8 +127,6 @@ TEST_F(TeiRoutesTest, RefusesAsTeiDoes) {
   ExpectTeiError(Post("/embed", R"({"text": "a"})"), 422, "Validation", "`inputs` is missing");
   ExpectTeiError(Post("/embed", "not json"), 422, "Validation", "not valid JSON");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "normalize": "yes"})"), 422, "Validation", "`normalize`");
-  ExpectTeiError(Post("/embed", R"({"inputs": "a", "truncation_direction": "Left"})"), 422, "Validation",
-                 "truncates on the right");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "truncation_direction": "up"})"), 422, "Validation",
                  "expected `Left` or `Right`");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "prompt_name": "query"})"), 422, "Validation", "prompt_name");

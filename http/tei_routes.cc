@@ -17,10 +17,11 @@ namespace {
 using google::protobuf::Struct;
 using google::protobuf::Value;
 
-// The options TEI's embedding routes share. Left truncation and prompts are refused: bertshard's
-// tokenizer cuts on the right, and reads no sentence-transformers prompts yet (docs/http.md).
+// The options TEI's embedding routes share. Prompts are refused: bertshard reads no
+// sentence-transformers prompts yet (docs/http.md).
 struct EncodeOptions {
   bool truncate = false;
+  bool from_start = false;  // truncation_direction "Left"
   std::string model;
 };
 
@@ -31,10 +32,8 @@ absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body) {
   options.truncate = *truncate;
   absl::StatusOr<std::string> direction = StringField(body, "truncation_direction", "Right");
   if (!direction.ok()) return direction.status();
-  if (*direction == "Left") {
-    return absl::InvalidArgumentError("truncation_direction Left is not supported: bertshard truncates on the right");
-  }
-  if (*direction != "Right") {
+  options.from_start = *direction == "Left";
+  if (*direction != "Right" && *direction != "Left") {
     return absl::InvalidArgumentError(
         absl::StrCat("truncation_direction: unknown variant `", *direction, "`, expected `Left` or `Right`"));
   }
@@ -155,6 +154,7 @@ HttpResponse HttpApi::TeiEmbed(const Struct& body, const CallContext& call) {
   v1::EmbedRequest base;
   base.set_normalize(*normalize ? v1::NORMALIZE_ON : v1::NORMALIZE_OFF);
   base.set_truncate(encode->truncate);
+  base.set_truncate_from_start(encode->from_start);
   base.set_dimensions(static_cast<int32_t>(dimensions->value_or(0)));
   absl::StatusOr<EmbedOutcome> outcome = EmbedItems(backend_, *job, inputs->items, base, call);
   if (!outcome.ok()) return TeiError(FromStatus(outcome.status()));
@@ -187,6 +187,7 @@ HttpResponse HttpApi::TeiEmbedAll(const Struct& body, const CallContext& call) {
     v1::InferRequest request;
     request.set_job_id(*job);
     request.set_truncate(encode->truncate);
+    request.set_truncate_from_start(encode->from_start);
     if (group.is_ids) {
       *request.mutable_tokens() = std::move(group.tokens);
     } else {
@@ -263,6 +264,7 @@ HttpResponse HttpApi::TeiPredict(const Struct& body, const CallContext& call) {
     v1::InferRequest request;
     request.set_job_id(*job);
     request.set_truncate(encode->truncate);
+    request.set_truncate_from_start(encode->from_start);
     request.set_predictions_only(!*raw_scores);
     for (size_t i = 0; i < sequences->size(); ++i) {
       const Sequence& s = (*sequences)[i];

@@ -129,10 +129,10 @@ absl::StatusOr<v1::InferResponse> JobServing::Infer(const v1::InferRequest& requ
   const std::shared_ptr<const JobAssets>& assets = assets_;
   if (request.top_k() < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", request.top_k()));
   const absl::Time prepare_start = absl::Now();
-  ASSIGN_OR_RETURN(
-      PreparedInput input,
-      PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, request.has_text() ? &request.text() : nullptr,
-                   plan_, *assets, plan_.config().max_position_embeddings(), request.truncate(), input_bounds_));
+  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
+                                                     request.has_text() ? &request.text() : nullptr, plan_, *assets,
+                                                     plan_.config().max_position_embeddings(), request.truncate(),
+                                                     input_bounds_, request.truncate_from_start()));
   const absl::Duration tokenization = absl::Now() - prepare_start;
   const int64_t batch = input.tokens.rows() / std::max<int64_t>(1, input.tokens.choices());
   if (request.micro_batches() < 0 || request.micro_batches() > batch) {
@@ -178,9 +178,10 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
   ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
   RETURN_IF_ERROR(CheckDimensions(request.dimensions(), plan_.config().hidden_size()));
   const absl::Time prepare_start = absl::Now();
-  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
-                                                     request.has_text() ? &request.text() : nullptr, plan_, *assets,
-                                                     max_length, request.truncate(), input_bounds_));
+  ASSIGN_OR_RETURN(
+      PreparedInput input,
+      PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, request.has_text() ? &request.text() : nullptr,
+                   plan_, *assets, max_length, request.truncate(), input_bounds_, request.truncate_from_start()));
   const absl::Duration tokenization = absl::Now() - prepare_start;
   if (request.has_tokens() && input.tokens.seq() > max_length) {
     // Token rows are the caller's own; the embedding model's limit still holds for them.

@@ -125,6 +125,13 @@ class Checks:
         assert abs(norm(batch.json()[0]) - 1) > 1e-3  # unnormalised
         cut = self.post("/embed", {"inputs": text, "dimensions": 64}).json()[0]
         assert len(cut) == 64 and abs(norm(cut) - 1) < 1e-5
+        # Truncation: a text over the 256-token maximum, cut from the end (Right, the default) or the
+        # start (Left), embeds as the tokens that were kept (254 words between [CLS] and [SEP]).
+        long_text = "alpha " + "word " * 400
+        for direction, kept in (("Right", "alpha " + "word " * 253), ("Left", "word " * 254)):
+            cut = self.post("/embed", {"inputs": long_text, "truncate": True, "truncation_direction": direction})
+            assert cut.status_code == 200, cut.text
+            close(cut.json()[0], self.post("/embed", {"inputs": kept}).json()[0], atol=1e-5)
         tokens = self.post("/tokenize", {"inputs": "hello world"})
         assert tokens.status_code == 200, tokens.text
         pieces = tokens.json()[0]
