@@ -21,8 +21,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   (void)quiet;
   if (size == 0) return 0;
   static const char* const kRoutes[][2] = {
-      {"POST", "/embed"},    {"POST", "/embed_all"},      {"POST", "/predict"}, {"POST", "/tokenize"},
-      {"POST", "/decode"},   {"POST", "/v1/embeddings"}, {"GET", "/info"},     {"GET", "/v1/models/minilm"},
+      {"POST", "/embed"},  {"POST", "/embed_all"},     {"POST", "/predict"}, {"POST", "/tokenize"},
+      {"POST", "/decode"}, {"POST", "/v1/embeddings"}, {"GET", "/info"},     {"GET", "/v1/models/minilm"},
   };
   bertshard::http::FakeBackend backend;
   bertshard::http::HttpApiOptions options;

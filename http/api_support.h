@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "bertshard/v1/coordinator.pb.h"
-#include "http/http_server.h"
+#include "http/http_message.h"
 #include "http/inference_backend.h"
 #include "http/json_body.h"
 

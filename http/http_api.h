@@ -37,7 +37,7 @@
 
 #include "absl/time/time.h"
 #include "google/protobuf/struct.pb.h"
-#include "http/http_server.h"
+#include "http/http_message.h"
 #include "http/inference_backend.h"
 
 namespace bertshard::http {

@@ -33,32 +33,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "http/http_message.h"
 
 struct mg_connection;
 struct mg_context;
 
 namespace bertshard::http {
-
-struct HttpRequest {
-  std::string method;         // "GET", "POST", ...
-  std::string path;           // without the query string
-  std::string authorization;  // the Authorization header, "" when absent
-  std::string body;           // empty when body_too_large
-  bool body_too_large = false;
-  // Who is calling, as the gRPC side says it (coordinator_server.cc ClientOf): "cn:<name>" of a
-  // verified client certificate, else "host:<address>"; and the connection ("<address>:<port>").
-  std::string client;
-  std::string connection;
-};
-
-struct HttpResponse {
-  int status = 200;
-  std::string content_type = "application/json";
-  std::string body;
-  std::vector<std::pair<std::string, std::string>> headers;  // extra ones; values must be one line
-};
-
-using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
 
 struct HttpTls {
   std::string cert;  // PEM chain; with key: HTTPS
