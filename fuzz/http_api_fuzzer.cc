@@ -1,5 +1,5 @@
 // Fuzz target: bytes -> an HTTP request to the coordinator's HTTP API (http/http_api.h): the first
-// byte picks a route (TEI's /embed, /embed_all, /predict, /tokenize, /decode, /info; OpenAI's
+// byte picks a route (TEI's /embed, /embed_all, /predict, /similarity, /tokenize, /decode, /info; OpenAI's
 // /v1/embeddings, /v1/models/ID), the rest is the body, answered by a canned backend
 // (http/fake_backend.h). Every request must get an answer with a known status whose JSON body
 // parses, never a crash.
@@ -29,7 +29,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   options.max_client_batch_size = 8;
   bertshard::http::HttpApi api(&backend, options);
   bertshard::http::HttpRequest request;
-  const auto& route = kRoutes[data[0] % 8];
+  const auto& route = kRoutes[data[0] % (sizeof(kRoutes) / sizeof(kRoutes[0]))];
   request.method = route[0];
   request.path = route[1];
   request.body.assign(reinterpret_cast<const char*>(data + 1), size - 1);

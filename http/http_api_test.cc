@@ -221,6 +221,28 @@ TEST_F(TeiRoutesTest, PredictsSinglesPairsAndBatches) {
   ExpectTeiError(Post("/predict", R"({"inputs": "a"})"), 424, "Backend", "model is not a classifier model");
 }
 
+TEST_F(TeiRoutesTest, SimilarityIsTheCosineOfTheSourceWithEachSentence) {
+  // The fake's vectors: source (1, 0, 0.5, -1), sentences (1, 1, 0.5, -1) and (1, 2, 0.5, -1); dot
+  // products 1 + 0.25 + 1 = 2.25 both (the source's second value is 0). The route asks for unit
+  // vectors, whose dot products are the cosines; the fake does not normalise, so they show here.
+  const HttpResponse response =
+      Post("/similarity",
+           R"({"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}, "parameters": {"truncate": true}})");
+  ASSERT_EQ(response.status, 200) << response.body;
+  EXPECT_EQ(json::parse(response.body), json::parse("[2.25, 2.25]"));
+  ASSERT_EQ(backend_.embeds.size(), 1u);
+  EXPECT_EQ(backend_.embeds[0].text().texts_size(), 3);
+  EXPECT_EQ(backend_.embeds[0].normalize(), v1::NORMALIZE_ON);
+  EXPECT_TRUE(backend_.embeds[0].truncate());
+  ExpectTeiError(Post("/similarity", R"({"inputs": {"source_sentence": "a", "sentences": []}})"), 400, "Empty",
+                 "`inputs.sentences` cannot be empty");
+  ExpectTeiError(Post("/similarity", R"({"inputs": "a"})"), 422, "Validation", "source_sentence");
+  options_.max_client_batch_size = 2;
+  api_.reset();
+  ExpectTeiError(Post("/similarity", R"({"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}})"), 413,
+                 "Validation", "batch size 3 > maximum allowed batch size 2");
+}
+
 TEST_F(TeiRoutesTest, TokenizesAndDecodes) {
   HttpResponse tokens = Post("/tokenize", R"({"inputs": "hello"})");
   ASSERT_EQ(tokens.status, 200) << tokens.body;

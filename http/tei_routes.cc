@@ -316,6 +316,60 @@ HttpResponse HttpApi::TeiPredict(const Struct& body, const CallContext& call) {
   return JsonResponse(std::move(out), TimingHeaders(start, times, characters, tokens));
 }
 
+HttpResponse HttpApi::TeiSimilarity(const Struct& body, const CallContext& call) {
+  const absl::Time start = absl::Now();
+  ApiError error;
+  const Value* inputs = Field(body, "inputs");
+  if (inputs == nullptr || inputs->kind_case() != Value::kStructValue) {
+    return TeiError(MalformedRequest("`inputs` must be {\"source_sentence\": string, \"sentences\": [string, ...]}"));
+  }
+  absl::StatusOr<std::string> source = StringField(inputs->struct_value(), "source_sentence", "");
+  if (!source.ok()) return TeiError(MalformedRequest(std::string(source.status().message())));
+  absl::StatusOr<ParsedInputs> sentences = ParseInputs(inputs->struct_value(), "sentences");
+  if (!sentences.ok()) return TeiError(MalformedRequest(std::string(sentences.status().message())));
+  if (!sentences->batch || sentences->items.empty()) {
+    return TeiError(MakeError(TeiErrorType::kEmpty, "`inputs.sentences` cannot be empty"));
+  }
+  // The source sentence counts against the batch, as in TEI.
+  ParsedInputs all;
+  all.batch = true;
+  all.items.push_back({false, *source, {}});
+  for (InputItem& item : sentences->items) {
+    if (item.is_ids) return TeiError(MalformedRequest("`inputs.sentences` must be a list of strings"));
+    all.items.push_back(std::move(item));
+  }
+  if (!CheckInputs(all, options_.max_client_batch_size, &error).ok()) return TeiError(error);
+  Struct parameters;
+  if (const Value* p = Field(body, "parameters"); p != nullptr) {
+    if (p->kind_case() != Value::kStructValue) return TeiError(MalformedRequest("`parameters` must be an object"));
+    parameters = p->struct_value();
+  }
+  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(parameters);
+  if (!encode.ok()) return TeiError(MalformedRequest(std::string(encode.status().message())));
+  absl::StatusOr<std::string> model = StringField(body, "model", "");
+  if (!model.ok()) return TeiError(MalformedRequest(std::string(model.status().message())));
+  absl::StatusOr<std::string> job = ResolveModel(backend_, *model, options_.default_job, &error);
+  if (!job.ok()) return TeiError(error);
+  v1::EmbedRequest base;
+  base.set_normalize(v1::NORMALIZE_ON);  // cosine similarity: dot products of unit vectors
+  base.set_truncate(encode->truncate);
+  base.set_truncate_from_start(encode->from_start);
+  absl::StatusOr<EmbedOutcome> outcome = EmbedItems(backend_, *job, all.items, base, call);
+  if (!outcome.ok()) return TeiError(FromStatus(outcome.status()));
+  std::vector<float> similarities;
+  const std::vector<float>& a = outcome->vectors[0];
+  for (size_t i = 1; i < outcome->vectors.size(); ++i) {
+    const std::vector<float>& b = outcome->vectors[i];
+    double dot = 0;
+    for (size_t k = 0; k < std::min(a.size(), b.size()); ++k) dot += static_cast<double>(a[k]) * b[k];
+    similarities.push_back(static_cast<float>(dot));
+  }
+  std::string out;
+  AppendFloatArray(similarities, &out);
+  return JsonResponse(std::move(out),
+                      TimingHeaders(start, outcome->times, CountCharacters(all.items), outcome->tokens));
+}
+
 HttpResponse HttpApi::TeiTokenize(const Struct& body) {
   ApiError error;
   absl::StatusOr<ParsedInputs> inputs = ParseInputs(body, "inputs");

@@ -150,11 +150,15 @@ class Checks:
         assert labels == sorted(labels, key=lambda p: -p["score"]) and abs(sum(p["score"] for p in labels) - 1) < 1e-5
         pairs = self.post("/predict", {"inputs": [["w5", "w6"], ["w7"]], "model": "sentiment"})
         assert pairs.status_code == 200 and len(pairs.json()) == 2, pairs.text
+        similar = self.post("/similarity", {"inputs": {"source_sentence": text, "sentences": ["b", text]}})
+        assert similar.status_code == 200, similar.text
+        unit = [self.post("/embed", {"inputs": t}).json()[0] for t in (text, "b")]
+        close(similar.json(), [sum(x * y for x, y in zip(unit[0], unit[1])), 1.0], atol=1e-5)
         info = requests.get(self.base + "/info", headers=self.auth, timeout=30).json()
         assert info["model_id"] == "minilm" and info["model_type"] == {"embedding": {"pooling": "mean"}}, info
         assert info["max_client_batch_size"] == 4 and info["max_concurrent_requests"] == 1, info
         assert requests.get(self.base + "/health", timeout=30).status_code == 200
-        print("http_clients_test: TEI routes /embed /embed_all /predict /tokenize /decode /info /health")
+        print("http_clients_test: TEI routes /embed /embed_all /predict /similarity /tokenize /decode /info /health")
 
     def tei_errors(self):
         self.tei_error(self.post("/embed", {"inputs": []}), 400, "Empty", "`inputs` cannot be empty")

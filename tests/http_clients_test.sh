@@ -4,8 +4,8 @@
 # token ids; a wrong key -> AuthenticationError; models.list) and `requests` on every TEI route,
 # for their success and error shapes (400 empty input, 413 over the batch or payload limit, 422
 # malformed, 429 under overload, 401 without the token). Embeddings must equal the gRPC Embed's
-# (`shardctl embed --format json`). A real checkpoint (all-MiniLM-L6-v2) served TP 2 as "minilm",
-# and a small classifier from tests/testdata as "sentiment" for /predict.
+# (`shardctl embed --format json`). A real checkpoint (all-MiniLM-L6-v2) served TP 2 x PP 2 as "minilm",
+# and a small classifier from tests/testdata, unsharded, as "sentiment" for /predict.
 #
 # The overload is made, not hoped for: with --max_concurrent_requests=1 the first request is held
 # on its workers' forward (the worker_forward pause point, common/fault_point.h) while a second one
@@ -54,12 +54,12 @@ source tools/local_cluster.sh
 grpc_port=$(wait_for_port "$WORK/coordinator.log")
 http_port=$(wait_for_logged_port "$WORK/coordinator.log" 's/^http listening on port \([0-9]*\).*/\1/p')
 export BERTSHARD_SERVER="127.0.0.1:$grpc_port"
-for i in 1 2 3; do
+for i in 1 2 3 4 5; do
   worker/shard-worker --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads=1 \
     --auth_token_file="$WORK/cluster.token" --drain_timeout=2s >"$WORK/worker$i.log" 2>&1 &
   pids+=($!)
 done
-"$SHARDCTL" submit --token-file="$WORK/cluster.token" --checkpoint="$model" --tp=2 --name=minilm --watch \
+"$SHARDCTL" submit --token-file="$WORK/cluster.token" --checkpoint="$model" --tp=2 --pp=2 --name=minilm --watch \
   >"$WORK/submit-minilm.out"
 "$SHARDCTL" submit --token-file="$WORK/cluster.token" --checkpoint="$classifier" --name=sentiment --watch \
   >"$WORK/submit-sentiment.out"
