@@ -37,20 +37,26 @@ class FakeBackend : public InferenceBackend {
     classifier.max_input_length = 512;
     classifier.hidden_size = 4;
     classifier.dtype = "float32";
+    reranker = classifier;
+    reranker.job_id = "job-3";
+    reranker.name = "reranker";
+    reranker.labels = {"LABEL_0"};
   }
 
   absl::StatusOr<std::string> ResolveJob(const std::string& model) override {
     resolved.push_back(model);
     if (model.empty() || model == "minilm" || model == "job-1") return std::string("job-1");
     if (model == "sentiment" || model == "job-2") return std::string("job-2");
+    if (model == "reranker" || model == "job-3") return std::string("job-3");
     return absl::NotFoundError(absl::StrCat("no job has the id or name '", model, "'"));
   }
   absl::StatusOr<ModelInfo> Model(const std::string& job_id) override {
     if (job_id == "job-1") return embedding;
     if (job_id == "job-2") return classifier;
+    if (job_id == "job-3") return reranker;
     return absl::NotFoundError("no such job");
   }
-  std::vector<ModelInfo> ServingModels() override { return {embedding, classifier}; }
+  std::vector<ModelInfo> ServingModels() override { return {embedding, classifier}; }  // not the reranker
 
   // Row r of a call gets {call, r, 0.5, -1} (dimensions: the first that many), unless `embed_error`.
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, const CallContext& context) override {
@@ -96,6 +102,14 @@ class FakeBackend : public InferenceBackend {
       }
       return response;
     }
+    if (request.job_id() == "job-3") {  // one logit per pair: 0, 1, -1, 2, ...
+      v1::NamedTensor* logit = response.add_outputs();
+      logit->set_name("logits");
+      logit->add_shape(rows);
+      logit->add_shape(1);
+      for (int64_t r = 0; r < rows; ++r) logit->add_values(r % 2 == 0 ? static_cast<float>(-r / 2) : (r + 1) / 2.0f);
+      return response;
+    }
     v1::NamedTensor* logits = response.add_outputs();
     logits->set_name("logits");
     logits->add_shape(rows);
@@ -134,7 +148,7 @@ class FakeBackend : public InferenceBackend {
     return absl::StrCat("decoded ", ids.size());
   }
 
-  ModelInfo embedding, classifier;
+  ModelInfo embedding, classifier, reranker;
   std::vector<std::string> resolved;
   std::vector<std::string> tokenized;
   std::vector<v1::EmbedRequest> embeds;

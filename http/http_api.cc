@@ -80,6 +80,8 @@ HttpResponse HttpApi::Handle(const HttpRequest& request) {
     inference = &HttpApi::TeiEmbedAll;
   } else if (path == "/predict") {
     inference = &HttpApi::TeiPredict;
+  } else if (path == "/rerank") {
+    inference = &HttpApi::TeiRerank;
   } else if (path == "/similarity") {
     inference = &HttpApi::TeiSimilarity;
   } else if (path == "/v1/embeddings" || path == "/embeddings") {

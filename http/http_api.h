@@ -4,7 +4,7 @@
 // same request path as gRPC (http/inference_backend.h, implemented over server/cluster.h):
 //   - Hugging Face text-embeddings-inference's routes, with TEI's request and response shapes,
 //     error codes and bodies ({"error": ..., "error_type": "Validation"}) and timing headers:
-//     POST /embed, /embed_all, /predict, /similarity, /tokenize, /decode, GET /info, /health.
+//     POST /embed, /embed_all, /predict, /rerank, /similarity, /tokenize, /decode, GET /info, /health.
 //   - OpenAI's POST /v1/embeddings (also TEI's alias /embeddings) and GET /v1/models[/ID], with
 //     OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}).
 // docs/http.md lists every route, field and error, and where bertshard differs from TEI.
@@ -78,6 +78,7 @@ class HttpApi {
   HttpResponse TeiEmbedAll(const Struct& body, const CallContext& call);
   HttpResponse TeiPredict(const Struct& body, const CallContext& call);
   HttpResponse TeiSimilarity(const Struct& body, const CallContext& call);
+  HttpResponse TeiRerank(const Struct& body, const CallContext& call);
   HttpResponse TeiTokenize(const Struct& body);
   HttpResponse TeiDecode(const Struct& body);
   HttpResponse TeiInfo();

@@ -2,6 +2,7 @@
 // request path for, and TEI's shapes, statuses and error bodies in return.
 #include "http/http_api.h"
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -241,6 +242,33 @@ TEST_F(TeiRoutesTest, SimilarityIsTheCosineOfTheSourceWithEachSentence) {
   api_.reset();
   ExpectTeiError(Post("/similarity", R"({"inputs": {"source_sentence": "a", "sentences": ["b", "c"]}})"), 413,
                  "Validation", "batch size 3 > maximum allowed batch size 2");
+}
+
+TEST_F(TeiRoutesTest, RerankSortsTheTextsByTheirSigmoidScores) {
+  // The fake's logits for the 3 pairs: 0, 1, -1.
+  const HttpResponse response =
+      Post("/rerank", R"({"query": "q", "texts": ["a", "b", "c"], "return_text": true, "model": "reranker"})");
+  ASSERT_EQ(response.status, 200) << response.body;
+  const json body = json::parse(response.body);
+  ASSERT_EQ(body.size(), 3u) << response.body;
+  EXPECT_EQ(body[0]["index"], 1);
+  EXPECT_EQ(body[0]["text"], "b");
+  EXPECT_FLOAT_EQ(body[0]["score"].get<float>(), 1 / (1 + std::exp(-1.0f)));
+  EXPECT_EQ(body[1]["index"], 0);
+  EXPECT_FLOAT_EQ(body[1]["score"].get<float>(), 0.5f);
+  EXPECT_EQ(body[2]["index"], 2);
+  const v1::InferRequest& asked = backend_.infers.back();
+  EXPECT_EQ(asked.text().texts(2), "q");
+  EXPECT_EQ(asked.text().text_pairs(2), "c");
+  const HttpResponse raw =
+      Post("/rerank", R"({"query": "q", "texts": ["a", "b"], "raw_scores": true, "model": "reranker"})");
+  EXPECT_EQ(json::parse(raw.body), json::parse(R"([{"index": 1, "score": 1}, {"index": 0, "score": 0}])"));
+  ExpectTeiError(Post("/rerank", R"({"query": "q", "texts": [], "model": "reranker"})"), 400, "Empty",
+                 "`texts` cannot be empty");
+  ExpectTeiError(Post("/rerank", R"({"query": "q", "texts": ["a"], "model": "sentiment"})"), 424, "Backend",
+                 "model is not a re-ranker model");
+  ExpectTeiError(Post("/rerank", R"({"query": "q", "texts": ["a"]})"), 424, "Backend", "model is not a re-ranker");
+  ExpectTeiError(Post("/rerank", R"({"texts": ["a"], "model": "reranker"})"), 422, "Validation", "`query`");
 }
 
 TEST_F(TeiRoutesTest, TokenizesAndDecodes) {

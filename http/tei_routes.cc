@@ -1,6 +1,7 @@
 // TEI's routes of HttpApi (http_api.h), in the shapes of text-embeddings-inference's router
 // (router/src/http/server.rs, types.rs): what each takes, what it answers, and its errors.
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -368,6 +369,95 @@ HttpResponse HttpApi::TeiSimilarity(const Struct& body, const CallContext& call)
   AppendFloatArray(similarities, &out);
   return JsonResponse(std::move(out),
                       TimingHeaders(start, outcome->times, CountCharacters(all.items), outcome->tokens));
+}
+
+HttpResponse HttpApi::TeiRerank(const Struct& body, const CallContext& call) {
+  const absl::Time start = absl::Now();
+  ApiError error;
+  absl::StatusOr<std::string> query = StringField(body, "query", "");
+  if (!query.ok() || Field(body, "query") == nullptr) {
+    return TeiError(MalformedRequest(query.ok() ? "`query` is missing" : std::string(query.status().message())));
+  }
+  absl::StatusOr<ParsedInputs> texts = ParseInputs(body, "texts");
+  if (!texts.ok()) return TeiError(MalformedRequest(std::string(texts.status().message())));
+  if (!texts->batch) return TeiError(MalformedRequest("`texts` must be a list of strings"));
+  if (texts->items.empty()) return TeiError(MakeError(TeiErrorType::kEmpty, "`texts` cannot be empty"));
+  for (const InputItem& item : texts->items) {
+    if (item.is_ids) return TeiError(MalformedRequest("`texts` must be a list of strings"));
+  }
+  if (static_cast<int64_t>(texts->items.size()) > options_.max_client_batch_size) {
+    return TeiError(MakeError(TeiErrorType::kValidation,
+                              absl::StrCat("batch size ", texts->items.size(), " > maximum allowed batch size ",
+                                           options_.max_client_batch_size)));
+  }
+  if (query->empty())
+    return TeiError(MakeError(TeiErrorType::kEmpty, "Input validation error: `inputs` cannot be empty"));
+  for (const InputItem& item : texts->items) {
+    if (item.text.empty()) {
+      return TeiError(MakeError(TeiErrorType::kEmpty, "Input validation error: `inputs` cannot be empty"));
+    }
+  }
+  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body);
+  absl::StatusOr<bool> raw_scores = BoolField(body, "raw_scores", false);
+  absl::StatusOr<bool> return_text = BoolField(body, "return_text", false);
+  for (const absl::Status& s : {encode.status(), raw_scores.status(), return_text.status()}) {
+    if (!s.ok()) return TeiError(MalformedRequest(std::string(s.message())));
+  }
+  absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
+  if (!job.ok()) return TeiError(error);
+  // TEI's re-ranker: a sequence classifier with one label (sentence-transformers' CrossEncoder).
+  absl::StatusOr<ModelInfo> model =
+      ModelOfKind(backend_, *job, v1::BERT_FOR_SEQUENCE_CLASSIFICATION, "a re-ranker", &error);
+  if (!model.ok()) return TeiError(error);
+  if (model->labels.size() != 1) {
+    return TeiError(MakeError(TeiErrorType::kBackend,
+                              absl::StrCat("model is not a re-ranker model (job ", model->public_name(), " has ",
+                                           model->labels.size(), " labels; a re-ranker has one)")));
+  }
+  v1::InferRequest request;
+  request.set_job_id(*job);
+  request.set_truncate(encode->truncate);
+  request.set_truncate_from_start(encode->from_start);
+  for (const InputItem& item : texts->items) {
+    request.mutable_text()->add_texts(*query);
+    request.mutable_text()->add_text_pairs(item.text);
+  }
+  absl::StatusOr<v1::InferResponse> response = backend_->Infer(request, call);
+  if (!response.ok()) return TeiError(FromStatus(response.status()));
+  const v1::NamedTensor* logits = nullptr;
+  for (const v1::NamedTensor& t : response->outputs()) {
+    if (t.name() == "logits") logits = &t;
+  }
+  const int n = static_cast<int>(texts->items.size());
+  if (logits == nullptr || logits->values_size() != n) {
+    return TeiError(MakeError(TeiErrorType::kBackend, "the job answered without one logit per text"));
+  }
+  // TEI's scores: the logit itself with raw_scores, else its sigmoid (one label).
+  std::vector<std::pair<float, int>> ranks;
+  for (int i = 0; i < n; ++i) {
+    const float logit = logits->values(i);
+    ranks.push_back({*raw_scores ? logit : static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(logit)))), i});
+  }
+  std::stable_sort(ranks.begin(), ranks.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::string out = "[";
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    absl::StrAppend(&out, r > 0 ? "," : "", "{\"index\":", ranks[r].second);
+    if (*return_text) {
+      out += ",\"text\":";
+      common::AppendJsonString(texts->items[static_cast<size_t>(ranks[r].second)].text, &out);
+    }
+    std::string score;
+    AppendFloatArray({&ranks[r].first, 1}, &score);
+    absl::StrAppend(&out, ",\"score\":", score.substr(1, score.size() - 2), "}");
+  }
+  out.push_back(']');
+  int64_t tokens = 0;
+  for (const int64_t m : response->tokens().attention_mask()) tokens += m;
+  CallTimes times;
+  times.Add(response->batch());
+  return JsonResponse(
+      std::move(out),
+      TimingHeaders(start, times, CountCharacters(texts->items) + n * CountCharacters({{false, *query, {}}}), tokens));
 }
 
 HttpResponse HttpApi::TeiTokenize(const Struct& body) {

@@ -106,7 +106,7 @@ class Checks:
         except openai.BadRequestError as e:
             assert e.status_code == 400, e
         models = sorted(m.id for m in self.client.models.list())
-        assert models == ["minilm", "sentiment"], models
+        assert models == ["minilm", "reranker", "sentiment"], models
         assert self.client.models.retrieve("sentiment").owned_by == "bertshard"
         print("http_clients_test: openai errors (AuthenticationError, NotFoundError, BadRequestError), models.list")
 
@@ -150,6 +150,21 @@ class Checks:
         assert labels == sorted(labels, key=lambda p: -p["score"]) and abs(sum(p["score"] for p in labels) - 1) < 1e-5
         pairs = self.post("/predict", {"inputs": [["w5", "w6"], ["w7"]], "model": "sentiment"})
         assert pairs.status_code == 200 and len(pairs.json()) == 2, pairs.text
+        texts = ["deep learning is a kind of machine learning", "the cat sat on the mat", "neural networks"]
+        query = "what is deep learning?"
+        ranked = self.post("/rerank", {"query": query, "texts": texts, "return_text": True, "model": "reranker"})
+        assert ranked.status_code == 200, ranked.text
+        ranks = ranked.json()
+        assert sorted(r["index"] for r in ranks) == [0, 1, 2] and ranks == sorted(ranks, key=lambda r: -r["score"])
+        assert all(r["text"] == texts[r["index"]] for r in ranks), ranks
+        # The same pairs through /predict's raw logits: rerank's scores are their sigmoids.
+        logits = self.post("/predict", {"inputs": [[query, t] for t in texts], "raw_scores": True, "model": "reranker"})
+        assert logits.status_code == 200, logits.text
+        for r in ranks:
+            logit = logits.json()[r["index"]][0]["score"]
+            assert abs(r["score"] - 1 / (1 + math.exp(-logit))) < 1e-6, (r, logit)
+        self.tei_error(self.post("/rerank", {"query": query, "texts": texts, "model": "sentiment"}), 424, "Backend",
+                       "re-ranker")
         similar = self.post("/similarity", {"inputs": {"source_sentence": text, "sentences": ["b", text]}})
         assert similar.status_code == 200, similar.text
         unit = [self.post("/embed", {"inputs": t}).json()[0] for t in (text, "b")]
@@ -158,7 +173,7 @@ class Checks:
         assert info["model_id"] == "minilm" and info["model_type"] == {"embedding": {"pooling": "mean"}}, info
         assert info["max_client_batch_size"] == 4 and info["max_concurrent_requests"] == 1, info
         assert requests.get(self.base + "/health", timeout=30).status_code == 200
-        print("http_clients_test: TEI routes /embed /embed_all /predict /similarity /tokenize /decode /info /health")
+        print("http_clients_test: TEI routes /embed /embed_all /predict /rerank /similarity /tokenize /decode /info /health")
 
     def tei_errors(self):
         self.tei_error(self.post("/embed", {"inputs": []}), 400, "Empty", "`inputs` cannot be empty")

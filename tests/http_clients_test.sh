@@ -5,7 +5,8 @@
 # for their success and error shapes (400 empty input, 413 over the batch or payload limit, 422
 # malformed, 429 under overload, 401 without the token). Embeddings must equal the gRPC Embed's
 # (`shardctl embed --format json`). A real checkpoint (all-MiniLM-L6-v2) served TP 2 x PP 2 as "minilm",
-# and a small classifier from tests/testdata, unsharded, as "sentiment" for /predict.
+# and a small classifier from tests/testdata, unsharded, as "sentiment" for /predict, and a random
+# one-label classifier as "reranker" for /rerank.
 #
 # The overload is made, not hoped for: with --max_concurrent_requests=1 the first request is held
 # on its workers' forward (the worker_forward pause point, common/fault_point.h) while a second one
@@ -42,6 +43,13 @@ cp tests/testdata/model/sequence_classification_f16/config.json \
   for i in $(seq 5 98); do printf 'w%d\n' "$i"; done
 } >"$classifier/vocab.txt"
 
+# A re-ranker: a random one-label BertForSequenceClassification (sentence-transformers' CrossEncoder
+# shape) with BERT's vocabulary.
+"$SHARDCTL" init-checkpoint --variant BertForSequenceClassification --seed 3 --out "$WORK/reranker" \
+  --vocab tests/testdata/vocab/bert-base-uncased-vocab.txt \
+  --config '{"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+             "max_position_embeddings": 64, "num_labels": 1}' >"$WORK/init-reranker.out"
+
 pids=()
 trap 'status=$?; rm -f "$BERTSHARD_FAULT_DIR"/*.hold; for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done;
       wait 2>/dev/null || true; [ "$status" -eq 0 ] || tail -n 30 "$WORK"/*.log >&2; exit "$status"' EXIT
@@ -54,7 +62,7 @@ source tools/local_cluster.sh
 grpc_port=$(wait_for_port "$WORK/coordinator.log")
 http_port=$(wait_for_logged_port "$WORK/coordinator.log" 's/^http listening on port \([0-9]*\).*/\1/p')
 export BERTSHARD_SERVER="127.0.0.1:$grpc_port"
-for i in 1 2 3 4 5; do
+for i in 1 2 3 4 5 6; do
   worker/shard-worker --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads=1 \
     --auth_token_file="$WORK/cluster.token" --drain_timeout=2s >"$WORK/worker$i.log" 2>&1 &
   pids+=($!)
@@ -63,6 +71,8 @@ done
   >"$WORK/submit-minilm.out"
 "$SHARDCTL" submit --token-file="$WORK/cluster.token" --checkpoint="$classifier" --name=sentiment --watch \
   >"$WORK/submit-sentiment.out"
+"$SHARDCTL" submit --token-file="$WORK/cluster.token" --checkpoint="$WORK/reranker" --name=reranker --watch \
+  >"$WORK/submit-reranker.out"
 
 "$venv/bin/python" tests/http_clients_test.py --http "127.0.0.1:$http_port" --shardctl "$SHARDCTL" \
   --read_token_file "$WORK/read.token" --fault_dir "$BERTSHARD_FAULT_DIR"
