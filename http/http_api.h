@@ -73,7 +73,7 @@ class HttpApi {
   friend class InferencePermit;
   using Struct = google::protobuf::Struct;
 
-  // TEI's routes (tei_routes.cc).
+  // TEI's routes (tei_routes.cc; tokenizer, info and health: tei_meta_routes.cc).
   HttpResponse TeiEmbed(const Struct& body, const CallContext& call);
   HttpResponse TeiEmbedAll(const Struct& body, const CallContext& call);
   HttpResponse TeiPredict(const Struct& body, const CallContext& call);
