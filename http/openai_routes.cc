@@ -60,7 +60,12 @@ HttpResponse HttpApi::OpenAiEmbeddings(const Struct& body, const CallContext& ca
     return OpenAiError(404, "invalid_request_error", error.message, "model_not_found");
   }
   absl::StatusOr<ModelInfo> info = backend_->Model(*job);
-  if (!info.ok()) return OpenAiError(FromStatus(info.status()));
+  if (!info.ok()) {
+    // A job that is not serving (ended, pending, loading) is not a model one can use: 404, as
+    // OpenAI answers a model one has no access to; a recovering one is 503 (retry).
+    if (info.status().code() == absl::StatusCode::kUnavailable) return OpenAiError(FromStatus(info.status()));
+    return OpenAiError(404, "invalid_request_error", std::string(info.status().message()), "model_not_found");
+  }
   // OpenAI's embeddings are unit vectors (and its `dimensions` shortens them and normalises again).
   v1::EmbedRequest base;
   base.set_normalize(v1::NORMALIZE_ON);

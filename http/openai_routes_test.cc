@@ -117,6 +117,8 @@ TEST(OpenAiEmbeddings, RefusesWithOpenAisErrors) {
                     "invalid_request_error", "");
   ExpectOpenAiError(Call(api, "POST", "/v1/embeddings", R"({"input": "a", "model": "gpt-4"})", key), 404,
                     "invalid_request_error", "model_not_found");
+  ExpectOpenAiError(Call(api, "POST", "/v1/embeddings", R"({"input": "a", "model": "ended"})", key), 404,
+                    "invalid_request_error", "model_not_found");  // known, but no longer serving
   ExpectOpenAiError(Call(api, "POST", "/v1/embeddings", "{", key), 400, "invalid_request_error", "");
   EXPECT_TRUE(backend.embeds.empty());
   backend.embed_error = absl::InvalidArgumentError("text has 600 tokens; the model takes at most 256");
