@@ -49,7 +49,7 @@ HttpResponse HttpApi::Handle(const HttpRequest& request) {
   const bool post = request.method == "POST";
   const bool get = request.method == "GET";
   // The probes stay open, as gRPC's health service is (TEI's public routes: /health, /ping, /).
-  if (path == "/health" || path == "/ping") return get ? TeiHealth() : MethodNotAllowed("GET");
+  if (path == "/health" || path == "/ping" || (path == "/" && get)) return get ? TeiHealth() : MethodNotAllowed("GET");
   if (!Authorized(request.authorization)) {
     // Never the token itself, and the same answer for a missing and a wrong one.
     if (openai) {
@@ -86,6 +86,10 @@ HttpResponse HttpApi::Handle(const HttpRequest& request) {
     inference = &HttpApi::TeiSimilarity;
   } else if (path == "/v1/embeddings" || path == "/embeddings") {
     inference = &HttpApi::OpenAiEmbeddings;
+  } else if (path == "/" || path == "/invocations") {
+    // TEI's default route (and SageMaker's): the serving model's own task, as Hugging Face's
+    // InferenceClient posts to a URL: embed, predict, or rerank for a one-label classifier.
+    inference = &HttpApi::TeiDefaultRoute;
   } else if (path == "/tokenize") {
     tokenizer = &HttpApi::TeiTokenize;
   } else if (path == "/decode") {

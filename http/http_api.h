@@ -4,7 +4,8 @@
 // same request path as gRPC (http/inference_backend.h, implemented over server/cluster.h):
 //   - Hugging Face text-embeddings-inference's routes, with TEI's request and response shapes,
 //     error codes and bodies ({"error": ..., "error_type": "Validation"}) and timing headers:
-//     POST /embed, /embed_all, /predict, /rerank, /similarity, /tokenize, /decode, GET /info, /health.
+//     POST /embed, /embed_all, /predict, /rerank, /similarity, /tokenize, /decode, GET /info, /health,
+//     and POST / (the serving model's own task, where Hugging Face's InferenceClient posts).
 //   - OpenAI's POST /v1/embeddings (also TEI's alias /embeddings) and GET /v1/models[/ID], with
 //     OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}).
 // docs/http.md lists every route, field and error, and where bertshard differs from TEI.
@@ -79,6 +80,8 @@ class HttpApi {
   HttpResponse TeiPredict(const Struct& body, const CallContext& call);
   HttpResponse TeiSimilarity(const Struct& body, const CallContext& call);
   HttpResponse TeiRerank(const Struct& body, const CallContext& call);
+  // POST / and /invocations: /embed, /predict or /rerank, as the default job's model is.
+  HttpResponse TeiDefaultRoute(const Struct& body, const CallContext& call);
   HttpResponse TeiTokenize(const Struct& body);
   HttpResponse TeiDecode(const Struct& body);
   HttpResponse TeiInfo();

@@ -271,6 +271,20 @@ TEST_F(TeiRoutesTest, RerankSortsTheTextsByTheirSigmoidScores) {
   ExpectTeiError(Post("/rerank", R"({"texts": ["a"], "model": "reranker"})"), 422, "Validation", "`query`");
 }
 
+TEST_F(TeiRoutesTest, TheRootRouteIsTheModelsOwnTask) {
+  // InferenceClient posts {"inputs": ...} to the server's URL: the default job's task answers.
+  const HttpResponse embedded = Post("/", R"({"inputs": "a"})");
+  ASSERT_EQ(embedded.status, 200) << embedded.body;
+  EXPECT_EQ(json::parse(embedded.body), json::parse("[[1, 0, 0.5, -1]]"));
+  const HttpResponse predicted = Post("/invocations", R"({"inputs": "a", "model": "sentiment"})");
+  ASSERT_EQ(predicted.status, 200) << predicted.body;
+  EXPECT_EQ(json::parse(predicted.body)[0]["label"], "POS");
+  const HttpResponse ranked = Post("/", R"({"query": "q", "texts": ["a", "b"], "model": "reranker"})");
+  ASSERT_EQ(ranked.status, 200) << ranked.body;
+  EXPECT_EQ(json::parse(ranked.body)[0]["index"], 1);
+  EXPECT_EQ(Get("/").status, 200);  // TEI's health on GET /
+}
+
 TEST_F(TeiRoutesTest, TokenizesAndDecodes) {
   HttpResponse tokens = Post("/tokenize", R"({"inputs": "hello"})");
   ASSERT_EQ(tokens.status, 200) << tokens.body;

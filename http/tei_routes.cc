@@ -460,4 +460,18 @@ HttpResponse HttpApi::TeiRerank(const Struct& body, const CallContext& call) {
       TimingHeaders(start, times, CountCharacters(texts->items) + n * CountCharacters({{false, *query, {}}}), tokens));
 }
 
+HttpResponse HttpApi::TeiDefaultRoute(const Struct& body, const CallContext& call) {
+  ApiError error;
+  absl::StatusOr<std::string> model = StringField(body, "model", "");
+  if (!model.ok()) return TeiError(MalformedRequest(std::string(model.status().message())));
+  absl::StatusOr<std::string> job = ResolveModel(backend_, *model, options_.default_job, &error);
+  if (!job.ok()) return TeiError(error);
+  absl::StatusOr<ModelInfo> info = backend_->Model(*job);
+  if (!info.ok()) return TeiError(FromStatus(info.status()));
+  if (info->variant == v1::BERT_FOR_SEQUENCE_CLASSIFICATION) {
+    return info->labels.size() == 1 ? TeiRerank(body, call) : TeiPredict(body, call);
+  }
+  return TeiEmbed(body, call);  // other heads are refused there, with TEI's 424
+}
+
 }  // namespace bertshard::http

@@ -12,8 +12,9 @@
 # on its workers' forward (the worker_forward pause point, common/fault_point.h) while a second one
 # is sent.
 #
-# Needs the project venv (BERTSHARD_VENV: openai, requests) and the checkpoint (BERTSHARD_MODEL_DIR);
-# SKIPPED without either, FAILED under CI=true.
+# Needs the project venv (BERTSHARD_VENV: openai, requests), the HF venv for InferenceClient
+# (BERTSHARD_HF_VENV: huggingface_hub) and the checkpoint (BERTSHARD_MODEL_DIR); SKIPPED without
+# them (the InferenceClient part alone without the HF venv), FAILED under CI=true.
 set -euo pipefail
 
 source tests/skip_or_fail.sh
@@ -76,6 +77,35 @@ done
 
 "$venv/bin/python" tests/http_clients_test.py --http "127.0.0.1:$http_port" --shardctl "$SHARDCTL" \
   --read_token_file "$WORK/read.token" --fault_dir "$BERTSHARD_FAULT_DIR"
+
+# Hugging Face's InferenceClient (huggingface_hub, pinned in tools/requirements-hf.txt; the HF venv)
+# posts to the server's URL, which answers with the default job's task: feature_extraction equals
+# /embed's vector.
+hf_venv="${BERTSHARD_HF_VENV:-}"
+if [ -n "$hf_venv" ] && "$hf_venv/bin/python" -c "import huggingface_hub" 2>/dev/null; then
+  "$hf_venv/bin/python" - "127.0.0.1:$http_port" "$WORK/read.token" <<'PY'
+import json, sys, urllib.request
+from huggingface_hub import InferenceClient
+address, token = sys.argv[1], open(sys.argv[2]).read().strip()
+text = "What is Deep Learning?"
+vector = InferenceClient(model="http://" + address, token=token, timeout=60).feature_extraction(text)
+request = urllib.request.Request("http://%s/embed" % address, data=json.dumps({"inputs": text}).encode(),
+                                 headers={"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+with urllib.request.urlopen(request, timeout=60) as answer:
+    reference = json.load(answer)[0]
+assert vector.shape == (1, len(reference)), vector.shape
+worst = max(abs(float(a) - b) for a, b in zip(vector[0], reference))
+assert worst <= 1e-6, worst
+print("http_clients_test: huggingface_hub InferenceClient.feature_extraction equals /embed")
+PY
+elif [ "${CI:-}" = "true" ]; then
+  echo "FAILED (CI=true, so no skipping): http_clients_test: no HF venv with huggingface_hub (BERTSHARD_HF_VENV='$hf_venv')" >&2
+  exit 1
+else
+  echo "=====================================================================" >&2
+  echo "SKIPPED (this part only): InferenceClient: no HF venv (BERTSHARD_HF_VENV='$hf_venv')" >&2
+  echo "=====================================================================" >&2
+fi
 
 # Every server drains and exits 0 with HTTP requests behind it.
 for p in "${pids[@]}"; do kill -TERM "$p"; done
