@@ -1,8 +1,7 @@
 // Fuzz target: bytes -> an HTTP request to the coordinator's HTTP API (http/http_api.h): the first
-// byte picks a route (TEI's /embed, /embed_all, /predict, /rerank, /similarity, /tokenize, /decode, /info; OpenAI's
-// /v1/embeddings, /v1/models/ID), the rest is the body, answered by a canned backend
-// (http/fake_backend.h). Every request must get an answer with a known status whose JSON body
-// parses, never a crash.
+// byte picks a route (TEI's /embed, /embed_all, /predict, /rerank, /similarity, /tokenize, /decode, /info, POST /;
+// OpenAI's /v1/embeddings, /v1/models/ID), the rest is the body, answered by a canned backend (http/fake_backend.h).
+// Every request must get an answer with a known status whose JSON body parses, never a crash.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
