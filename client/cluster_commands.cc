@@ -101,6 +101,8 @@ absl::Status SubmitCommand(const CommandLine& cl, std::FILE* out) {
   submit.set_fail_if_no_workers(cl.switches.count("no-wait") > 0);
   // Checked by the coordinator (INVALID_ARGUMENT, exit 2), which knows the backends it places.
   if (cl.values.count("backend")) submit.set_backend(cl.values.at("backend"));
+  // Checked by the coordinator too (INVALID_ARGUMENT, ALREADY_EXISTS while a live job has it).
+  if (cl.values.count("name")) submit.set_name(cl.values.at("name"));
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
   v1::Job job;
   RETURN_IF_ERROR(c.Check(c.stub()->SubmitJob(c.Context(60).get(), submit, &job)));
@@ -189,6 +191,9 @@ const std::vector<Flag>& SubmitFlags() {
                  {
                      {"backend", "gloo|nccl",
                       "nccl: GPU workers (shard-worker --device=cuda:N), one rank per GPU (default gloo)"},
+                     {"name", "NAME",
+                      "a name to find the job by beside its id (HTTP's `model`, docs/http.md): letters,\n"
+                      "digits and ._-/: (e.g. minilm), unique among the jobs that have not ended"},
                      {"watch", "", "then print its states until it settles: READY exits 0, FAILED 1 with the cause"},
                      {"no-wait", "",
                       "refuse the job (FAILED_PRECONDITION, exit 1) instead of queueing it PENDING when\n"

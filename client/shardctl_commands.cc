@@ -101,7 +101,7 @@ const std::vector<Subcommand>& Subcommands() {
        "A randomly initialised HF model directory (config.json + model.safetensors). Weights as HF's "
        "_init_weights draws them.",
        &InitCheckpointFlags(), &RunInitCheckpointCommand},
-      {"submit", "submit --checkpoint DIR [--tp N --pp N ...] [--backend gloo|nccl] [--watch] [--no-wait]",
+      {"submit", "submit --checkpoint DIR [--tp N --pp N ...] [--name NAME] [--backend gloo|nccl] [--watch]",
        absl::StrCat("Submit a job: its plan placed on idle workers, which load their shards. Prints the job "
                     "id; the checkpoint is a directory as the workers see it.",
                     kCoordinatorNote),

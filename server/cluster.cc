@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 
 namespace bertshard::server {
@@ -122,14 +123,74 @@ absl::StatusOr<std::shared_ptr<JobServing>> Cluster::ServingFor(const std::strin
 
 absl::StatusOr<v1::InferResponse> Cluster::Infer(const v1::InferRequest& request, absl::Time deadline,
                                                  const std::function<bool()>& cancelled, const Caller& caller) {
-  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(request.job_id()));
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(IdOf(request.job_id())));
   return serving->Infer(request, deadline, cancelled, caller);
 }
 
 absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                                  const std::function<bool()>& cancelled, const Caller& caller) {
-  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(request.job_id()));
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(IdOf(request.job_id())));
   return serving->Embed(request, deadline, cancelled, caller);
+}
+
+std::string Cluster::IdOf(const std::string& job) {
+  if (job.empty()) return job;
+  absl::StatusOr<std::string> id = ResolveJob(job);
+  return id.ok() ? *id : job;  // unknown: ServingFor says so in its own words
+}
+
+absl::StatusOr<std::string> Cluster::ResolveJob(const std::string& job, const std::string& fallback) {
+  if (job.empty() && !fallback.empty()) return ResolveJob(fallback);
+  std::string by_id, by_name;
+  std::vector<std::string> serving;  // names, else ids, of the jobs that serve
+  scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime& runtime) {
+    if (runtime.ended) return;
+    if (id == job) by_id = id;
+    if (!runtime.name.empty() && runtime.name == job) by_name = id;
+    if (runtime.group.serving) serving.push_back(runtime.name.empty() ? id : runtime.name);
+  });
+  if (!by_id.empty()) return by_id;
+  if (!by_name.empty()) return by_name;
+  if (!job.empty()) {
+    // An ended job is known to the store alone: say what became of it rather than "no such job".
+    if (const absl::StatusOr<v1::Job> stored = scheduler_->GetJob(job); stored.ok()) return stored->id();
+    return absl::NotFoundError(absl::StrCat("no job has the id or name '", job, "'"));
+  }
+  if (serving.size() == 1) {
+    std::string only;
+    scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime& runtime) {
+      if (runtime.group.serving && !runtime.ended) only = id;
+    });
+    if (!only.empty()) return only;
+  }
+  return absl::FailedPreconditionError(
+      serving.empty() ? std::string("no job is serving, so a request must name one (an id or a job's name)")
+                      : absl::StrCat(serving.size(), " jobs are serving (", absl::StrJoin(serving, ", "),
+                                     "): name one (an id or a job's name), or start the coordinator with "
+                                     "--default_job"));
+}
+
+std::vector<Cluster::ServingJob> Cluster::ServingJobs() {
+  std::vector<ServingJob> jobs;
+  scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime& runtime) {
+    if (!runtime.group.serving || runtime.ended) return;
+    jobs.push_back({id, runtime.name, runtime.plan,
+                    runtime.assets != nullptr
+                        ? runtime.assets
+                        : RefusedJobAssets(absl::InternalError("the job's assets were not read"))});
+  });
+  return jobs;
+}
+
+absl::StatusOr<std::vector<TokenPiece>> Cluster::Tokenize(const std::string& job_id, absl::string_view text,
+                                                          bool add_special_tokens) {
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(job_id));
+  return serving->Tokenize(text, add_special_tokens);
+}
+
+absl::StatusOr<std::string> Cluster::Decode(const std::string& job_id, const std::vector<int64_t>& ids) {
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(job_id));
+  return serving->Decode(ids);
 }
 
 }  // namespace bertshard::server

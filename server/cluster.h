@@ -91,6 +91,7 @@ class Cluster {
   // every half second), or the deadline passes.
   absl::Status WatchJob(const std::string& id, absl::Time deadline,
                         const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled);
+  // Infer and Embed take the job by id or by name (request.job_id may be either).
   // Requests on a job are batched (ClusterOptions::batching): concurrent ones merge into one
   // forward, and forwards run one at a time. A request whose caller went away (`cancelled`) or
   // whose deadline passed while it waited is never sent; once its forward has started on the ranks
@@ -107,6 +108,25 @@ class Cluster {
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                           const std::function<bool()>& cancelled = nullptr, const Caller& caller = {});
 
+  // Which job a request means (HTTP's `model`, docs/http.md): `job` is a job id, else the name
+  // (SubmitJobRequest.name) of a job that has not ended. Empty `job`: `fallback` (--default_job,
+  // an id or name) when set, else the only serving job. NOT_FOUND for an id or name no live job
+  // has; FAILED_PRECONDITION when none is named and not exactly one job serves (the message
+  // lists the serving ones' names or ids).
+  absl::StatusOr<std::string> ResolveJob(const std::string& job, const std::string& fallback = "");
+  // The jobs that serve now (READY and not recovering), in id order.
+  struct ServingJob {
+    std::string id;
+    std::string name;  // may be empty
+    v1::ShardPlan plan;
+    std::shared_ptr<const JobAssets> assets;  // never null
+  };
+  std::vector<ServingJob> ServingJobs();
+  // A serving job's tokenizer alone (JobServing::Tokenize, ::Decode): no forward, no batching.
+  absl::StatusOr<std::vector<TokenPiece>> Tokenize(const std::string& job_id, absl::string_view text,
+                                                   bool add_special_tokens);
+  absl::StatusOr<std::string> Decode(const std::string& job_id, const std::vector<int64_t>& ids);
+
   // The server is draining for shutdown: from now on no worker is declared dead and no job is
   // scheduled. Idempotent.
   void Drain();
@@ -114,6 +134,8 @@ class Cluster {
  private:
   Cluster(const ClusterOptions& options, std::unique_ptr<WorkerPool> pool);
 
+  // The id of the job `job` names (an id or a name, ResolveJob); `job` itself when none does.
+  std::string IdOf(const std::string& job);
   // A READY job's JobServing (job_serving.h), made on first use under the scheduler's lock.
   absl::StatusOr<std::shared_ptr<JobServing>> ServingFor(const std::string& job_id);
 

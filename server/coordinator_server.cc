@@ -289,6 +289,21 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(cons
   std::unique_ptr<CoordinatorServer> server(
       new CoordinatorServer(std::move(cluster), std::move(service), std::move(started.server), started.port));
   server->collectors_ = std::move(collectors);
+  if (!options.http.listen.empty()) {
+    // The same tokens as the RPCs: inference needs the read token (or the cluster's) when one is set.
+    http::HttpApiOptions api_options = options.http_api;
+    api_options.admin_token = options.auth.admin_token;
+    api_options.read_token = options.auth.read_token;
+    server->http_backend_ = std::make_unique<ClusterHttpBackend>(server->cluster_.get());
+    server->http_api_ = std::make_unique<http::HttpApi>(server->http_backend_.get(), api_options);
+    http::HttpApi* api = server->http_api_.get();
+    absl::StatusOr<std::unique_ptr<http::HttpServer>> listener =
+        http::HttpServer::Start(options.http, [api](const http::HttpRequest& request) { return api->Handle(request); });
+    if (!listener.ok()) return listener.status();  // the gRPC server drains and goes with `server`
+    server->http_port_ = (*listener)->port();
+    absl::MutexLock lock(&server->mu_);
+    server->http_server_ = *std::move(listener);
+  }
   return std::move(server);
 }
 
@@ -299,6 +314,12 @@ void CoordinatorServer::Shutdown(absl::Duration drain) {
     shut_down_ = true;
   }
   cluster_->Drain();  // heartbeats stop now: no worker may be declared dead for that
+  std::unique_ptr<http::HttpServer> http;
+  {
+    absl::MutexLock lock(&mu_);
+    http = std::move(http_server_);
+  }
+  http.reset();  // stops accepting; its requests in flight finish on the (still serving) cluster
   common::DrainAndShutdown(server_.get(), drain);
 }
 

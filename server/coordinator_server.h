@@ -26,7 +26,10 @@
 #include "common/metrics.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
+#include "http/http_api.h"
+#include "http/http_server.h"
 #include "server/cluster.h"
+#include "server/http_backend.h"
 
 namespace bertshard::server {
 
@@ -58,6 +61,10 @@ struct CoordinatorOptions {
   common::AuthConfig auth;
   // TLS (common/grpc_tls.h); null: plaintext. The channels to the workers are cluster.worker_credentials.
   std::shared_ptr<grpc::ServerCredentials> server_credentials;
+  // HTTP/JSON (TEI's routes, OpenAI's embeddings: docs/http.md), served when http.listen is set;
+  // http.tls holds the same PEM files as server_credentials. http_api's tokens are set from `auth`.
+  http::HttpServerOptions http;
+  http::HttpApiOptions http_api;
 };
 
 // The largest request every limit of `batching` admits: its texts (max_request_text_bytes), the
@@ -77,6 +84,8 @@ class CoordinatorServer {
   CoordinatorServer& operator=(const CoordinatorServer&) = delete;
 
   int port() const { return port_; }
+  // The HTTP port (0 when none is served).
+  int http_port() const { return http_port_; }
 
   // Marks the health service NOT_SERVING (load balancers stop sending), then stops accepting
   // calls and waits up to `drain` for in-flight calls before cancelling them.
@@ -94,6 +103,12 @@ class CoordinatorServer {
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   const int port_;
+  // After cluster_, so that they go first; the server is stopped by Shutdown (its requests in
+  // flight finish on the cluster), the api and backend with the object.
+  std::unique_ptr<ClusterHttpBackend> http_backend_;
+  std::unique_ptr<http::HttpApi> http_api_;
+  std::unique_ptr<http::HttpServer> http_server_ ABSL_GUARDED_BY(mu_);
+  int http_port_ = 0;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   // Last, so they go first: their collectors read cluster_.

@@ -58,7 +58,7 @@ absl::Status CheckInputBounds(const v1::TokenInputs* tokens, const v1::TextInput
 
 absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const v1::TextInput* text,
                                            const v1::ShardPlan& plan, const JobAssets& assets, int64_t max_length,
-                                           bool truncate, const InputBounds& bounds) {
+                                           bool truncate, const InputBounds& bounds, bool truncate_from_start) {
   RETURN_IF_ERROR(CheckInputBounds(tokens, text, bounds));
   PreparedInput prepared;
   v1::TokenInputs& out = prepared.tokens;
@@ -83,6 +83,7 @@ absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const 
       tokenizer::EncodeOptions options;
       options.max_length = max_length;
       options.truncation = truncate;
+      options.from_left = truncate_from_start;
       auto e = assets.tokenizer->Encode(text->texts(i), pair, options);
       if (!e.ok()) {
         return absl::Status(e.status().code(), absl::StrCat("text ", i, ": ", e.status().message()));

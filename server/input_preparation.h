@@ -47,9 +47,11 @@ struct InputBounds {
 // both lengths. INVALID_ARGUMENT for input the plan cannot run (says what is valid) and for empty
 // texts; FAILED_PRECONDITION for text when the checkpoint has no usable vocab.txt. A request
 // over `bounds` is INVALID_ARGUMENT before any work on its contents (saying the limit and flag).
+// `truncate_from_start`: texts are cut from their start instead (their last tokens kept).
 absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const v1::TextInput* text,
                                            const v1::ShardPlan& plan, const JobAssets& assets, int64_t max_length,
-                                           bool truncate, const InputBounds& bounds = {});
+                                           bool truncate, const InputBounds& bounds = {},
+                                           bool truncate_from_start = false);
 
 // The checks of PrepareInput on the message's counts alone (no element read): token input with
 // rows >= 1, seq >= 1, arrays of rows x seq (mask and types may be empty) and rows x seq within

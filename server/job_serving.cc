@@ -32,6 +32,7 @@ v1::BatchInfo ToBatchInfo(const BatchResult& result) {
   info.set_padded_tokens(result.batch.tokens);
   info.set_queue_seconds(absl::ToDoubleSeconds(result.queued));
   info.set_response_bytes(result.response_bytes);
+  info.set_forward_seconds(result.forward_seconds);
   return info;
 }
 
@@ -154,10 +155,12 @@ absl::StatusOr<v1::InferResponse> JobServing::Infer(const v1::InferRequest& requ
   CallCount count(&calls_);
   const std::shared_ptr<const JobAssets>& assets = assets_;
   if (request.top_k() < 0) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 0, got ", request.top_k()));
-  ASSIGN_OR_RETURN(
-      PreparedInput input,
-      PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, request.has_text() ? &request.text() : nullptr,
-                   plan_, *assets, plan_.config().max_position_embeddings(), request.truncate(), input_bounds_));
+  const absl::Time prepare_start = absl::Now();
+  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
+                                                     request.has_text() ? &request.text() : nullptr, plan_, *assets,
+                                                     plan_.config().max_position_embeddings(), request.truncate(),
+                                                     input_bounds_, request.truncate_from_start()));
+  const absl::Duration tokenization = absl::Now() - prepare_start;
   const int64_t batch = input.tokens.rows() / std::max<int64_t>(1, input.tokens.choices());
   if (request.micro_batches() < 0 || request.micro_batches() > batch) {
     return absl::InvalidArgumentError(absl::StrCat("micro_batches must be in 0..batch ", batch));
@@ -175,6 +178,7 @@ absl::StatusOr<v1::InferResponse> JobServing::Infer(const v1::InferRequest& requ
   for (auto& p : predictions) *response.add_predictions() = std::move(p);
   response.set_forward_seconds(result.forward_seconds);
   *response.mutable_batch() = ToBatchInfo(result);
+  response.mutable_batch()->set_tokenization_seconds(absl::ToDoubleSeconds(tokenization));
   for (bool t : input.truncated) response.add_truncated(t);
   *response.mutable_tokens() = std::move(input.tokens);
   return response;
@@ -199,9 +203,13 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
   const int64_t max_length = std::min(config.max_seq_length.value_or(plan_.config().max_position_embeddings()),
                                       plan_.config().max_position_embeddings());
   ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
-  ASSIGN_OR_RETURN(PreparedInput input, PrepareInput(request.has_tokens() ? &request.tokens() : nullptr,
-                                                     request.has_text() ? &request.text() : nullptr, plan_, *assets,
-                                                     max_length, request.truncate(), input_bounds_));
+  RETURN_IF_ERROR(CheckDimensions(request.dimensions(), plan_.config().hidden_size()));
+  const absl::Time prepare_start = absl::Now();
+  ASSIGN_OR_RETURN(
+      PreparedInput input,
+      PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, request.has_text() ? &request.text() : nullptr,
+                   plan_, *assets, max_length, request.truncate(), input_bounds_, request.truncate_from_start()));
+  const absl::Duration tokenization = absl::Now() - prepare_start;
   if (request.has_tokens() && input.tokens.seq() > max_length) {
     // Token rows are the caller's own; the embedding model's limit still holds for them.
     for (int32_t n : input.token_counts) {
@@ -217,11 +225,54 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
                    queue_.Submit(std::move(input.tokens), deadline, cancelled, 0, EmbedWant(mode), caller));
   v1::EmbedResponse response;
   RETURN_IF_ERROR(SetEmbeddings(mode, rows, result.rows, &response));
+  RETURN_IF_ERROR(TruncateEmbeddings(request.dimensions(), &response));
   response.set_max_length(static_cast<int32_t>(max_length));
   for (int32_t n : input.token_counts) response.add_token_counts(n);
   for (bool t : input.truncated) response.add_truncated(t);
   *response.mutable_batch() = ToBatchInfo(result);
+  response.mutable_batch()->set_tokenization_seconds(absl::ToDoubleSeconds(tokenization));
   return response;
+}
+
+absl::StatusOr<std::vector<TokenPiece>> JobServing::Tokenize(absl::string_view text, bool add_special_tokens) const {
+  const JobAssets& assets = *assets_;
+  if (assets.tokenizer == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the checkpoint has no usable vocabulary to tokenise with: ", assets.tokenizer_status.message()));
+  }
+  ASSIGN_OR_RETURN(std::vector<std::string> pieces, assets.tokenizer->Tokenize(text));
+  std::vector<TokenPiece> tokens;
+  tokens.reserve(pieces.size() + 2);
+  const auto special = [&](int64_t id) {
+    const std::string* token = assets.tokenizer->IdToToken(id);
+    tokens.push_back({id, token != nullptr ? *token : std::string(), true});
+  };
+  if (add_special_tokens && assets.cls_id >= 0) special(assets.cls_id);
+  for (std::string& piece : pieces) {
+    const std::optional<int64_t> id = assets.tokenizer->TokenToId(piece);
+    if (!id.has_value()) {
+      return absl::InternalError(absl::StrCat("the tokenizer made '", piece, "', which its vocabulary lacks"));
+    }
+    tokens.push_back({*id, std::move(piece), false});
+  }
+  if (add_special_tokens && assets.sep_id >= 0) special(assets.sep_id);
+  return tokens;
+}
+
+absl::StatusOr<std::string> JobServing::Decode(const std::vector<int64_t>& ids) const {
+  const JobAssets& assets = *assets_;
+  if (assets.tokenizer == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the checkpoint has no usable vocabulary to decode with: ", assets.tokenizer_status.message()));
+  }
+  const int64_t vocab = assets.tokenizer->vocab_size();
+  for (const int64_t id : ids) {
+    if (id < 0 || assets.tokenizer->IdToToken(id) == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", id, " is outside the vocabulary (0..", vocab - 1, ")"));
+    }
+  }
+  return assets.tokenizer->Decode(ids);
 }
 
 }  // namespace bertshard::server

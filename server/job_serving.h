@@ -75,6 +75,14 @@ class ForwardTargets {
                          const std::string& unreachable_worker) = 0;
 };
 
+// One token of JobServing::Tokenize: its id, its vocabulary entry (a word piece, "##" and all) and
+// whether the tokenizer added it ([CLS], [SEP]).
+struct TokenPiece {
+  int64_t id = 0;
+  std::string text;
+  bool special = false;
+};
+
 struct JobServingOptions {
   BatchLimits batching;
   BatchObserver batch_observer;  // may be null
@@ -97,6 +105,14 @@ class JobServing {
                                           const std::function<bool()>& cancelled, const Caller& caller = {});
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                           const std::function<bool()>& cancelled, const Caller& caller = {});
+
+  // The job's tokenizer on its own (no forward): `text` as the model would see it, with [CLS] and
+  // [SEP] when `add_special_tokens`. FAILED_PRECONDITION when the checkpoint has no usable
+  // vocabulary; INVALID_ARGUMENT for text that is not UTF-8.
+  absl::StatusOr<std::vector<TokenPiece>> Tokenize(absl::string_view text, bool add_special_tokens) const;
+  // Token ids back to text as HF's decode(skip_special_tokens=True) gives it (tokenizer/wordpiece.h).
+  // INVALID_ARGUMENT for an id outside the vocabulary; FAILED_PRECONDITION as Tokenize.
+  absl::StatusOr<std::string> Decode(const std::vector<int64_t>& ids) const;
 
   // Fails the waiting requests with UNAVAILABLE(`reason`) and refuses new ones; the forward in
   // flight finishes. Does not block.

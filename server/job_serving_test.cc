@@ -380,5 +380,66 @@ TEST_F(JobServingTest, AWorkersNonFiniteOrMisshapenAnswerIsAnErrorNamingItNeverS
   }
 }
 
+TEST_F(JobServingTest, EmbedCutsToDimensionsAndNormalisesTheCutAgain) {
+  Serve(v1::BERT_MODEL);
+  v1::EmbedRequest request;
+  request.set_job_id("job-1");
+  *request.mutable_tokens() = TwoRows();
+  ASSERT_TRUE(serving_->Embed(request, Soon(), nullptr).ok());  // forward 0
+  // Forward 1: row 1 comes back (1, 1, 0, ...); cut to 2 and normalised: (1, 1) / sqrt(2).
+  request.set_normalize(v1::NORMALIZE_ON);
+  request.set_dimensions(2);
+  auto cut = serving_->Embed(request, Soon(), nullptr);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  ASSERT_EQ(cut->embeddings(1).values_size(), 2);
+  EXPECT_FLOAT_EQ(cut->embeddings(1).values(0), 1 / std::sqrt(2.0f));
+  EXPECT_FLOAT_EQ(cut->embeddings(1).values(1), 1 / std::sqrt(2.0f));
+  EXPECT_EQ(cut->embeddings(0).values(0), 0.0f);  // an all-zero cut stays zero, not NaN
+  EXPECT_EQ(cut->batch().forward_seconds(), 0.5);
+  EXPECT_GE(cut->batch().tokenization_seconds(), 0.0);
+  // Forward 2, unnormalised: the cut as it came, (1, 2).
+  request.set_normalize(v1::NORMALIZE_OFF);
+  auto raw = serving_->Embed(request, Soon(), nullptr);
+  ASSERT_TRUE(raw.ok()) << raw.status();
+  EXPECT_EQ(std::vector<float>(raw->embeddings(1).values().begin(), raw->embeddings(1).values().end()),
+            (std::vector<float>{1, 2}));
+  // Past the hidden size (8), or below 0: refused before a forward.
+  for (const int dimensions : {9, -1}) {
+    request.set_dimensions(dimensions);
+    const absl::Status refused = serving_->Embed(request, Soon(), nullptr).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_NE(refused.message().find("dimensions must be in 1..8"), std::string::npos) << refused;
+  }
+  EXPECT_EQ(last_.requests().size(), 3u);
+}
+
+TEST(JobServingTokenizer, TokenizesAndDecodesWithTheJobsVocabulary) {
+  Targets targets(std::vector<RankStub>{});
+  JobServing serving("job-1", SmallPlan(v1::BERT_MODEL), SmallAssets(), &targets, {});
+  auto tokens = serving.Tokenize("the playing", true);
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  std::vector<int64_t> ids;
+  std::vector<std::string> texts;
+  std::vector<bool> special;
+  for (const TokenPiece& t : *tokens) {
+    ids.push_back(t.id);
+    texts.push_back(t.text);
+    special.push_back(t.special);
+  }
+  EXPECT_EQ(ids, (std::vector<int64_t>{kCls, kThe, kPlay, 8, kSep}));
+  EXPECT_EQ(texts, (std::vector<std::string>{"[CLS]", "the", "play", "##ing", "[SEP]"}));
+  EXPECT_EQ(special, (std::vector<bool>{true, false, false, false, true}));
+  EXPECT_EQ(serving.Tokenize("the", false)->size(), 1u);
+  EXPECT_EQ(serving.Tokenize("\xff", true).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*serving.Decode({kCls, kThe, kPlay, 8, kSep}), "the playing");
+  const absl::Status outside = serving.Decode({kThe, 18}).status();
+  EXPECT_EQ(outside.code(), absl::StatusCode::kInvalidArgument) << outside;
+  EXPECT_NE(outside.message().find("0..17"), std::string::npos) << outside;
+  // A checkpoint without a vocabulary: nothing to tokenise with.
+  JobServing bare("job-2", SmallPlan(v1::BERT_MODEL), TempDirAssets(SmallPlan(v1::BERT_MODEL)), &targets, {});
+  EXPECT_EQ(bare.Tokenize("the", true).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(bare.Decode({kThe}).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace bertshard::server

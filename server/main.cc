@@ -7,6 +7,7 @@
 // in-flight calls get --drain_timeout to finish, then the process exits 0.
 #include <malloc.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -104,6 +105,18 @@ ABSL_FLAG(absl::Duration, keepalive_time, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(20),
           "how long a keepalive ping may go unanswered before the connection is closed (the ping waits behind the "
           "answer bytes already sent: too short cuts off slow, healthy clients downloading large answers)");
+// HTTP/JSON: TEI's routes and OpenAI's embeddings (docs/http.md), with TEI's flags and defaults.
+ABSL_FLAG(std::string, http_listen, "",
+          "host:port for HTTP/JSON: TEI's routes (/embed, /predict, ...) and OpenAI's /v1/embeddings, with the "
+          "same TLS files and tokens as gRPC (port 0: any free port; empty: none)");
+ABSL_FLAG(std::string, default_job, "",
+          "the job (id or name) HTTP requests that name none are served by; empty: the only serving job");
+ABSL_FLAG(int, max_concurrent_requests, 512,
+          "most HTTP inference requests at once; more are answered 429 at once (TEI's --max-concurrent-requests)");
+ABSL_FLAG(int, max_client_batch_size, 32,
+          "most inputs in one HTTP request; more are refused 413 (TEI's --max-client-batch-size)");
+ABSL_FLAG(int64_t, payload_limit, 2000000,
+          "most bytes of an HTTP request body; larger ones are refused 413 (TEI's --payload-limit)");
 
 namespace bertshard::server {
 namespace {
@@ -207,6 +220,23 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
         "--max_batch_regroup_ms >= 0 (got ",
         batching.max_batch_tokens, ", ", batching.max_batch_requests, ", ", delay_ms, ", ", regroup_ms, ")"));
   }
+  options.http.listen = absl::GetFlag(FLAGS_http_listen);
+  const common::TlsFiles tls = common::SecurityFlags().tls;
+  options.http.tls = {tls.cert, tls.key, tls.ca};
+  options.http.max_body_bytes = absl::GetFlag(FLAGS_payload_limit);
+  options.http_api.default_job = absl::GetFlag(FLAGS_default_job);
+  options.http_api.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  options.http_api.max_client_batch_size = absl::GetFlag(FLAGS_max_client_batch_size);
+  options.http_api.max_batch_tokens = batching.max_batch_tokens;
+  options.http_api.max_batch_requests = batching.max_batch_requests;
+  options.http_api.version = "bertshard-coordinator";  // no release number of its own yet
+  if (options.http_api.max_concurrent_requests < 1 || options.http_api.max_client_batch_size < 1 ||
+      options.http.max_body_bytes < 1) {
+    return absl::InvalidArgumentError(
+        "--max_concurrent_requests, --max_client_batch_size and --payload_limit must be >= 1");
+  }
+  // Each HTTP thread holds one request; a few beyond the limit answer the 429s and the probes.
+  options.http.threads = std::min(options.http_api.max_concurrent_requests, 1024) + 8;
   serve.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   // /metrics names jobs (the queue depth per job), which the RPCs show only to holders of the read
   // token when one is set: so does the endpoint (Prometheus' bearer_token_file).
@@ -245,6 +275,7 @@ int RunServer(ServeOptions serve) {
     return 1;
   }
   std::printf("bertshard-coordinator listening on port %d\n", (*server)->port());
+  if ((*server)->http_port() != 0) std::printf("http listening on port %d\n", (*server)->http_port());
   if (metrics_endpoint != nullptr) std::printf("metrics listening on port %d\n", metrics_endpoint->port());
   std::fflush(stdout);
   std::thread waiter([&server, drain = serve.drain]() {

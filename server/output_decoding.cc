@@ -396,4 +396,29 @@ absl::Status SetEmbeddings(const EmbeddingMode& mode, int64_t expected_rows, con
   return absl::OkStatus();
 }
 
+absl::Status CheckDimensions(int32_t dimensions, int64_t hidden_size) {
+  if (dimensions < 0 || dimensions > hidden_size) {
+    return absl::InvalidArgumentError(absl::StrCat("dimensions must be in 1..", hidden_size,
+                                                   " (the model's hidden size), or 0 for all; got ", dimensions));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TruncateEmbeddings(int32_t dimensions, v1::EmbedResponse* response) {
+  if (dimensions == 0) return absl::OkStatus();
+  for (v1::Embedding& embedding : *response->mutable_embeddings()) {
+    auto* values = embedding.mutable_values();
+    RETURN_IF_ERROR(CheckDimensions(dimensions, values->size()));
+    values->Truncate(dimensions);
+    if (!response->normalized()) continue;
+    double norm = 0;
+    for (const float v : *values) norm += static_cast<double>(v) * v;
+    norm = std::sqrt(norm);
+    // torch.nn.functional.normalize's eps: an all-zero cut stays zero instead of NaN.
+    const double scale = 1.0 / std::max(norm, 1e-12);
+    for (float& v : *values) v = static_cast<float>(v * scale);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace bertshard::server

@@ -73,6 +73,13 @@ v1::ForwardWant EmbedWant(const EmbeddingMode& mode);
 absl::Status SetEmbeddings(const EmbeddingMode& mode, int64_t expected_rows, const std::vector<v1::ForwardRow>& rows,
                            v1::EmbedResponse* response);
 
+// Matryoshka (EmbedRequest.dimensions): keeps the first `dimensions` values of every embedding,
+// L2-normalised again when `response` is normalised (normalising the whole vector and then its cut
+// equals normalising the cut: the scale drops out). 0: unchanged. INVALID_ARGUMENT below 0 or past
+// `hidden_size` (checked before the forward by the caller too, so that the refusal costs nothing).
+absl::Status CheckDimensions(int32_t dimensions, int64_t hidden_size);
+absl::Status TruncateEmbeddings(int32_t dimensions, v1::EmbedResponse* response);
+
 }  // namespace bertshard::server
 
 #endif  // BERTSHARD_SERVER_OUTPUT_DECODING_H_

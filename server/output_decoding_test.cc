@@ -157,5 +157,30 @@ TEST(ResolveEmbeddingMode, TheRequestOverridesTheCheckpoint) {
   EXPECT_EQ(ResolveEmbeddingMode(request, config).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(TruncateEmbeddings, CutsEachVectorAndNormalisesItAgainWhenNormalised) {
+  v1::EmbedResponse response;
+  for (const std::vector<float>& v : {std::vector<float>{0.6f, 0.8f, 0.0f}, std::vector<float>{0.0f, 0.0f, 1.0f}}) {
+    auto* values = response.add_embeddings()->mutable_values();
+    for (const float x : v) values->Add(x);
+  }
+  response.set_normalized(true);
+  v1::EmbedResponse cut = response;
+  ASSERT_TRUE(TruncateEmbeddings(1, &cut).ok());
+  EXPECT_EQ(cut.embeddings(0).values_size(), 1);
+  EXPECT_FLOAT_EQ(cut.embeddings(0).values(0), 1.0f);  // 0.6 alone, normalised
+  EXPECT_EQ(cut.embeddings(1).values(0), 0.0f);        // zero stays zero
+  response.set_normalized(false);
+  cut = response;
+  ASSERT_TRUE(TruncateEmbeddings(2, &cut).ok());
+  EXPECT_FLOAT_EQ(cut.embeddings(0).values(0), 0.6f);
+  EXPECT_FLOAT_EQ(cut.embeddings(0).values(1), 0.8f);
+  cut = response;
+  ASSERT_TRUE(TruncateEmbeddings(0, &cut).ok());
+  EXPECT_EQ(cut.embeddings(0).values_size(), 3);
+  EXPECT_EQ(TruncateEmbeddings(4, &cut).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckDimensions(-1, 8).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CheckDimensions(8, 8).ok());
+}
+
 }  // namespace
 }  // namespace bertshard::server

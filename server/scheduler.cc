@@ -11,6 +11,7 @@
 #include "common/secure_random.h"
 #include "common/status_macros.h"
 #include "planner/planner.h"
+#include "server/job_names.h"
 #include "server/placement.h"
 #include "server/shard_loading.h"
 
@@ -70,6 +71,7 @@ absl::Status Scheduler::RecoverJobsLocked() {
     runtime->assets = std::move(job.assets);
     runtime->backend = std::move(job.backend);
     runtime->submitted_by = job.job.submitted_by();
+    runtime->name = job.job.name();
     runtime->pending_note = std::move(job.pending_note);
     if (job.job.state() == v1::PENDING) ResumeRecoveryLocked(job.job.pending_reason(), *runtime);
     runtime->recovery = std::move(job.recovery);
@@ -245,6 +247,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
     return absl::InvalidArgumentError("SubmitJob needs request.checkpoint: the model directory the workers load");
   }
   ASSIGN_OR_RETURN(const std::string backend, NormaliseBackend(request.backend()));
+  if (!request.name().empty()) RETURN_IF_ERROR(CheckJobName(request.name()));
   // The checkpoint opened once under the model root: config.json for the plan and the serving
   // assets are read through its descriptors, here, off the lock.
   ASSIGN_OR_RETURN(const LocalCheckpoint local, OpenLocalCheckpoint(options_.model_root, request.request()));
@@ -262,6 +265,14 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
           options_.max_jobs_per_client, "): cancel one first"));
     }
   }
+  if (!request.name().empty()) {
+    for (const auto& [id, runtime] : runtimes_) {
+      if (runtime->name == request.name() && !runtime->ended) {
+        return absl::AlreadyExistsError(absl::StrCat("job ", id, " is already named '", request.name(),
+                                                     "' (names are unique among the jobs that have not ended)"));
+      }
+    }
+  }
   // What the job would wait for now: for NCCL, GPUs that several workers report count once, and
   // the reason says so up front, not NCCL after every rank has loaded.
   const Placement now = PlaceRanks(backend, plan.world_size(), pool_->Idle());
@@ -272,6 +283,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   job.set_id(absl::StrCat("job-", absl::ToUnixMillis(absl::Now()), "-", ++next_job_));
   *job.mutable_request() = request.request();
   job.set_submitted_by(client);
+  job.set_name(request.name());
   // The class the plan resolved (from the checkpoint's config.json when the request named none),
   // so that listings say what runs.
   job.mutable_request()->set_variant(plan.variant());
@@ -286,6 +298,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   runtime->assets = std::move(assets);
   runtime->backend = backend;
   runtime->submitted_by = client;
+  runtime->name = request.name();
   runtimes_[job.id()] = runtime;
   pending_.push_back({job.id(), job.pending_reason()});
   ScheduleLocked();

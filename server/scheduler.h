@@ -94,6 +94,7 @@ struct JobRuntime {
   std::shared_ptr<const JobAssets> assets;
   std::string backend = "gloo";  // "gloo" (CPU workers) or "nccl" (one rank per GPU)
   std::string submitted_by;      // counted against ClusterOptions::max_jobs_per_client until ended
+  std::string name;              // SubmitJobRequest.name (job_names.h), unique among the live jobs; may be empty
   // FAILED or CANCELLED here (FailJobLocked), whether or not the store took the write: no load
   // starts or finishes for it after.
   bool ended = false;

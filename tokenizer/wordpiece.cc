@@ -420,7 +420,11 @@ absl::StatusOr<Encoding> WordPieceTokenizer::Encode(absl::string_view text, std:
   // of text costs what its first few hundred tokens cost. A refusal (no truncation) reads up to 4 x
   // max_length, so that it can say by how much a text is too long unless that is by far.
   const int64_t room_left = std::max<int64_t>(options.max_length - added, 0);
-  const int64_t stop_above = options.max_length <= 0 ? -1 : options.truncation ? room_left : 4 * options.max_length;
+  // Cutting from the start keeps the last tokens: all of the text is needed.
+  const int64_t stop_above = options.max_length <= 0                   ? -1
+                             : options.truncation && options.from_left ? -1
+                             : options.truncation                      ? room_left
+                                                                       : 4 * options.max_length;
   std::vector<int64_t> a;
   std::vector<int64_t> b;
   ASSIGN_OR_RETURN(bool a_whole, TokenIdsUpTo(text, stop_above, &a));
@@ -452,8 +456,14 @@ absl::StatusOr<Encoding> WordPieceTokenizer::Encode(absl::string_view text, std:
                        pair.has_value() ? "two [SEP]s" : "[SEP]", " (at least ", added, ")"));
     }
     const size_t room = static_cast<size_t>(options.max_length - added);
+    // Keeps `n` tokens of `ids`: the first ones, or the last when cutting from the start.
+    const auto keep = [&options](std::vector<int64_t>& ids, size_t n) {
+      if (ids.size() <= n) return;
+      if (options.from_left) ids.erase(ids.begin(), ids.end() - static_cast<std::ptrdiff_t>(n));
+      ids.resize(n);
+    };
     if (!pair.has_value()) {
-      a.resize(room);
+      keep(a, room);
     } else {
       // tokenizers' TruncationStrategy::LongestFirst, arithmetic for arithmetic: n1 is the
       // shorter segment, which stays whole if the longer can have at least as much; otherwise
@@ -468,8 +478,8 @@ absl::StatusOr<Encoding> WordPieceTokenizer::Encode(absl::string_view text, std:
         n2 = room - n1;
       }
       if (swapped) std::swap(n1, n2);
-      a.resize(std::min(a.size(), n1));
-      b.resize(std::min(b.size(), n2));
+      keep(a, n1);
+      keep(b, n2);
     }
     e.truncated = true;
   }

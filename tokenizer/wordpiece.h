@@ -62,6 +62,10 @@ struct EncodeOptions {
   // segment stays whole when it takes at most half the room and the longer gets the rest;
   // otherwise each gets half, the odd token going to the longer one (to the pair on a tie).
   bool truncation = false;
+  // With truncation: cut the tokens off the start of each segment instead of its end, keeping the
+  // last ones (HF's truncation_side="left", TEI's truncation_direction "Left"); the same lengths
+  // as from the end. The whole text is then tokenised.
+  bool from_left = false;
 };
 
 // One sequence (or pair) ready for the model: [CLS] a [SEP] (b [SEP]).

@@ -328,6 +328,26 @@ TEST(WordPiece, TruncatesSingleTextsOnRequest) {
   EXPECT_FALSE(Uncased().Encode(Words('a', 600), std::nullopt, Truncate(0))->truncated);  // 0: no limit
 }
 
+TEST(WordPiece, TruncatesFromTheStartOnRequestKeepingTheLastTokens) {
+  EncodeOptions left = Truncate(4);
+  left.from_left = true;
+  const Ids tail = *Uncased().TokenIds("four five");
+  auto cut = Uncased().Encode("one two three four five", std::nullopt, left);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->input_ids, (Ids{101, tail[0], tail[1], 102}));
+  EXPECT_TRUE(cut->truncated);
+  // Pairs: the lengths longest-first gives (2 and 2 of a room of 4), each segment's last tokens.
+  left.max_length = 7;
+  const Ids a = *Uncased().TokenIds("two three");
+  const Ids b = *Uncased().TokenIds("six seven");
+  auto pair = Uncased().Encode("one two three", absl::string_view("four five six seven"), left);
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  EXPECT_EQ(pair->input_ids, (Ids{101, a[0], a[1], 102, b[0], b[1], 102}));
+  // Within the limit nothing is cut, whichever side.
+  left.max_length = 16;
+  EXPECT_FALSE(Uncased().Encode("one two three", std::nullopt, left)->truncated);
+}
+
 TEST(WordPiece, RefusesTooLongTextsWithoutTruncation) {
   auto refused = Uncased().Encode(Words('a', 5), std::nullopt, 4);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);

@@ -1,0 +1,44 @@
+// File: http/http_message.h
+// -----------------------------------------------------------------------------
+// One HTTP request as the listener (http/http_server.h) hands it over, and the answer a handler
+// gives back: plain values, so that the protocols (http/http_api.h) need nothing of sockets, TLS or
+// civetweb, and their tests and fuzzers build without them.
+//
+// Example:
+//   HttpHandler hello = [](const HttpRequest& r) { return HttpResponse{200, "text/plain", "hi " + r.path}; };
+//
+// Thread safety: values (thread-compatible).
+#ifndef BERTSHARD_HTTP_HTTP_MESSAGE_H_
+#define BERTSHARD_HTTP_HTTP_MESSAGE_H_
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace bertshard::http {
+
+struct HttpRequest {
+  std::string method;         // "GET", "POST", ...
+  std::string path;           // without the query string
+  std::string authorization;  // the Authorization header, "" when absent
+  std::string body;           // empty when body_too_large
+  bool body_too_large = false;
+  // Who is calling, as the gRPC side says it (coordinator_server.cc ClientOf): "cn:<name>" of a
+  // verified client certificate, else "host:<address>"; and the connection ("<address>:<port>").
+  std::string client;
+  std::string connection;
+};
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;  // extra ones; values must be one line
+};
+
+using HttpHandler = std::function<HttpResponse(const HttpRequest&)>;
+
+}  // namespace bertshard::http
+
+#endif  // BERTSHARD_HTTP_HTTP_MESSAGE_H_
