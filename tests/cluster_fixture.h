@@ -232,8 +232,10 @@ class LocalCluster {
 
   // Waits up to ~20 s for `n` healthy workers, busy or not (after a coordinator restart the
   // workers register again holding their jobs).
+  // Up to 2 minutes: workers load LibTorch as they start, and a 2-core machine running the suite's
+  // other tests beside them has been seen to take more than 20 s for five of them.
   bool WaitForHealthy(int n) {
-    for (int i = 0; i < 400; ++i) {
+    for (int i = 0; i < 2400; ++i) {
       v1::ListWorkersResponse workers;
       int healthy = 0;
       if (stub_->ListWorkers(Context().get(), v1::ListWorkersRequest(), &workers).ok()) {

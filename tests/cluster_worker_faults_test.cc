@@ -129,7 +129,7 @@ TEST_F(Cluster, KilledWorkersJobServesAgainOnASpareUnderClients) {
   absl::Time first_after_kill = absl::InfiniteFuture();  // the first answer to a request sent after the kill
   absl::Time killed = absl::InfiniteFuture();            // guarded by mu
   std::atomic<bool> stop{false};
-  constexpr int kClients = 4;
+  constexpr int kClients = 8;  // issue 22: 8-16 closed-loop clients
   std::vector<std::thread> clients;
   for (int c = 0; c < kClients; ++c) {
     clients.emplace_back([&] {
@@ -163,11 +163,12 @@ TEST_F(Cluster, KilledWorkersJobServesAgainOnASpareUnderClients) {
   std::string victim_id;
   const int victim = WorkerServing(job.id(), 1, &victim_id);
   ASSERT_GE(victim, 0);
+  KillWorker(victim);
   {
+    // After the kill: a request sent before it may have been answered by the old group.
     absl::MutexLock lock(&mu);
     killed = absl::Now();
   }
-  KillWorker(victim);
   const v1::Job lost = WaitLost(job.id());
   EXPECT_NE(RecoveryReason(lost).find(victim_id), std::string::npos) << lost.DebugString();
   const v1::Job back = WaitState(job.id(), v1::READY, absl::Seconds(40));
