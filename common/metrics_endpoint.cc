@@ -31,11 +31,7 @@ constexpr size_t kCivetwebThreadStack = size_t{1} << 20;
 
 extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
   using SetStackSize = int (*)(pthread_attr_t*, size_t);
-  // dlvsym, not dlsym: http/http_server.cc interposes dlsym, and RTLD_NEXT through it would be
-  // relative to that object, not this one (in a test linked from shared objects, possibly this
-  // very function).
-  static const SetStackSize next =
-      reinterpret_cast<SetStackSize>(dlvsym(RTLD_NEXT, "pthread_attr_setstacksize", "GLIBC_2.2.5"));
+  static const SetStackSize next = reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
   if (next == nullptr) return ENOSYS;
   Dl_info caller;
   if (size < kCivetwebThreadStack && dladdr(__builtin_return_address(0), &caller) != 0 && caller.dli_fname != nullptr &&

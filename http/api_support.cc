@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/proto_json.h"
+#include "common/status_macros.h"
 
 namespace bertshard::http {
 
@@ -172,7 +173,7 @@ int64_t CountCharacters(const std::vector<InputItem>& items) {
   return n;
 }
 
-std::vector<InputGroup> GroupInputs(const std::vector<InputItem>& items) {
+absl::StatusOr<std::vector<InputGroup>> GroupInputs(const std::vector<InputItem>& items, int64_t max_padded_ids) {
   InputGroup texts, ids;
   ids.is_ids = true;
   size_t longest = 0;
@@ -186,6 +187,13 @@ std::vector<InputGroup> GroupInputs(const std::vector<InputItem>& items) {
     }
   }
   if (!ids.index.empty()) {
+    // Both at most what the body held (a few MB), so their product fits in 64 bits.
+    const int64_t padded = static_cast<int64_t>(ids.index.size()) * static_cast<int64_t>(longest);
+    if (padded > max_padded_ids) {
+      return absl::InvalidArgumentError(absl::StrCat("the token-id inputs, padded to their longest, are ",
+                                                     ids.index.size(), " x ", longest, " = ", padded,
+                                                     " ids, more than the ", max_padded_ids, " a batch takes"));
+    }
     v1::TokenInputs& t = ids.tokens;
     t.set_rows(static_cast<int64_t>(ids.index.size()));
     t.set_seq(static_cast<int64_t>(longest));
@@ -210,7 +218,8 @@ absl::StatusOr<EmbedOutcome> EmbedItems(InferenceBackend* backend, const std::st
                                         const CallContext& call) {
   EmbedOutcome outcome;
   outcome.vectors.resize(items.size());
-  for (InputGroup& group : GroupInputs(items)) {
+  ASSIGN_OR_RETURN(std::vector<InputGroup> groups, GroupInputs(items, call.max_padded_ids));
+  for (InputGroup& group : groups) {
     v1::EmbedRequest request = base;
     request.set_job_id(job_id);
     if (group.is_ids) {

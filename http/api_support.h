@@ -93,7 +93,9 @@ struct InputGroup {
   v1::TokenInputs tokens;
   std::vector<size_t> index;
 };
-std::vector<InputGroup> GroupInputs(const std::vector<InputItem>& items);
+// INVALID_ARGUMENT, before anything is copied, when the padded id lists would hold more than
+// `max_padded_ids` (CallContext::max_padded_ids).
+absl::StatusOr<std::vector<InputGroup>> GroupInputs(const std::vector<InputItem>& items, int64_t max_padded_ids);
 
 // Pooled embeddings of `items` in their order: one Embed per group, each `base` with the group's
 // input and `job_id`. The first refusal is returned.

@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -64,7 +65,8 @@ class FakeBackend : public InferenceBackend {
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, const CallContext& context) override {
     embeds.push_back(request);
     contexts.push_back(context);
-    if (on_embed) on_embed();
+    // Moved out first: a hook may set on_embed again (or clear it) while it runs.
+    if (std::function<void()> hook = std::exchange(on_embed, nullptr)) hook();
     if (!embed_error.ok()) return embed_error;
     v1::EmbedResponse response;
     const int64_t rows = request.has_text() ? request.text().texts_size() : request.tokens().rows();
@@ -158,7 +160,7 @@ class FakeBackend : public InferenceBackend {
   std::vector<CallContext> contexts;
   absl::Status embed_error;
   absl::Status infer_error;
-  std::function<void()> on_embed;  // called inside Embed (a second request while one is in flight)
+  std::function<void()> on_embed;  // called once, inside the next Embed (a second request while one is in flight)
 };
 
 }  // namespace bertshard::http

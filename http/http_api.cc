@@ -123,6 +123,7 @@ HttpResponse HttpApi::Handle(const HttpRequest& request) {
   call.deadline = absl::Now() + options_.request_timeout;
   call.client = request.client;
   call.connection = request.connection;
+  call.max_padded_ids = options_.max_batch_tokens;
   return (this->*inference)(*body, call);
 }
 

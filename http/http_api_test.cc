@@ -117,6 +117,27 @@ TEST_F(TeiRoutesTest, PadsTokenRowsAndMasksThePadding) {
             (std::vector<int64_t>{1, 1, 1, 1, 1, 0}));
 }
 
+// Review of issue 23: one long id list among many short ones was padded into rows x longest ids
+// (32 x 1M x 3 int64 from a 2 MB body) before any limit looked at it. Refused first now, on
+// /embed, /embed_all and OpenAI's route, and nothing reaches the backend.
+TEST_F(TeiRoutesTest, RefusesTokenRowsWhosePaddedRectangleIsOverTheBatchBeforeMakingIt) {
+  options_.max_batch_tokens = 64;
+  std::string long_row = "[101";
+  for (int i = 0; i < 40; ++i) long_row += ", 7";
+  long_row += ", 102]";
+  const std::string body = R"({"inputs": [)" + long_row + R"(, [101, 102], [101, 102]]})";
+  for (const char* path : {"/embed", "/embed_all"}) {
+    SCOPED_TRACE(path);
+    ExpectTeiError(Post(path, body), 422, "Validation", "3 x 42 = 126 ids, more than the 64");
+  }
+  const HttpResponse openai = Post("/v1/embeddings", R"({"input": [)" + long_row + R"(, [101, 102], [101, 102]]})");
+  EXPECT_EQ(openai.status, 400) << openai.body;
+  EXPECT_TRUE(backend_.embeds.empty());
+  EXPECT_TRUE(backend_.infers.empty());
+  // Within the bound it goes through.
+  ASSERT_EQ(Post("/embed", R"({"inputs": [)" + long_row + "]}").status, 200);
+}
+
 TEST_F(TeiRoutesTest, RefusesAsTeiDoes) {
   options_.max_client_batch_size = 2;
   ExpectTeiError(Post("/embed", R"({"inputs": []})"), 400, "Empty", "`inputs` cannot be empty");
@@ -188,6 +209,19 @@ TEST_F(TeiRoutesTest, NeedsTheReadTokenWhenOneIsSet) {
   EXPECT_EQ(Post("/embed", R"({"inputs": "a"})", "bearer admin-secret").status, 200);
   EXPECT_EQ(Get("/info").status, 401);
   EXPECT_EQ(Get("/health").status, 200);  // the probe stays open, as gRPC's health service
+}
+
+// The open probe names no job when a read token hides them (review of issue 23).
+TEST_F(TeiRoutesTest, AnUnhealthyProbeNamesNoJobWhenAReadTokenIsSet) {
+  options_.default_job = "secret-project";
+  const HttpResponse open = Get("/health");
+  EXPECT_EQ(open.status, 503);
+  EXPECT_NE(open.body.find("secret-project"), std::string::npos) << open.body;  // no token: said
+  api_.reset();
+  options_.read_token = "read-secret";
+  const HttpResponse hidden = Get("/health");
+  ExpectTeiError(hidden, 503, "Unhealthy", "the default job does not serve");
+  EXPECT_EQ(hidden.body.find("secret-project"), std::string::npos) << hidden.body;
 }
 
 TEST_F(TeiRoutesTest, EmbedAllAnswersEachInputsRealTokens) {

@@ -3,12 +3,15 @@
 // The coordinator's HTTP/1.1 listener (--http_listen), on Debian's civetweb as /metrics is
 // (common/metrics_endpoint.h): one handler for every request, which answers in its protocol's
 // shapes (http/http_api.h routes TEI's and OpenAI's). Nothing else is served: no files, no CGI.
-// This layer knows sockets, TLS and bodies; it knows nothing of jobs, tokens or JSON.
+// This layer knows sockets and bodies; it knows nothing of jobs, tokens or JSON.
 //
-// TLS: with HttpTls cert + key the port serves HTTPS only (the same PEM files as gRPC's --tls_cert,
-// --tls_key); with ca as well, clients must present a certificate ca signed (mutual TLS, as the
-// gRPC port asks), and a verified one's common name is the request's client. Loaded by OpenSSL
-// here, through civetweb's init_ssl hook: the key is never copied to another file.
+// Plain HTTP only: HTTPS is absent. Debian 12's civetweb 1.15 loads OpenSSL by name at run time
+// (the unversioned libssl.so, which only libssl-dev installs) with OpenSSL 1.1's API, and on every
+// TLS connection calls SSL_get_peer_certificate, which OpenSSL 3 has only as a macro: a null call.
+// Working around that takes a dlsym interposer or a shim library named libssl.so, either of which
+// reaches well past this listener; a civetweb built here for OpenSSL 3 is the way to add HTTPS.
+// Until then TLS is terminated in front of the port (an Ingress, a proxy), and the coordinator
+// refuses --http_listen beside the gRPC port's TLS files rather than serve tokens in the clear.
 //
 // Bodies: at most `max_body_bytes` are read. A larger one (declared by Content-Length, or found
 // while reading a chunked one) is not read further: the handler gets body_too_large set, answers
@@ -40,17 +43,9 @@ struct mg_context;
 
 namespace bertshard::http {
 
-struct HttpTls {
-  std::string cert;  // PEM chain; with key: HTTPS
-  std::string key;
-  std::string ca;  // with cert + key: clients must present a certificate it signed
-  bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
-};
-
 struct HttpServerOptions {
   // HOST:PORT with an IPv4 address or host name; port 0 picks a free port.
   std::string listen;
-  HttpTls tls;
   int64_t max_body_bytes = 2000000;  // TEI's --payload-limit default
   int threads = 64;
   int request_timeout_ms = 30000;
@@ -58,9 +53,8 @@ struct HttpServerOptions {
 
 class HttpServer {
  public:
-  // INVALID_ARGUMENT for an address that is not HOST:PORT or TLS files that cannot be used (cert
-  // without key, a ca without them, unreadable or not PEM, a key that is not the cert's);
-  // UNAVAILABLE when the address cannot be bound.
+  // INVALID_ARGUMENT for an address that is not HOST:PORT or limits below 1; UNAVAILABLE when the
+  // address cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const HttpServerOptions& options, HttpHandler handler);
 
   // Stops listening and waits for the requests in flight (civetweb looks for the stop every ~2 s).
@@ -69,20 +63,16 @@ class HttpServer {
   HttpServer& operator=(const HttpServer&) = delete;
 
   int port() const { return port_; }
-  bool tls() const { return tls_; }
 
  private:
   HttpServer(HttpServerOptions options, HttpHandler handler)
       : options_(std::move(options)), handler_(std::move(handler)) {}
   static int HandleRequest(mg_connection* connection, void* server);
-  static int InitSsl(void* ssl_context, void* server);
 
   const HttpServerOptions options_;
   const HttpHandler handler_;
-  std::string tls_error_;  // what InitSsl refused, for Start's message
   mg_context* context_ = nullptr;
   int port_ = 0;
-  bool tls_ = false;
 };
 
 }  // namespace bertshard::http

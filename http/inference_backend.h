@@ -53,6 +53,10 @@ struct CallContext {
   absl::Time deadline = absl::InfiniteFuture();
   std::string client;      // as the gRPC side names callers ("host:...", "cn:...")
   std::string connection;  // the caller's address and port
+  // Token-id inputs are padded to their longest into one rectangle before they go on: more than
+  // this many ids in it (the batcher's --max_batch_tokens, which would refuse it later) is refused
+  // before the rectangle is made (a few long rows and many short ones would cost rows x longest).
+  int64_t max_padded_ids = 16384;
 };
 
 class InferenceBackend {

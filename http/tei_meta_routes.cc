@@ -160,7 +160,11 @@ HttpResponse HttpApi::TeiHealth() {
   absl::Status serving = job.status();
   if (job.ok()) serving = backend_->Model(*job).status();
   if (!serving.ok()) {
-    return TeiError(MakeError(TeiErrorType::kUnhealthy, absl::StrCat("unhealthy: ", serving.message())));
+    // /health needs no token: with a read token set, its answer names no job (as /metrics and
+    // ListJobs hide them from callers without it).
+    return TeiError(MakeError(TeiErrorType::kUnhealthy,
+                              options_.read_token.empty() ? absl::StrCat("unhealthy: ", serving.message())
+                                                          : std::string("unhealthy: the default job does not serve")));
   }
   HttpResponse response;
   response.content_type = "text/plain; charset=utf-8";

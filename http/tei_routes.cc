@@ -184,7 +184,9 @@ HttpResponse HttpApi::TeiEmbedAll(const Struct& body, const CallContext& call) {
   std::vector<std::string> rendered(inputs->items.size());
   CallTimes times;
   int64_t tokens = 0;
-  for (InputGroup& group : GroupInputs(inputs->items)) {
+  absl::StatusOr<std::vector<InputGroup>> groups = GroupInputs(inputs->items, call.max_padded_ids);
+  if (!groups.ok()) return TeiError(FromStatus(groups.status()));
+  for (InputGroup& group : *groups) {
     v1::InferRequest request;
     request.set_job_id(*job);
     request.set_truncate(encode->truncate);

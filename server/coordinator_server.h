@@ -61,8 +61,8 @@ struct CoordinatorOptions {
   common::AuthConfig auth;
   // TLS (common/grpc_tls.h); null: plaintext. The channels to the workers are cluster.worker_credentials.
   std::shared_ptr<grpc::ServerCredentials> server_credentials;
-  // HTTP/JSON (TEI's routes, OpenAI's embeddings: docs/http.md), served when http.listen is set;
-  // http.tls holds the same PEM files as server_credentials. http_api's tokens are set from `auth`.
+  // HTTP/JSON (TEI's routes, OpenAI's embeddings: docs/http.md), served when http.listen is set,
+  // plain HTTP only (http/http_server.h says why). http_api's tokens are set from `auth`.
   http::HttpServerOptions http;
   http::HttpApiOptions http_api;
 };

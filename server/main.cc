@@ -221,8 +221,15 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
         batching.max_batch_tokens, ", ", batching.max_batch_requests, ", ", delay_ms, ", ", regroup_ms, ")"));
   }
   options.http.listen = absl::GetFlag(FLAGS_http_listen);
-  const common::TlsFiles tls = common::SecurityFlags().tls;
-  options.http.tls = {tls.cert, tls.key, tls.ca};
+  if (const common::TlsFiles tls = common::SecurityFlags().tls;
+      !options.http.listen.empty() && (!tls.cert.empty() || !tls.ca.empty())) {
+    // The HTTP port has no TLS of its own (http/http_server.h): serving it beside a TLS gRPC port
+    // would take the same tokens in the clear.
+    return absl::InvalidArgumentError(
+        "--http_listen serves plain HTTP only, and this coordinator's gRPC port uses TLS (--tls_cert/--tls_ca): "
+        "terminate TLS in front of the HTTP port (an Ingress or proxy) and run it without the TLS flags, or "
+        "leave --http_listen unset");
+  }
   options.http.max_body_bytes = absl::GetFlag(FLAGS_payload_limit);
   options.http_api.default_job = absl::GetFlag(FLAGS_default_job);
   options.http_api.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
