@@ -78,16 +78,22 @@ const char* Reason(int status) {
   }
 }
 
-// The request's body, up to `limit` bytes; false when it is longer (the rest is left unread).
-bool ReadBody(mg_connection* connection, int64_t declared, int64_t limit, std::string* body) {
-  if (declared > limit) return false;
+enum class BodyRead { kWhole, kTooLarge, kBroken };
+
+// The request's body, up to `limit` bytes: kTooLarge when it is longer (the rest is left unread),
+// kBroken when the connection failed or timed out before its end (a declared length not reached).
+BodyRead ReadBody(mg_connection* connection, int64_t declared, int64_t limit, std::string* body) {
+  if (declared > limit) return BodyRead::kTooLarge;
   // What the client declares is not trusted for more than a first buffer.
   if (declared >= 0) body->reserve(static_cast<size_t>(std::min<int64_t>(declared, int64_t{1} << 20)));
   char buffer[16384];
   while (true) {
     const int n = mg_read(connection, buffer, sizeof(buffer));
-    if (n <= 0) return true;
-    if (static_cast<int64_t>(body->size()) + n > limit) return false;
+    if (n < 0) return BodyRead::kBroken;
+    if (n == 0) {
+      return declared >= 0 && static_cast<int64_t>(body->size()) < declared ? BodyRead::kBroken : BodyRead::kWhole;
+    }
+    if (static_cast<int64_t>(body->size()) + n > limit) return BodyRead::kTooLarge;
     body->append(buffer, static_cast<size_t>(n));
   }
 }
@@ -101,8 +107,10 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
   } else {
     return parsed.status();
   }
-  if (options.max_body_bytes < 1 || options.threads < 1 || options.request_timeout_ms < 1) {
-    return absl::InvalidArgumentError("the HTTP body limit, thread count and request timeout must be >= 1");
+  if (options.max_body_bytes < 1 || options.threads < 1 || options.request_timeout_ms < 1 ||
+      options.keep_alive_timeout_ms < 1) {
+    return absl::InvalidArgumentError(
+        "the HTTP body limit, thread count, request timeout and keep-alive timeout must be >= 1");
   }
   static absl::once_flag init_once;
   // mg_start would call it too, but not thread-safely. No TLS feature: see the header.
@@ -110,8 +118,11 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
   std::unique_ptr<HttpServer> server(new HttpServer(options, std::move(handler)));
   const std::string threads = std::to_string(options.threads);
   const std::string timeout = std::to_string(options.request_timeout_ms);
+  const std::string keep_alive = std::to_string(options.keep_alive_timeout_ms);
   // Keep-alive on: clients that send many small requests (OpenAI's SDK, a TEI client) reuse one
-  // connection; a silent kept connection is dropped after the request timeout.
+  // connection. Each kept connection holds a civetweb thread while it waits for the next request,
+  // so an idle one is dropped after keep_alive_timeout_ms (a pool of idle SDK connections would
+  // otherwise hold the threads that answer 429 and /health).
   const char* civet_options[] = {"listening_ports",
                                  listening.c_str(),
                                  "num_threads",
@@ -119,7 +130,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
                                  "request_timeout_ms",
                                  timeout.c_str(),
                                  "keep_alive_timeout_ms",
-                                 timeout.c_str(),
+                                 keep_alive.c_str(),
                                  "enable_keep_alive",
                                  "yes",
                                  nullptr};
@@ -161,10 +172,18 @@ int HttpServer::HandleRequest(mg_connection* connection, void* data) {
   // Nothing may unwind into civetweb's C code (std::terminate: the whole coordinator): a request
   // that runs out of memory, or any other throw on its path, is this request's 500 alone.
   try {
-    request.body_too_large =
-        !ReadBody(connection, info->content_length, server->options_.max_body_bytes, &request.body);
+    const BodyRead read = ReadBody(connection, info->content_length, server->options_.max_body_bytes, &request.body);
+    request.body_too_large = read != BodyRead::kWhole;  // either way the connection closes after
     if (request.body_too_large) request.body.clear();
-    response = server->handler_(request);
+    if (read == BodyRead::kBroken) {
+      // Never handled as if whole: a truncated JSON body could still parse.
+      response = {400,
+                  "application/json",
+                  "{\"error\":\"the request body ended before its declared length\",\"error_type\":\"Validation\"}",
+                  {}};
+    } else {
+      response = server->handler_(request);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "http: %s %s failed: %s\n", request.method.c_str(), request.path.c_str(), e.what());
     response = {500, "application/json", "{\"error\":\"internal error\",\"error_type\":\"Backend\"}", {}};

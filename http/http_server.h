@@ -15,8 +15,10 @@
 //
 // Bodies: at most `max_body_bytes` are read. A larger one (declared by Content-Length, or found
 // while reading a chunked one) is not read further: the handler gets body_too_large set, answers
-// 413 in its own words, and the connection is closed after the answer. A client silent for
-// request_timeout_ms mid-request is dropped then, so idle sockets cannot hold every thread.
+// 413 in its own words, and the connection is closed after the answer. A body cut short (the
+// connection failed, or ended before the declared length) is answered 400 without the handler. A
+// client silent for request_timeout_ms mid-request, or keep_alive_timeout_ms between requests, is
+// dropped then, so idle sockets cannot hold every thread for long.
 //
 // Example:
 //   ASSIGN_OR_RETURN(auto server, HttpServer::Start({.listen = "127.0.0.1:0"}, [](const HttpRequest& r) {
@@ -49,6 +51,8 @@ struct HttpServerOptions {
   int64_t max_body_bytes = 2000000;  // TEI's --payload-limit default
   int threads = 64;
   int request_timeout_ms = 30000;
+  // How long a kept-alive connection may wait for its next request (it holds a thread meanwhile).
+  int keep_alive_timeout_ms = 5000;
 };
 
 class HttpServer {

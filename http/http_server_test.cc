@@ -88,6 +88,30 @@ TEST(HttpServer, FlagsABodyOverTheLimitWithoutReadingIt) {
   EXPECT_TRUE(absl::StartsWith(fits, "HTTP/1.1 200 OK\r\n")) << fits;
 }
 
+// A body cut short (here: 5 of a declared 10 bytes, then the client's end closed) is never handed
+// on as if whole (review of issue 23: a truncated JSON body could still parse).
+TEST(HttpServer, AnswersABodyCutShortOfItsLength400WithoutTheHandler) {
+  int handled = 0;
+  auto server = HttpServer::Start({.listen = "127.0.0.1:0"}, [&handled](const HttpRequest& request) {
+    ++handled;
+    return Echo(request);
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int fd = Connect((*server)->port());
+  ASSERT_GE(fd, 0);
+  const std::string request = "POST /embed HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nhello";
+  ASSERT_EQ(send(fd, request.data(), request.size(), MSG_NOSIGNAL), static_cast<ssize_t>(request.size()));
+  shutdown(fd, SHUT_WR);
+  std::string answer;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = recv(fd, buffer, sizeof(buffer), 0)) > 0) answer.append(buffer, static_cast<size_t>(n));
+  close(fd);
+  EXPECT_TRUE(absl::StartsWith(answer, "HTTP/1.1 400 Bad Request\r\n")) << answer;
+  EXPECT_NE(answer.find("ended before its declared length"), std::string::npos) << answer;
+  EXPECT_EQ(handled, 0);
+}
+
 TEST(HttpServer, RefusesBadAddressesAndTakenPorts) {
   for (const char* address : {"nonsense", ":80", "127.0.0.1:99999", "127.0.0.1:80s", "a,b:1", "127.0.0.1:"}) {
     SCOPED_TRACE(address);

@@ -143,11 +143,15 @@ absl::StatusOr<std::string> Cluster::ResolveJob(const std::string& job, const st
   if (job.empty() && !fallback.empty()) return ResolveJob(fallback);
   std::string by_id, by_name;
   std::vector<std::string> serving;  // names, else ids, of the jobs that serve
+  std::string only;                  // the id of the last of them (the only one when there is one)
   scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime& runtime) {
     if (runtime.ended) return;
     if (id == job) by_id = id;
     if (!runtime.name.empty() && runtime.name == job) by_name = id;
-    if (runtime.group.serving) serving.push_back(runtime.name.empty() ? id : runtime.name);
+    if (runtime.group.serving) {
+      serving.push_back(runtime.name.empty() ? id : runtime.name);
+      only = id;
+    }
   });
   if (!by_id.empty()) return by_id;
   if (!by_name.empty()) return by_name;
@@ -156,13 +160,8 @@ absl::StatusOr<std::string> Cluster::ResolveJob(const std::string& job, const st
     if (const absl::StatusOr<v1::Job> stored = scheduler_->GetJob(job); stored.ok()) return stored->id();
     return absl::NotFoundError(absl::StrCat("no job has the id or name '", job, "'"));
   }
-  if (serving.size() == 1) {
-    std::string only;
-    scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime& runtime) {
-      if (runtime.group.serving && !runtime.ended) only = id;
-    });
-    if (!only.empty()) return only;
-  }
+  // From the one walk: a second could see another set of jobs and refuse with "1 jobs are serving".
+  if (serving.size() == 1) return only;
   return absl::FailedPreconditionError(
       serving.empty() ? std::string("no job is serving, so a request must name one (an id or a job's name)")
                       : absl::StrCat(serving.size(), " jobs are serving (", absl::StrJoin(serving, ", "),
