@@ -260,12 +260,55 @@ class Writer {
 
 }  // namespace
 
+namespace {
+
+// The length of the well-formed UTF-8 sequence that starts text[i] (a byte >= 0x80), or 0 when it
+// is not one (a stray continuation byte, an overlong form, a surrogate, past U+10FFFF, cut short).
+size_t Utf8SequenceAt(absl::string_view text, size_t i) {
+  const auto at = [&text](size_t k) { return k < text.size() ? static_cast<unsigned char>(text[k]) : 0; };
+  const unsigned char lead = at(i);
+  size_t n = 0;
+  unsigned char low = 0x80, high = 0xBF;  // the second byte's range
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    n = 2;
+  } else if (lead >= 0xE0 && lead <= 0xEF) {
+    n = 3;
+    if (lead == 0xE0) low = 0xA0;   // overlong
+    if (lead == 0xED) high = 0x9F;  // surrogates
+  } else if (lead >= 0xF0 && lead <= 0xF4) {
+    n = 4;
+    if (lead == 0xF0) low = 0x90;   // overlong
+    if (lead == 0xF4) high = 0x8F;  // past U+10FFFF
+  } else {
+    return 0;
+  }
+  if (at(i + 1) < low || at(i + 1) > high) return 0;
+  for (size_t k = 2; k < n; ++k) {
+    if (at(i + k) < 0x80 || at(i + k) > 0xBF) return 0;
+  }
+  return n;
+}
+
+}  // namespace
+
 void AppendJsonString(absl::string_view text, std::string* out) {
   static constexpr char kHex[] = "0123456789abcdef";
   out->push_back('"');
   size_t plain_start = 0;  // copy runs that need no escaping in one append
   for (size_t i = 0; i < text.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x80) {
+      // JSON is UTF-8: a byte that starts no well-formed sequence (an error message quoting a
+      // client's bytes, say) becomes U+FFFD, as a decoder would show it, not invalid JSON.
+      if (const size_t n = Utf8SequenceAt(text, i); n > 0) {
+        i += n - 1;
+        continue;
+      }
+      out->append(text.data() + plain_start, i - plain_start);
+      plain_start = i + 1;
+      out->append("\\ufffd");
+      continue;
+    }
     if (c >= 0x20 && c != '"' && c != '\\') continue;
     out->append(text.data() + plain_start, i - plain_start);
     plain_start = i + 1;

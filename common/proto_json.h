@@ -50,7 +50,8 @@ std::string ProtoToJson(const google::protobuf::Message& message, const JsonWrit
 // INVALID_ARGUMENT naming what could not be parsed.
 absl::Status JsonToProto(absl::string_view json, google::protobuf::Message* message);
 
-// Appends `text` as a quoted JSON string.
+// Appends `text` as a quoted JSON string; a byte that starts no well-formed UTF-8 sequence becomes
+// U+FFFD, so the output is always valid JSON.
 void AppendJsonString(absl::string_view text, std::string* out);
 
 // Appends the shortest decimal form of `value` that reads back as the same double.

@@ -1,6 +1,7 @@
 #include "common/proto_json.h"
 
 #include "bertshard/v1/plan.pb.h"
+#include "google/protobuf/struct.pb.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::common {
@@ -56,6 +57,28 @@ TEST(ProtoJson, RoundTripsThroughParser) {
   v1::PlanRequest parsed;
   ASSERT_TRUE(JsonToProto(ProtoToJson(request), &parsed).ok());
   EXPECT_EQ(parsed.SerializeAsString(), request.SerializeAsString());
+}
+
+// Found by the http_api fuzzer: an error message quoting a client's invalid UTF-8 made the answer
+// invalid JSON. Well-formed sequences (2, 3 and 4 bytes) pass as they are; every byte of an
+// ill-formed one (stray continuation, overlong, surrogate, past U+10FFFF, cut short) is U+FFFD.
+TEST(ProtoJson, StringsAreValidUtf8WhateverTheBytes) {
+  const auto json = [](absl::string_view text) {
+    std::string out;
+    AppendJsonString(text, &out);
+    return out;
+  };
+  EXPECT_EQ(json("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"), "\"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80\"");
+  EXPECT_EQ(json("a\xd9\xd9" "b"), "\"a\\ufffd\\ufffdb\"");
+  EXPECT_EQ(json("\x80"), "\"\\ufffd\"");
+  EXPECT_EQ(json("\xc0\xaf"), "\"\\ufffd\\ufffd\"");                        // overlong '/'
+  EXPECT_EQ(json("\xed\xa0\x80"), "\"\\ufffd\\ufffd\\ufffd\"");             // a surrogate
+  EXPECT_EQ(json("\xf4\x90\x80\x80"), "\"\\ufffd\\ufffd\\ufffd\\ufffd\"");  // past U+10FFFF
+  EXPECT_EQ(json("\xe2\x82"), "\"\\ufffd\\ufffd\"");                        // cut short at the end
+  EXPECT_EQ(json("\"\\\n\x01"), "\"\\\"\\\\\\n\\u0001\"");
+  // And the parser takes it back.
+  google::protobuf::Value parsed;
+  EXPECT_TRUE(JsonToProto(json("x\xd9\xff\xc3\xa9"), &parsed).ok());
 }
 
 TEST(ProtoJson, RejectsUnknownFieldsAndBadJson) {
