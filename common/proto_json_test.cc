@@ -69,7 +69,9 @@ TEST(ProtoJson, StringsAreValidUtf8WhateverTheBytes) {
     return out;
   };
   EXPECT_EQ(json("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"), "\"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80\"");
-  EXPECT_EQ(json("a\xd9\xd9" "b"), "\"a\\ufffd\\ufffdb\"");
+  EXPECT_EQ(json("a\xd9\xd9"
+                 "b"),
+            "\"a\\ufffd\\ufffdb\"");
   EXPECT_EQ(json("\x80"), "\"\\ufffd\"");
   EXPECT_EQ(json("\xc0\xaf"), "\"\\ufffd\\ufffd\"");                        // overlong '/'
   EXPECT_EQ(json("\xed\xa0\x80"), "\"\\ufffd\\ufffd\\ufffd\"");             // a surrogate

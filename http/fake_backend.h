@@ -68,6 +68,10 @@ class FakeBackend : public InferenceBackend {
     // Moved out first: a hook may set on_embed again (or clear it) while it runs.
     if (std::function<void()> hook = std::exchange(on_embed, nullptr)) hook();
     if (!embed_error.ok()) return embed_error;
+    // As JobServing: a cut wider than the vectors is refused (found by the fuzzer: it threw here).
+    if (request.dimensions() < 0 || request.dimensions() > 4) {
+      return absl::InvalidArgumentError(absl::StrCat("dimensions must be in 1..4, not ", request.dimensions()));
+    }
     v1::EmbedResponse response;
     const int64_t rows = request.has_text() ? request.text().texts_size() : request.tokens().rows();
     for (int64_t r = 0; r < rows; ++r) {
