@@ -318,15 +318,6 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
   }
   const v1::TokenInputs& in = request->inputs();
   const int64_t n = in.rows() * in.seq();
-  if (in.rows() < 1 || in.seq() < 1 || in.input_ids_size() != n || in.attention_mask_size() != n ||
-      in.token_type_ids_size() != n) {
-    return {grpc::StatusCode::INVALID_ARGUMENT,
-            "inputs must hold rows x seq values in each of input_ids, attention_mask, token_type_ids"};
-  }
-  // Every rank refuses a want it cannot honour alike, before its forward.
-  if (absl::Status s = request->has_want() ? CheckForwardWant(request->want()) : absl::OkStatus(); !s.ok()) {
-    return common::ToGrpcStatus(s);
-  }
   absl::MutexLock lock(&job->mu);
   if (!job->broken.empty()) {
     return {grpc::StatusCode::FAILED_PRECONDITION,
@@ -336,6 +327,19 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
     return {grpc::StatusCode::FAILED_PRECONDITION,
             absl::StrCat("forward ", request->sequence(), " of job ", request->job_id(),
                          " arrived out of order; next is ", job->next_sequence)};
+  }
+  // A refused request takes its number like a forward that ran: every rank refuses it alike before
+  // any collective, so the ranks stay in step and the coordinator keeps the group (it answers the
+  // batch's callers with the refusal instead of losing the group).
+  if (in.rows() < 1 || in.seq() < 1 || in.input_ids_size() != n || in.attention_mask_size() != n ||
+      in.token_type_ids_size() != n) {
+    ++job->next_sequence;
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            "inputs must hold rows x seq values in each of input_ids, attention_mask, token_type_ids"};
+  }
+  if (absl::Status s = request->has_want() ? CheckForwardWant(request->want()) : absl::OkStatus(); !s.ok()) {
+    ++job->next_sequence;
+    return common::ToGrpcStatus(s);
   }
   if (context->IsCancelled()) return {grpc::StatusCode::CANCELLED, "cancelled before the forward"};
   // Fault tests stop a worker here: its forward is under way (the job's lock held, the sequence
