@@ -106,6 +106,35 @@ TEST(JobStore, ReadyAndLoadingJobsGoBackToPendingWhenAWorkerIsLost) {
   EXPECT_FALSE(TransitionAllowed(v1::FAILED, v1::PENDING));
 }
 
+// A lost group's ranks are cleared in the same write that puts the job back to PENDING: both or
+// neither, so a job is never stored PENDING with the ranks of the group it lost (nor READY without
+// them).
+TEST(JobStore, ClearsTheRanksAndGoesBackToPendingInOneWrite) {
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
+  v1::RankAssignment rank;
+  rank.set_rank(0);
+  rank.set_worker_id("w1");
+  rank.set_worker_address("127.0.0.1:9");
+  ASSERT_TRUE((*store)->SetRanks("j", {rank}).ok());
+  for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY}) ASSERT_TRUE((*store)->Transition("j", s, "").ok());
+  auto pending = (*store)->TransitionWithRanks("j", v1::PENDING, "recovering: lost w1", {});
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(pending->ranks_size(), 0);
+  EXPECT_EQ((*store)->Get("j")->ranks_size(), 0);
+  EXPECT_EQ((*store)->Get("j")->state(), v1::PENDING);
+  // Refused (out of an ended state), it changes neither the state nor the ranks.
+  ASSERT_TRUE((*store)->TransitionWithRanks("j", v1::PLANNED, "placed", {rank}).ok());
+  ASSERT_TRUE((*store)->Transition("j", v1::CANCELLED, "").ok());
+  const absl::StatusOr<v1::Job> refused = (*store)->TransitionWithRanks("j", v1::PENDING, "again", {});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  const v1::Job kept = *(*store)->Get("j");
+  EXPECT_EQ(kept.state(), v1::CANCELLED);
+  ASSERT_EQ(kept.ranks_size(), 1);
+  EXPECT_EQ(kept.ranks(0).worker_id(), "w1");
+}
+
 // The scheduler rewrites why a PENDING job waits as the pool changes; only while it is PENDING.
 TEST(JobStore, RewritesThePendingReasonOfPendingJobsOnly) {
   auto store = JobStore::Open(":memory:");

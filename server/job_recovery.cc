@@ -103,11 +103,10 @@ absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
     if (job.state() == v1::PLANNED) {
       // Nothing was loading yet: place it again. Refused, the job stays PLANNED in the database and
       // is not placed; the next restart tries again (said on stderr).
-      record(store.SetRanks(job.id(), {}).status(), absl::StrCat("clearing job ", job.id(), "'s ranks"));
       r.pending_note = "the coordinator restarted before loading";
-      auto pending = store.Transition(
+      auto pending = store.TransitionWithRanks(
           job.id(), v1::PENDING,
-          absl::StrCat(r.pending_note, "; ", PlaceRanks(r.backend, r.plan.world_size(), {}).waiting_for));
+          absl::StrCat(r.pending_note, "; ", PlaceRanks(r.backend, r.plan.world_size(), {}).waiting_for), {});
       record(pending.status(), absl::StrCat("putting job ", job.id(), " back to PENDING"));
       if (pending.ok()) job = *std::move(pending);
     } else if (job.state() == v1::LOADING || job.state() == v1::READY) {

@@ -383,10 +383,9 @@ bool Scheduler::PlanJobLocked(const std::string& job_id, JobRuntime& runtime, co
     p.set_worker_id(a.worker_id());
     runtime.group.progress.push_back(p);
   }
-  absl::Status recorded = store_->SetRanks(job_id, ranks).status();
-  if (recorded.ok()) {
-    recorded = store_->Transition(job_id, v1::PLANNED, absl::StrCat(workers.size(), " workers assigned")).status();
-  }
+  const absl::Status recorded =
+      store_->TransitionWithRanks(job_id, v1::PLANNED, absl::StrCat(workers.size(), " workers assigned"), ranks)
+          .status();
   if (recorded.ok()) return true;
   // Not recorded, so not started: the job stays PENDING as stored, with no ranks, its workers stay
   // free, and the monitor tries again every quarter interval until the database takes it (a
@@ -614,9 +613,9 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int64_t generation, c
       if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
     });
   }
-  RecordLocked(store_->SetRanks(job_id, {}).status(), absl::StrCat("clearing job ", job_id, "'s ranks"));
   runtime->pending_note = absl::StrCat("recovering: ", group.restarts.Describe());
-  absl::StatusOr<v1::Job> pending = store_->Transition(job_id, v1::PENDING, runtime->pending_note);
+  // One write: a job stored PENDING with the lost group's ranks would be taken for placed.
+  absl::StatusOr<v1::Job> pending = store_->TransitionWithRanks(job_id, v1::PENDING, runtime->pending_note, {});
   if (!pending.ok()) {
     // A recovery the database cannot follow would be lost at the next restart.
     StoreErrorLocked(absl::StrCat("putting job ", job_id, " back to PENDING"), pending.status());
