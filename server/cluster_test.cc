@@ -277,6 +277,42 @@ TEST_F(ClusterRestart, AJobRecoveringFromALostGroupStillSaysSoAfterARestart) {
   EXPECT_NE(waited.message().find("has no group serving"), std::string::npos) << waited;
 }
 
+// Placed again after a lost group (PLANNED) when the coordinator stopped: back to PENDING, still
+// recovering from the loss (Job.degraded, requests wait for the group), not a job that never served.
+TEST_F(ClusterRestart, AJobPlacedAgainAfterALostGroupStillRecoversAfterARestart) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  {
+    auto store = jobs::JobStore::Open(path_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)
+                    ->TransitionWithRanks("job-1", v1::PENDING,
+                                          "recovering: lost worker w-1 (rank 1) at 127.0.0.1:10 stopped heartbeating "
+                                          "(silent for 3.2s) (restart 2 of at most 10); waiting for 4 healthy idle "
+                                          "CPU workers (gloo); 0 are free",
+                                          {})
+                    .ok());
+    ASSERT_TRUE((*store)->Transition("job-1", v1::PLANNED, "4 workers assigned").ok());
+  }
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::PENDING);
+  EXPECT_EQ(job.ranks_size(), 0);
+  EXPECT_EQ(
+      job.degraded(),
+      "lost worker w-1 (rank 1) at 127.0.0.1:10 stopped heartbeating (silent for 3.2s) (restart 1 of at most 10)");
+  EXPECT_EQ(job.pending_reason().rfind("recovering: lost worker w-1 (rank 1)", 0), 0u) << job.pending_reason();
+  EXPECT_NE(job.pending_reason().find("; the coordinator restarted before loading; "), std::string::npos)
+      << job.pending_reason();
+  v1::InferRequest infer;
+  infer.set_job_id("job-1");
+  infer.mutable_tokens()->set_rows(1);
+  infer.mutable_tokens()->set_seq(1);
+  infer.mutable_tokens()->add_input_ids(101);
+  const absl::Status waited = cluster_->Infer(infer, absl::Now() + absl::Seconds(5)).status();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
+  EXPECT_NE(waited.message().find("has no group serving"), std::string::npos) << waited;
+}
+
 TEST_F(ClusterRestart, PutsPlannedJobsBackToPending) {
   ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::PLANNED));
   ASSERT_NO_FATAL_FAILURE(Start());
