@@ -194,6 +194,13 @@ absl::StatusOr<v1::Job> JobStore::Get(const std::string& id) {
   return GetLocked(id);
 }
 
+void CapHistory(v1::Job* job) {
+  const int over = job->history_size() - (kHistoryHead + kHistoryTail);
+  if (over <= 0) return;
+  job->mutable_history()->DeleteSubrange(kHistoryHead, over);
+  job->set_history_dropped(job->history_dropped() + over);
+}
+
 absl::StatusOr<v1::Job> JobStore::TransitionLocked(const std::string& id, v1::JobState state, const std::string& reason,
                                                    const std::vector<v1::RankAssignment>* ranks) {
   ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
@@ -210,6 +217,7 @@ absl::StatusOr<v1::Job> JobStore::TransitionLocked(const std::string& id, v1::Jo
   change->set_state(state);
   change->set_unix_millis(now);
   change->set_reason(reason);
+  CapHistory(&job);
   if (ranks != nullptr) {
     job.clear_ranks();
     for (const auto& r : *ranks) *job.add_ranks() = r;

@@ -128,6 +128,15 @@ class JobStore {
   const JobStoreOptions options_;
 };
 
+// A job's stored history is bounded: its first kHistoryHead transitions (submission, first
+// placement and load) and its last kHistoryTail (the latest losses and recoveries); the ones between
+// are dropped as new ones come, and counted in Job.history_dropped. Every read (GetJob, ListJobs,
+// WatchJob) carries at most this much.
+inline constexpr int kHistoryHead = 16;
+inline constexpr int kHistoryTail = 48;
+// Drops what is over the bound from the middle of `job`'s history, counting it.
+void CapHistory(v1::Job* job);
+
 // Whether the life cycle allows `from` -> `to`.
 bool TransitionAllowed(v1::JobState from, v1::JobState to);
 

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::jobs {
@@ -133,6 +134,30 @@ TEST(JobStore, ClearsTheRanksAndGoesBackToPendingInOneWrite) {
   EXPECT_EQ(kept.state(), v1::CANCELLED);
   ASSERT_EQ(kept.ranks_size(), 1);
   EXPECT_EQ(kept.ranks(0).worker_id(), "w1");
+}
+
+// A job lost and placed again for months keeps a bounded history: the first 16 transitions and the
+// last 48, the ones between counted as dropped.
+TEST(JobStore, KeepsTheFirstAndLastTransitionsOfALongHistory) {
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
+  int transitions = 1;  // Create's
+  for (int loss = 1; loss <= 100; ++loss) {
+    for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY}) {
+      ASSERT_TRUE((*store)->Transition("j", s, absl::StrCat("placement ", loss)).ok());
+    }
+    ASSERT_TRUE((*store)->Transition("j", v1::PENDING, absl::StrCat("recovering: lost ", loss)).ok());
+    transitions += 4;
+  }
+  const v1::Job job = *(*store)->Get("j");
+  ASSERT_EQ(job.history_size(), kHistoryHead + kHistoryTail);
+  EXPECT_EQ(job.history_dropped(), transitions - (kHistoryHead + kHistoryTail));
+  EXPECT_EQ(job.history(0).state(), v1::PENDING);  // the submission
+  EXPECT_EQ(job.history(1).reason(), "placement 1");
+  EXPECT_EQ(job.history(job.history_size() - 1).reason(), "recovering: lost 100");
+  EXPECT_EQ(job.history(job.history_size() - 4).reason(), "placement 100");
+  EXPECT_EQ(job.pending_reason(), "recovering: lost 100");
 }
 
 // The scheduler rewrites why a PENDING job waits as the pool changes; only while it is PENDING.
