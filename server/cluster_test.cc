@@ -241,6 +241,13 @@ TEST_F(ClusterRestart, PlacesAgainAfterTheGracePeriodNamingTheMissingRank) {
   EXPECT_EQ(Recovery("job-1"),
             "recovering: lost after a coordinator restart rank 3 (last on worker old-worker-3 at 127.0.0.1:12) did "
             "not come back within 300ms (restart 1 of at most 10)");
+  // The metrics say so: one group lost, the job degraded at its first restart.
+  const RecoveryMetrics metrics = cluster_->Recovery();
+  EXPECT_EQ(metrics.groups_lost, 1);
+  ASSERT_EQ(metrics.jobs.size(), 1u);
+  EXPECT_EQ(metrics.jobs[0].job_id, "job-1");
+  EXPECT_EQ(metrics.jobs[0].restarts, 1);
+  EXPECT_TRUE(metrics.jobs[0].degraded);
 }
 
 // A job stored while it recovered from a lost group (PENDING, "recovering: ...") recovers again
@@ -311,6 +318,15 @@ TEST_F(ClusterRestart, AJobPlacedAgainAfterALostGroupStillRecoversAfterARestart)
   const absl::Status waited = cluster_->Infer(infer, absl::Now() + absl::Seconds(5)).status();
   EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
   EXPECT_NE(waited.message().find("has no group serving"), std::string::npos) << waited;
+  // Degraded in the metrics too (no group lost by this coordinator); its series go when it ends.
+  RecoveryMetrics metrics = cluster_->Recovery();
+  EXPECT_EQ(metrics.groups_lost, 0);
+  ASSERT_EQ(metrics.jobs.size(), 1u);
+  EXPECT_EQ(metrics.jobs[0].restarts, 1);
+  EXPECT_TRUE(metrics.jobs[0].degraded);
+  ASSERT_TRUE(cluster_->CancelJob("job-1").ok());
+  metrics = cluster_->Recovery();
+  EXPECT_TRUE(metrics.jobs.empty());
 }
 
 TEST_F(ClusterRestart, PutsPlannedJobsBackToPending) {

@@ -585,6 +585,7 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int64_t generation, c
   if (group.generation != generation) return;  // a late report of a loss already handled
   auto job = store_->Get(job_id);
   if (!job.ok() || TerminalState(job->state()) || job->state() == v1::PENDING) return;
+  ++groups_lost_;
   const GroupRestarts::Decision decision = group.restarts.Lost(cause, absl::Now());
   if (decision.give_up) {
     FailJobLocked(job_id, decision.cause);
@@ -837,6 +838,18 @@ absl::Status Scheduler::WithServingRuntime(const std::string& job_id,
     return use(found->second, v1::Job());
   }
   return use(nullptr, GetJobLocked(job_id));
+}
+
+RecoveryMetrics Scheduler::Recovery() {
+  absl::MutexLock lock(&mu_);
+  RecoveryMetrics metrics;
+  metrics.groups_lost = groups_lost_;
+  for (const auto& [id, runtime] : runtimes_) {
+    if (runtime->ended) continue;
+    const GroupRestarts& restarts = runtime->group.restarts;
+    metrics.jobs.push_back({id, restarts.restarts(), restarts.recovering()});
+  }
+  return metrics;
 }
 
 void Scheduler::ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit) {

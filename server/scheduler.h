@@ -51,6 +51,7 @@
 #include "server/group_restarts.h"
 #include "server/job_recovery.h"
 #include "server/job_serving.h"
+#include "server/recovery_metrics.h"
 #include "server/thread_group.h"
 #include "server/worker_pool.h"
 
@@ -158,6 +159,9 @@ class Scheduler final : public ForwardTargets {
                                   const std::function<absl::Status(const std::shared_ptr<JobRuntime>& serving,
                                                                    const absl::StatusOr<v1::Job>& job)>& use)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Each job's restarts in a row and whether it is degraded (as Job.restarts and Job.degraded say),
+  // and the groups lost since start: the recovery metrics (recovery_metrics.h).
+  RecoveryMetrics Recovery() ABSL_LOCKS_EXCLUDED(mu_);
   // Calls `visit` under the lock for every job with a runtime here (the jobs that have not ended).
   void ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -254,6 +258,7 @@ class Scheduler final : public ForwardTargets {
   // The PENDING jobs in submission order: what scheduling looks at, instead of the job table.
   std::vector<PendingJob> pending_ ABSL_GUARDED_BY(mu_);
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t groups_lost_ ABSL_GUARDED_BY(mu_) = 0;  // LoseGroupLocked's losses (not the late reports)
   // A planning the job database refused: the monitor schedules again until it is taken.
   bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
   // The earliest end of a restart's backoff among the PENDING jobs (set by ScheduleLocked): the
