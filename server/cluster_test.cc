@@ -64,6 +64,7 @@ class ClusterRestart : public ::testing::Test {
     // PENDING, recovering, for the test to look at.
     options.restarts.backoff_initial = absl::Hours(1);
     options.restarts.backoff_max = absl::Hours(1);
+    options.restarts.max_restarts = max_restarts_;
     auto cluster = Cluster::Create(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = *std::move(cluster);
@@ -104,6 +105,7 @@ class ClusterRestart : public ::testing::Test {
   const std::string path_ = std::string(std::getenv("TEST_TMPDIR")) + "/" +
                             ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".db";
   std::unique_ptr<Cluster> cluster_;
+  int max_restarts_ = 10;  // --max_restarts of the next Start
 };
 
 TEST_F(ClusterRestart, TakesBackAJobWhoseRanksAllReturn) {
@@ -327,6 +329,31 @@ TEST_F(ClusterRestart, AJobPlacedAgainAfterALostGroupStillRecoversAfterARestart)
   ASSERT_TRUE(cluster_->CancelJob("job-1").ok());
   metrics = cluster_->Recovery();
   EXPECT_TRUE(metrics.jobs.empty());
+}
+
+// Stored recovering, restarted with --max_restarts=0 (no restart allowed): FAILED naming the loss,
+// as the loss would have ended it under that flag, not PENDING with a bare "recovering: ".
+TEST_F(ClusterRestart, AJobRecoveringWhenRestartedWithNoRestartsAllowedFails) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  {
+    auto store = jobs::JobStore::Open(path_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)
+                    ->TransitionWithRanks("job-1", v1::PENDING,
+                                          "recovering: lost worker w-1 (rank 1) at 127.0.0.1:10 stopped heartbeating "
+                                          "(restart 1 of at most 10); waiting for 4 healthy idle CPU workers (gloo)",
+                                          {})
+                    .ok());
+  }
+  max_restarts_ = 0;
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::FAILED) << job.DebugString();
+  EXPECT_EQ(job.failure_cause(),
+            "lost its workers 1 times in a row (--max_restarts=0): 1) worker w-1 (rank 1) at 127.0.0.1:10 stopped "
+            "heartbeating");
+  EXPECT_EQ(job.degraded(), "");
+  EXPECT_TRUE(cluster_->Recovery().jobs.empty());
 }
 
 TEST_F(ClusterRestart, PutsPlannedJobsBackToPending) {

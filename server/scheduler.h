@@ -25,7 +25,8 @@
 // ListJobs reads its page of the store before taking it; only Create reads the active jobs, and the
 // taken-back jobs' checkpoint assets, under it, before anything is served). Under it the store is read
 // and written one job at a time. Each job load and each batch queue destroyed off the lock runs on a
-// thread of a ThreadGroup that is joined as the threads end.
+// thread of a ThreadGroup that is joined as the threads end, as is each Unload call to a lost
+// group's survivor (it takes the lock when it returns, to let the worker be placed again).
 #ifndef BERTSHARD_SERVER_SCHEDULER_H_
 #define BERTSHARD_SERVER_SCHEDULER_H_
 
@@ -179,11 +180,13 @@ class Scheduler final : public ForwardTargets {
   // registers.
   absl::Status RecoverJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A PENDING job stored while it recovered from a lost group (its reason says so) recovers again
-  // here: Job.degraded and its requests' waiting hold across a coordinator restart.
-  void ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // here: Job.degraded and its requests' waiting hold across a coordinator restart. Returns the
+  // failure cause when --max_restarts allows no restart (0): the caller ends the job.
+  std::optional<std::string> ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What the entry a worker replaced (it registers again from its address) means for its job: a
   // recovering job forgets its reports; a job it still holds unbroken is kept (returned: job and
-  // rank, for the new entry); any other fails.
+  // rank, for the new entry); any other loses its group.
   std::optional<std::pair<std::string, int32_t>> SettleReplacedLocked(const v1::WorkerInfo& old,
                                                                       const v1::RegisterWorkerRequest& request)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
