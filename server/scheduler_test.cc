@@ -235,6 +235,35 @@ TEST_F(SchedulerTest, ALeavingWorkersJobIsPlacedAgainOnASpareAndUnknownOnesRegis
   EXPECT_EQ(scheduler_->Heartbeat(unknown).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A batch waiting for a lost group (NextForward) goes on once the group is READY again on a spare,
+// numbered from 0, long before its own deadline. (It usually blocks before the spare comes; should
+// it arrive after, it is answered at once, the same.)
+TEST_F(SchedulerTest, ABatchWaitingForTheGroupGoesOnWhenItIsBack) {
+  FakeWorker a, spare;
+  const std::string id = Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  ASSERT_EQ(ready.state(), v1::READY);
+  v1::HeartbeatRequest leaving;
+  leaving.set_worker_id(id);
+  leaving.set_leaving(true);
+  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  ASSERT_EQ(scheduler_->GetJob(ready.id())->state(), v1::PENDING);
+  absl::StatusOr<ForwardTarget> waited = absl::UnknownError("not returned");
+  absl::Duration took;
+  std::thread batch([&] {
+    const absl::Time start = absl::Now();
+    waited = scheduler_->NextForward(ready.id(), start + absl::Seconds(60));
+    took = absl::Now() - start;
+  });
+  const std::string spare_id = Register(spare);
+  batch.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_LT(took, absl::Seconds(30));
+  EXPECT_EQ(waited->sequence, 0);
+  ASSERT_EQ(waited->ranks.size(), 1u);
+  EXPECT_EQ(waited->ranks[0].worker_id, spare_id);
+}
+
 // The second loss in a row waits out its backoff before the job is placed again, saying until when,
 // even with a worker free.
 TEST_F(SchedulerTest, ASecondLossInARowWaitsOutItsBackoff) {
