@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/fault_point.h"
 #include "common/grpc_auth.h"
@@ -154,6 +155,8 @@ bool WorkerService::UnloadJob(const std::string& job_id) {
       job = std::move(it->second);
       jobs_.erase(it);
     }
+    // A load of it still running is not kept when it ends (LoadShard).
+    if (auto loading = loading_.find(job_id); loading != loading_.end()) ++loading->second.unloads;
   }
   return job != nullptr;  // the shard is freed when the last in-flight forward lets go of it
 }
@@ -280,12 +283,21 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
                                       grpc::ServerWriter<v1::LoadProgress>* writer) {
   if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   if (absl::Status refused = CheckLoadRequest(*request); !refused.ok()) return common::ToGrpcStatus(refused);
+  int64_t unloads_at_start = 0;
   {
     absl::MutexLock lock(&mu_);
     if (jobs_.count(request->job_id())) {
       return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " is already loaded here")};
     }
+    LoadsInProgress& loading = loading_[request->job_id()];
+    ++loading.loads;
+    unloads_at_start = loading.unloads;
   }
+  absl::Cleanup done_loading = [this, &request] {
+    absl::MutexLock lock(&mu_);
+    auto it = loading_.find(request->job_id());
+    if (--it->second.loads == 0) loading_.erase(it);
+  };
   v1::LoadProgress progress;  // the last one says READY, with the counts of the load
   absl::StatusOr<std::shared_ptr<LoadedJob>> job = LoadJob(*request, *context, *writer, progress);
   if (!job.ok()) return common::ToGrpcStatus(job.status());
@@ -295,6 +307,13 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   }
   {
     absl::MutexLock lock(&mu_);
+    if (loading_[request->job_id()].unloads != unloads_at_start) {
+      // Told to unload the job while this load ran (its group was lost; the coordinator's cancel
+      // may not have reached us): kept, it would be a stale shard under a job id the coordinator
+      // may place here again.
+      return {grpc::StatusCode::CANCELLED,
+              absl::StrCat("job ", request->job_id(), " was unloaded while it loaded here; not kept")};
+    }
     if (!jobs_.emplace(request->job_id(), *job).second) {
       return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " was loaded concurrently")};
     }
