@@ -194,8 +194,15 @@ absl::StatusOr<v1::Job> JobStore::Get(const std::string& id) {
   return GetLocked(id);
 }
 
-absl::StatusOr<v1::Job> JobStore::TransitionLocked(const std::string& id, v1::JobState state,
-                                                   const std::string& reason) {
+void CapHistory(v1::Job* job) {
+  const int over = job->history_size() - (kHistoryHead + kHistoryTail);
+  if (over <= 0) return;
+  job->mutable_history()->DeleteSubrange(kHistoryHead, over);
+  job->set_history_dropped(job->history_dropped() + over);
+}
+
+absl::StatusOr<v1::Job> JobStore::TransitionLocked(const std::string& id, v1::JobState state, const std::string& reason,
+                                                   const std::vector<v1::RankAssignment>* ranks) {
   ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
   if (!TransitionAllowed(job.state(), state)) {
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state()),
@@ -210,6 +217,11 @@ absl::StatusOr<v1::Job> JobStore::TransitionLocked(const std::string& id, v1::Jo
   change->set_state(state);
   change->set_unix_millis(now);
   change->set_reason(reason);
+  CapHistory(&job);
+  if (ranks != nullptr) {
+    job.clear_ranks();
+    for (const auto& r : *ranks) *job.add_ranks() = r;
+  }
   RETURN_IF_ERROR(PutLocked(job, /*insert=*/false));
   return job;
 }
@@ -217,6 +229,13 @@ absl::StatusOr<v1::Job> JobStore::TransitionLocked(const std::string& id, v1::Jo
 absl::StatusOr<v1::Job> JobStore::Transition(const std::string& id, v1::JobState state, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   return TransitionLocked(id, state, reason);
+}
+
+absl::StatusOr<v1::Job> JobStore::TransitionWithRanks(const std::string& id, v1::JobState state,
+                                                      const std::string& reason,
+                                                      const std::vector<v1::RankAssignment>& ranks) {
+  absl::MutexLock lock(&mu_);
+  return TransitionLocked(id, state, reason, &ranks);
 }
 
 absl::StatusOr<v1::Job> JobStore::SetRanks(const std::string& id, const std::vector<v1::RankAssignment>& ranks) {

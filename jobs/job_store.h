@@ -70,6 +70,11 @@ class JobStore {
   // life cycle does not allow (e.g. out of a terminal state). Returns the updated job.
   absl::StatusOr<v1::Job> Transition(const std::string& id, v1::JobState state, const std::string& reason);
 
+  // Transition and the rank assignments replaced by `ranks`, in one write: both happen or neither
+  // (a job put back to PENDING never keeps the ranks of the group it lost). Errors as Transition.
+  absl::StatusOr<v1::Job> TransitionWithRanks(const std::string& id, v1::JobState state, const std::string& reason,
+                                              const std::vector<v1::RankAssignment>& ranks);
+
   // Replaces the rank assignments of job `id`. NOT_FOUND for an unknown id.
   absl::StatusOr<v1::Job> SetRanks(const std::string& id, const std::vector<v1::RankAssignment>& ranks);
 
@@ -113,13 +118,24 @@ class JobStore {
   absl::StatusOr<v1::Job> GetLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status PutLocked(const v1::Job& job, bool insert, const v1::ShardPlan* plan = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<v1::Job> TransitionLocked(const std::string& id, v1::JobState state, const std::string& reason)
+  // `ranks`: replaces the rank assignments in the same write; nullptr: kept.
+  absl::StatusOr<v1::Job> TransitionLocked(const std::string& id, v1::JobState state, const std::string& reason,
+                                           const std::vector<v1::RankAssignment>* ranks = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
   sqlite3* const db_ ABSL_GUARDED_BY(mu_);
   const JobStoreOptions options_;
 };
+
+// A job's stored history is bounded: its first kHistoryHead transitions (submission, first
+// placement and load) and its last kHistoryTail (the latest losses and recoveries); the ones between
+// are dropped as new ones come, and counted in Job.history_dropped. Every read (GetJob, ListJobs,
+// WatchJob) carries at most this much.
+inline constexpr int kHistoryHead = 16;
+inline constexpr int kHistoryTail = 48;
+// Drops what is over the bound from the middle of `job`'s history, counting it.
+void CapHistory(v1::Job* job);
 
 // Whether the life cycle allows `from` -> `to`.
 bool TransitionAllowed(v1::JobState from, v1::JobState to);

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::jobs {
@@ -104,6 +105,59 @@ TEST(JobStore, ReadyAndLoadingJobsGoBackToPendingWhenAWorkerIsLost) {
   EXPECT_TRUE(TransitionAllowed(v1::LOADING, v1::PENDING));
   EXPECT_FALSE(TransitionAllowed(v1::READY, v1::LOADING));
   EXPECT_FALSE(TransitionAllowed(v1::FAILED, v1::PENDING));
+}
+
+// A lost group's ranks are cleared in the same write that puts the job back to PENDING: both or
+// neither, so a job is never stored PENDING with the ranks of the group it lost (nor READY without
+// them).
+TEST(JobStore, ClearsTheRanksAndGoesBackToPendingInOneWrite) {
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
+  v1::RankAssignment rank;
+  rank.set_rank(0);
+  rank.set_worker_id("w1");
+  rank.set_worker_address("127.0.0.1:9");
+  ASSERT_TRUE((*store)->SetRanks("j", {rank}).ok());
+  for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY}) ASSERT_TRUE((*store)->Transition("j", s, "").ok());
+  auto pending = (*store)->TransitionWithRanks("j", v1::PENDING, "recovering: lost w1", {});
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_EQ(pending->ranks_size(), 0);
+  EXPECT_EQ((*store)->Get("j")->ranks_size(), 0);
+  EXPECT_EQ((*store)->Get("j")->state(), v1::PENDING);
+  // Refused (out of an ended state), it changes neither the state nor the ranks.
+  ASSERT_TRUE((*store)->TransitionWithRanks("j", v1::PLANNED, "placed", {rank}).ok());
+  ASSERT_TRUE((*store)->Transition("j", v1::CANCELLED, "").ok());
+  const absl::StatusOr<v1::Job> refused = (*store)->TransitionWithRanks("j", v1::PENDING, "again", {});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  const v1::Job kept = *(*store)->Get("j");
+  EXPECT_EQ(kept.state(), v1::CANCELLED);
+  ASSERT_EQ(kept.ranks_size(), 1);
+  EXPECT_EQ(kept.ranks(0).worker_id(), "w1");
+}
+
+// A job lost and placed again for months keeps a bounded history: the first 16 transitions and the
+// last 48, the ones between counted as dropped.
+TEST(JobStore, KeepsTheFirstAndLastTransitionsOfALongHistory) {
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
+  int transitions = 1;  // Create's
+  for (int loss = 1; loss <= 100; ++loss) {
+    for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY}) {
+      ASSERT_TRUE((*store)->Transition("j", s, absl::StrCat("placement ", loss)).ok());
+    }
+    ASSERT_TRUE((*store)->Transition("j", v1::PENDING, absl::StrCat("recovering: lost ", loss)).ok());
+    transitions += 4;
+  }
+  const v1::Job job = *(*store)->Get("j");
+  ASSERT_EQ(job.history_size(), kHistoryHead + kHistoryTail);
+  EXPECT_EQ(job.history_dropped(), transitions - (kHistoryHead + kHistoryTail));
+  EXPECT_EQ(job.history(0).state(), v1::PENDING);  // the submission
+  EXPECT_EQ(job.history(1).reason(), "placement 1");
+  EXPECT_EQ(job.history(job.history_size() - 1).reason(), "recovering: lost 100");
+  EXPECT_EQ(job.history(job.history_size() - 4).reason(), "placement 100");
+  EXPECT_EQ(job.pending_reason(), "recovering: lost 100");
 }
 
 // The scheduler rewrites why a PENDING job waits as the pool changes; only while it is PENDING.

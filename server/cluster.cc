@@ -71,6 +71,8 @@ std::map<std::string, int> Cluster::InferQueueDepths() {
   return depths;
 }
 
+RecoveryMetrics Cluster::Recovery() { return scheduler_->Recovery(); }
+
 namespace {
 
 // READY, and not waiting for its ranks after a restart.

@@ -76,6 +76,9 @@ class Cluster {
   v1::ListWorkersResponse ListWorkers();
   // Per job that has not ended: Infer calls queued or running on it (metrics).
   std::map<std::string, int> InferQueueDepths();
+  // Per job that has not ended: its restarts in a row and whether it is degraded; and the groups
+  // lost since start (metrics, recovery_metrics.h).
+  RecoveryMetrics Recovery();
 
   // `client`: who submits (Job.submitted_by); RESOURCE_EXHAUSTED when it already has
   // ClusterOptions::max_jobs_per_client jobs that have not ended.

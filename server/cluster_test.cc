@@ -64,6 +64,7 @@ class ClusterRestart : public ::testing::Test {
     // PENDING, recovering, for the test to look at.
     options.restarts.backoff_initial = absl::Hours(1);
     options.restarts.backoff_max = absl::Hours(1);
+    options.restarts.max_restarts = max_restarts_;
     auto cluster = Cluster::Create(options);
     ASSERT_TRUE(cluster.ok()) << cluster.status();
     cluster_ = *std::move(cluster);
@@ -104,6 +105,7 @@ class ClusterRestart : public ::testing::Test {
   const std::string path_ = std::string(std::getenv("TEST_TMPDIR")) + "/" +
                             ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".db";
   std::unique_ptr<Cluster> cluster_;
+  int max_restarts_ = 10;  // --max_restarts of the next Start
 };
 
 TEST_F(ClusterRestart, TakesBackAJobWhoseRanksAllReturn) {
@@ -241,6 +243,13 @@ TEST_F(ClusterRestart, PlacesAgainAfterTheGracePeriodNamingTheMissingRank) {
   EXPECT_EQ(Recovery("job-1"),
             "recovering: lost after a coordinator restart rank 3 (last on worker old-worker-3 at 127.0.0.1:12) did "
             "not come back within 300ms (restart 1 of at most 10)");
+  // The metrics say so: one group lost, the job degraded at its first restart.
+  const RecoveryMetrics metrics = cluster_->Recovery();
+  EXPECT_EQ(metrics.groups_lost, 1);
+  ASSERT_EQ(metrics.jobs.size(), 1u);
+  EXPECT_EQ(metrics.jobs[0].job_id, "job-1");
+  EXPECT_EQ(metrics.jobs[0].restarts, 1);
+  EXPECT_TRUE(metrics.jobs[0].degraded);
 }
 
 // A job stored while it recovered from a lost group (PENDING, "recovering: ...") recovers again
@@ -275,6 +284,76 @@ TEST_F(ClusterRestart, AJobRecoveringFromALostGroupStillSaysSoAfterARestart) {
   const absl::Status waited = cluster_->Infer(infer, absl::Now() + absl::Seconds(5)).status();
   EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
   EXPECT_NE(waited.message().find("has no group serving"), std::string::npos) << waited;
+}
+
+// Placed again after a lost group (PLANNED) when the coordinator stopped: back to PENDING, still
+// recovering from the loss (Job.degraded, requests wait for the group), not a job that never served.
+TEST_F(ClusterRestart, AJobPlacedAgainAfterALostGroupStillRecoversAfterARestart) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  {
+    auto store = jobs::JobStore::Open(path_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)
+                    ->TransitionWithRanks("job-1", v1::PENDING,
+                                          "recovering: lost worker w-1 (rank 1) at 127.0.0.1:10 stopped heartbeating "
+                                          "(silent for 3.2s) (restart 2 of at most 10); waiting for 4 healthy idle "
+                                          "CPU workers (gloo); 0 are free",
+                                          {})
+                    .ok());
+    ASSERT_TRUE((*store)->Transition("job-1", v1::PLANNED, "4 workers assigned").ok());
+  }
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::PENDING);
+  EXPECT_EQ(job.ranks_size(), 0);
+  EXPECT_EQ(
+      job.degraded(),
+      "lost worker w-1 (rank 1) at 127.0.0.1:10 stopped heartbeating (silent for 3.2s) (restart 1 of at most 10)");
+  EXPECT_EQ(job.pending_reason().rfind("recovering: lost worker w-1 (rank 1)", 0), 0u) << job.pending_reason();
+  EXPECT_NE(job.pending_reason().find("; the coordinator restarted before loading; "), std::string::npos)
+      << job.pending_reason();
+  v1::InferRequest infer;
+  infer.set_job_id("job-1");
+  infer.mutable_tokens()->set_rows(1);
+  infer.mutable_tokens()->set_seq(1);
+  infer.mutable_tokens()->add_input_ids(101);
+  const absl::Status waited = cluster_->Infer(infer, absl::Now() + absl::Seconds(5)).status();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
+  EXPECT_NE(waited.message().find("has no group serving"), std::string::npos) << waited;
+  // Degraded in the metrics too (no group lost by this coordinator); its series go when it ends.
+  RecoveryMetrics metrics = cluster_->Recovery();
+  EXPECT_EQ(metrics.groups_lost, 0);
+  ASSERT_EQ(metrics.jobs.size(), 1u);
+  EXPECT_EQ(metrics.jobs[0].restarts, 1);
+  EXPECT_TRUE(metrics.jobs[0].degraded);
+  ASSERT_TRUE(cluster_->CancelJob("job-1").ok());
+  metrics = cluster_->Recovery();
+  EXPECT_TRUE(metrics.jobs.empty());
+}
+
+// Stored recovering, restarted with --max_restarts=0 (no restart allowed): FAILED naming the loss,
+// as the loss would have ended it under that flag, not PENDING with a bare "recovering: ".
+TEST_F(ClusterRestart, AJobRecoveringWhenRestartedWithNoRestartsAllowedFails) {
+  ASSERT_NO_FATAL_FAILURE(StoreJob("job-1", v1::READY));
+  {
+    auto store = jobs::JobStore::Open(path_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)
+                    ->TransitionWithRanks("job-1", v1::PENDING,
+                                          "recovering: lost worker w-1 (rank 1) at 127.0.0.1:10 stopped heartbeating "
+                                          "(restart 1 of at most 10); waiting for 4 healthy idle CPU workers (gloo)",
+                                          {})
+                    .ok());
+  }
+  max_restarts_ = 0;
+  ASSERT_NO_FATAL_FAILURE(Start());
+  const v1::Job job = Job("job-1");
+  EXPECT_EQ(job.state(), v1::FAILED) << job.DebugString();
+  EXPECT_EQ(job.failure_cause(),
+            "lost its workers 1 times in a row (--max_restarts=0): 1) worker w-1 (rank 1) at 127.0.0.1:10 stopped "
+            "heartbeating");
+  EXPECT_EQ(job.degraded(), "");
+  EXPECT_TRUE(cluster_->Recovery().jobs.empty());
 }
 
 TEST_F(ClusterRestart, PutsPlannedJobsBackToPending) {

@@ -15,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "planner/planner.h"
 #include "server/placement.h"
+#include "server/recovery_metrics.h"
 
 namespace bertshard::server {
 namespace {
@@ -87,6 +88,8 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterCo
                                           "Registered workers, by health (healthy: heartbeating in time).", {"health"},
                                           workers_by_health));
   handles.push_back(std::move(workers));
+  ASSIGN_OR_RETURN(auto recovery, RegisterRecoveryMetrics(registry, [cluster] { return cluster->Recovery(); }));
+  for (auto& handle : recovery) handles.push_back(std::move(handle));
   return handles;
 }
 

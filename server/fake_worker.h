@@ -125,12 +125,12 @@ class FakeWorker final : public v1::Worker::Service {
     absl::MutexLock lock(&mu_);
     return requests_;
   }
-  // Waits (up to 30 s) until job `job_id` was unloaded here.
-  bool WaitForUnload(const std::string& job_id) {
+  // Waits (up to 30 s) until job `job_id` was unloaded here `times` times or more.
+  bool WaitForUnload(const std::string& job_id, int times = 1) {
     absl::MutexLock lock(&mu_);
     const auto unloaded = [&] {
       mu_.AssertHeld();
-      return std::find(unloaded_.begin(), unloaded_.end(), job_id) != unloaded_.end();
+      return std::count(unloaded_.begin(), unloaded_.end(), job_id) >= times;
     };
     return mu_.AwaitWithTimeout(absl::Condition(&unloaded), absl::Seconds(30));
   }

@@ -14,16 +14,26 @@ absl::Duration GroupRestarts::Backoff(const RestartPolicy& policy, int k) {
 }
 
 GroupRestarts::Decision GroupRestarts::Lost(const std::string& cause, absl::Time now) {
-  if (served_since_.has_value() && now - *served_since_ >= policy_.reset_after) causes_.clear();
+  if (served_since_.has_value() && now - *served_since_ >= policy_.reset_after) {
+    causes_.clear();
+    losses_ = 0;
+  }
   served_since_.reset();
   causes_.push_back(cause);
+  ++losses_;
+  // Bounded: a --max_restarts of thousands must not grow the coordinator nor the failure cause.
+  if (causes_.size() > kCausesKept) causes_.erase(causes_.begin());
   Decision decision;
   decision.restart = restarts();
   if (decision.restart > policy_.max_restarts) {
     decision.give_up = true;
+    const int first = losses_ - static_cast<int>(causes_.size());  // losses no longer named
     std::string all;
-    for (size_t i = 0; i < causes_.size(); ++i) absl::StrAppend(&all, i == 0 ? "" : "; ", i + 1, ") ", causes_[i]);
-    decision.cause = absl::StrCat("lost its workers ", causes_.size(),
+    if (first > 0) absl::StrAppend(&all, "the first ", first, " not kept; ");
+    for (size_t i = 0; i < causes_.size(); ++i) {
+      absl::StrAppend(&all, i == 0 ? "" : "; ", first + static_cast<int>(i) + 1, ") ", causes_[i]);
+    }
+    decision.cause = absl::StrCat("lost its workers ", losses_,
                                   " times in a row (--max_restarts=", policy_.max_restarts, "): ", all);
     recovering_ = false;
     return decision;

@@ -13,7 +13,8 @@
 //     backoff_initial * 2^(k-2), at most backoff_max, from the loss.
 //   - A group that served for at least `reset_after` before it was lost starts counting again at 1
 //     (a loss a week after the last one is not a crash loop).
-//   - More than `max_restarts` losses in a row: give up; the cause names every loss of the run.
+//   - More than `max_restarts` losses in a row: give up; the cause names the losses of the run (the
+//     last 10, with their numbers, and how many earlier ones are not named).
 //     max_restarts 0: the first loss ends the job (what every loss did before recovery existed).
 //
 // Example:
@@ -57,7 +58,7 @@ class GroupRestarts {
   void Served(absl::Time now);
 
   // Losses in the current run (0 once served long enough, or never lost).
-  int restarts() const { return static_cast<int>(causes_.size()); }
+  int restarts() const { return losses_; }
   // The last loss's cause; empty when never lost.
   std::string last_cause() const { return causes_.empty() ? std::string() : causes_.back(); }
   // Whether the group is being placed and loaded again (lost, not served since).
@@ -70,8 +71,12 @@ class GroupRestarts {
   static absl::Duration Backoff(const RestartPolicy& policy, int k);
 
  private:
+  // The causes kept (and named in a give-up's cause): the last ones of the run.
+  static constexpr size_t kCausesKept = 10;
+
   const RestartPolicy policy_;
-  std::vector<std::string> causes_;         // the losses of the current run, oldest first
+  std::vector<std::string> causes_;         // the last kCausesKept losses of the current run, oldest first
+  int losses_ = 0;                          // losses in the current run
   std::optional<absl::Time> served_since_;  // serving since, unless lost since
   bool recovering_ = false;
   absl::Time not_before_ = absl::InfinitePast();

@@ -1,6 +1,7 @@
 #include "server/group_restarts.h"
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::server {
@@ -74,6 +75,27 @@ TEST(GroupRestarts, GivesUpPastMaxRestartsNamingEveryLoss) {
             "lost its workers 3 times in a row (--max_restarts=2): 1) worker w-1 died; 2) worker w-2 died; 3) worker "
             "w-3 died");
   EXPECT_FALSE(restarts.recovering());
+}
+
+// Bounded: a long run keeps the last 10 causes only; the count and the give-up still say how many
+// there were, and which ones are named.
+TEST(GroupRestarts, KeepsTheLastTenCausesOfALongRun) {
+  GroupRestarts restarts(Policy(1000));
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  for (int i = 1; i <= 1000; ++i) {
+    ASSERT_FALSE(restarts.Lost(absl::StrCat("loss ", i), t0 + absl::Seconds(i)).give_up);
+  }
+  EXPECT_EQ(restarts.restarts(), 1000);
+  EXPECT_EQ(restarts.Describe(), "lost loss 1000 (restart 1000 of at most 1000)");
+  const GroupRestarts::Decision d = restarts.Lost("loss 1001", t0 + absl::Seconds(1001));
+  ASSERT_TRUE(d.give_up);
+  EXPECT_EQ(d.cause.rfind("lost its workers 1001 times in a row (--max_restarts=1000): the first 991 not kept; "
+                          "992) loss 992; 993) loss 993; ",
+                          0),
+            0u)
+      << d.cause;
+  EXPECT_TRUE(absl::EndsWith(d.cause, "; 1001) loss 1001")) << d.cause;
+  EXPECT_LT(d.cause.size(), 300u);
 }
 
 TEST(GroupRestarts, ZeroMaxRestartsEndsAtTheFirstLoss) {

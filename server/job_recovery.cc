@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -58,6 +59,25 @@ absl::StatusOr<v1::PlanRequest> LocalPlanRequest(const common::ModelRoot& root, 
   return std::move(local.request);
 }
 
+std::string StoredRecovery(const v1::Job& job) {
+  // The last PENDING entry is the latest placement's wait: a recovery's, or the first placement's.
+  for (int i = job.history_size() - 1; i >= 0; --i) {
+    const v1::StateChange& change = job.history(i);
+    if (change.state() == v1::READY) return "";
+    if (change.state() != v1::PENDING) continue;
+    constexpr absl::string_view kPrefix = "recovering: lost ";
+    const std::string& reason = change.reason();
+    if (!absl::StartsWith(reason, kPrefix)) return "";
+    // "recovering: lost CAUSE (restart K of at most N)[; what it waited for]": the cause may hold
+    // parentheses; the count is the last.
+    const size_t count = reason.rfind(" (restart ");
+    const size_t end = count == std::string::npos ? std::string::npos : reason.find(')', count);
+    if (count < kPrefix.size() || end == std::string::npos) return "";
+    return reason.substr(0, end + 1);
+  }
+  return "";
+}
+
 absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
     jobs::JobStore& store, const common::ModelRoot& root, absl::Time deadline,
     const std::function<void(const absl::Status&, const std::string&)>& record) {
@@ -103,11 +123,14 @@ absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
     if (job.state() == v1::PLANNED) {
       // Nothing was loading yet: place it again. Refused, the job stays PLANNED in the database and
       // is not placed; the next restart tries again (said on stderr).
-      record(store.SetRanks(job.id(), {}).status(), absl::StrCat("clearing job ", job.id(), "'s ranks"));
-      r.pending_note = "the coordinator restarted before loading";
-      auto pending = store.Transition(
+      // A job placed again after a lost group still recovers from it: the reason keeps saying so
+      // (the scheduler resumes the recovery from it: Job.degraded, requests wait for the group).
+      const std::string recovering = StoredRecovery(job);
+      r.pending_note =
+          absl::StrCat(recovering, recovering.empty() ? "" : "; ", "the coordinator restarted before loading");
+      auto pending = store.TransitionWithRanks(
           job.id(), v1::PENDING,
-          absl::StrCat(r.pending_note, "; ", PlaceRanks(r.backend, r.plan.world_size(), {}).waiting_for));
+          absl::StrCat(r.pending_note, "; ", PlaceRanks(r.backend, r.plan.world_size(), {}).waiting_for), {});
       record(pending.status(), absl::StrCat("putting job ", job.id(), " back to PENDING"));
       if (pending.ok()) job = *std::move(pending);
     } else if (job.state() == v1::LOADING || job.state() == v1::READY) {

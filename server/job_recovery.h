@@ -79,7 +79,8 @@ struct RecoveredJob {
   v1::Job job;  // as stored, after the writes below
   v1::ShardPlan plan;
   std::string backend;  // normalised
-  // Why it is PENDING again ("the coordinator restarted before loading"); empty otherwise.
+  // Why it is PENDING again ("the coordinator restarted before loading", after the recovery it was
+  // placed for, "recovering: lost ... (restart K of at most N); ", when it was); empty otherwise.
   std::string pending_note;
   std::unique_ptr<JobRecovery> recovery;  // READY and LOADING jobs: waiting for their ranks
   // Its serving assets, read again from its checkpoint under the root (each part's error, should
@@ -87,8 +88,13 @@ struct RecoveredJob {
   std::shared_ptr<const JobAssets> assets;
 };
 
+// "recovering: lost CAUSE (restart K of at most N)" when the latest placement of `job` (its last
+// PENDING entry, with no READY after it) was a recovery from a lost group; empty otherwise.
+std::string StoredRecovery(const v1::Job& job);
+
 // The stored jobs that have not ended, in the store's order: PENDING as they are, PLANNED back to
-// PENDING (ranks cleared), READY and LOADING recovering until `deadline`, each with its assets
+// PENDING (ranks cleared in the same write; a recovering job's reason still says it recovers, see
+// StoredRecovery), READY and LOADING recovering until `deadline`, each with its assets
 // read (before anything is served: the files are read here, never on a request). Jobs stored without a
 // plan are planned again (and the plan stored); jobs that cannot be are FAILED. The store's other
 // refusals go to `record(status, what was being done)`. Fails only when the store cannot be listed.

@@ -109,6 +109,28 @@ TEST_F(RecoverStoredJobsTest, SettlesEachStoredJobByItsState) {
   EXPECT_TRUE(refusals_.empty());
 }
 
+// The latest placement's wait says whether a job recovers: a recovery's reason up to its count; a
+// first placement's, or a READY after the loss, is none.
+TEST(StoredRecovery, IsTheLastPendingReasonWhenItWasARecovery) {
+  v1::Job job;
+  const auto add = [&job](v1::JobState state, const std::string& reason) {
+    v1::StateChange* c = job.add_history();
+    c->set_state(state);
+    c->set_reason(reason);
+  };
+  add(v1::PENDING, "waiting for 2 healthy idle CPU workers (gloo)");
+  add(v1::PLANNED, "2 workers assigned");
+  EXPECT_EQ(StoredRecovery(job), "");
+  add(v1::LOADING, "");
+  add(v1::READY, "");
+  add(v1::PENDING, "recovering: lost worker w (rank 1) at h:1 (its pod) failed (restart 3 of at most 5); waiting (x)");
+  add(v1::PLANNED, "2 workers assigned");
+  EXPECT_EQ(StoredRecovery(job), "recovering: lost worker w (rank 1) at h:1 (its pod) failed (restart 3 of at most 5)");
+  add(v1::LOADING, "");
+  add(v1::READY, "");
+  EXPECT_EQ(StoredRecovery(job), "");
+}
+
 // Jobs stored before plans were are planned again (and the plan stored); one that cannot be planned
 // any more is FAILED with the cause.
 TEST_F(RecoverStoredJobsTest, PlansAgainOrFailsJobsStoredWithoutAPlan) {

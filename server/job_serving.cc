@@ -102,6 +102,15 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
     forward.set_micro_batches(std::max(1, micro_batches));
     *forward.mutable_want() = want;
     outcome = ForwardOnAllRanks(target.ranks, forward, deadline, target.abort.get());
+    if (outcome.refused) {
+      // The workers refused the request itself before any collective, each taking its number: the
+      // group serves on (losing it would spend a restart per bad request, and the retry would be
+      // refused alike); the batch's callers get the refusal.
+      const RankStub& rank = target.ranks[static_cast<size_t>(outcome.failed_rank)];
+      return absl::InvalidArgumentError(absl::StrCat("worker ", rank.worker_id, " (rank ", outcome.failed_rank,
+                                                     ") refused forward ", forward.sequence(), ": ",
+                                                     outcome.status.error_message()));
+    }
     if (!outcome.aborted && outcome.failed_rank < 0) break;
     if (outcome.aborted) {
       // The group was lost meanwhile (the scheduler says why) or the job ended.

@@ -217,6 +217,48 @@ TEST_F(JobServingTest, AFailedForwardIsSentOnceMoreOnTheGroupThatReplacesIt) {
   EXPECT_EQ(last_.requests()[0].inputs().input_ids_size(), 6);
 }
 
+// A request every rank refuses before any collective (INVALID_ARGUMENT from each: it took its
+// number) is the request's fault, not the group's: its caller gets the refusal, the group is not
+// lost (no restart spent), and the next request is served by the same group, numbered on.
+TEST_F(JobServingTest, ARequestEveryRankRefusesIsAnsweredWithTheRefusalAndTheGroupServesOn) {
+  bool refuse = true;
+  absl::Mutex mu;
+  auto refusing_then = [&](FakeWorker::ForwardFn then) {
+    return [&mu, &refuse, then](grpc::ServerContext* context, const v1::ForwardRequest& request,
+                                v1::ForwardResponse* response) {
+      {
+        absl::MutexLock lock(&mu);
+        if (refuse) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "token id 30522 is outside the vocabulary");
+      }
+      return then(context, request, response);
+    };
+  };
+  FakeWorker earlier(refusing_then(EarlierStage)), last(refusing_then(LastStage));
+  targets_ = std::make_unique<Targets>(
+      std::vector<std::vector<RankStub>>{{earlier.Rank("w0"), last.Rank("w1")}, {first_.Rank("w2"), last_.Rank("w3")}});
+  serving_ = std::make_unique<JobServing>("job-1", SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION),
+                                          TempDirAssets(SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION)),
+                                          targets_.get(), JobServingOptions());
+  v1::InferRequest request;
+  *request.mutable_tokens() = TwoRows();
+  auto refused = serving_->Infer(request, Soon(), nullptr);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("refused forward 0: token id 30522 is outside the vocabulary"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_TRUE(targets_->losses().empty());
+  {
+    absl::MutexLock lock(&mu);
+    refuse = false;
+  }
+  auto served = serving_->Infer(request, Soon(), nullptr);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_TRUE(targets_->losses().empty());
+  ASSERT_EQ(last.requests().size(), 2u);
+  EXPECT_EQ(last.requests()[1].sequence(), 1);
+  EXPECT_TRUE(last_.requests().empty());  // the second group was never needed
+}
+
 // Sent once more only: when the replacement fails too, the batch's callers get UNAVAILABLE naming
 // the cause, and once the job has ended the next request is refused before any rank is called.
 TEST_F(JobServingTest, AForwardFailingOnTheReplacementTooIsUnavailable) {

@@ -1,5 +1,6 @@
 #include "server/rank_fanout.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -19,10 +20,17 @@ struct FanOut {
   std::vector<v1::ForwardResponse> responses;                  // each written by its own call only
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;  // set before any call starts
   size_t answered ABSL_GUARDED_BY(mu) = 0;
-  int failed_rank ABSL_GUARDED_BY(mu) = -1;
+  int failed_rank ABSL_GUARDED_BY(mu) = -1;  // the first failure that is not a refusal
   grpc::Status failure ABSL_GUARDED_BY(mu);
+  int refused_rank ABSL_GUARDED_BY(mu) = -1;  // the first INVALID_ARGUMENT
+  grpc::Status refusal ABSL_GUARDED_BY(mu);
   bool aborted ABSL_GUARDED_BY(mu) = false;
 };
+
+// How long the other ranks' answers are awaited after one rank refused the request: they check it
+// alike before any collective, so they answer within a round trip; one still running after this
+// is in a collective its refusing peer never joins.
+constexpr absl::Duration kRefusalGrace = absl::Seconds(5);
 
 }  // namespace
 
@@ -65,7 +73,12 @@ ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::F
                                     [fan, stub = ranks[r].stub, r](grpc::Status status) {
                                       absl::MutexLock lock(&fan->mu);
                                       ++fan->answered;
-                                      if (!status.ok() && fan->failed_rank < 0) {
+                                      if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT) {
+                                        if (fan->refused_rank < 0) {
+                                          fan->refused_rank = static_cast<int>(r);
+                                          fan->refusal = std::move(status);
+                                        }
+                                      } else if (!status.ok() && fan->failed_rank < 0) {
                                         fan->failed_rank = static_cast<int>(r);
                                         fan->failure = std::move(status);
                                       }
@@ -74,13 +87,32 @@ ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::F
   ForwardOutcome outcome;
   {
     absl::MutexLock lock(&fan->mu);
-    auto settled = [&fan, n = ranks.size()] { return fan->failed_rank >= 0 || fan->aborted || fan->answered == n; };
+    const size_t n = ranks.size();
+    auto settled = [&fan, n] {
+      return fan->failed_rank >= 0 || fan->aborted || fan->refused_rank >= 0 || fan->answered == n;
+    };
     fan->mu.Await(absl::Condition(&settled));
-    if (fan->failed_rank >= 0 || fan->aborted) {
+    if (fan->refused_rank >= 0 && fan->failed_rank < 0 && !fan->aborted && fan->answered < n) {
+      // A refusal: the others are awaited (not cancelled: a rank cancelled before its own check
+      // would not take the forward's number, and the ranks would be out of step).
+      auto all_answered = [&fan, n] { return fan->failed_rank >= 0 || fan->aborted || fan->answered == n; };
+      fan->mu.AwaitWithDeadline(absl::Condition(&all_answered), std::min(deadline, absl::Now() + kRefusalGrace));
+    }
+    if (fan->aborted) {
       for (auto& context : fan->contexts) context->TryCancel();
-      outcome.failed_rank = fan->aborted ? -1 : fan->failed_rank;
-      outcome.aborted = fan->aborted;
+      outcome.aborted = true;
       outcome.status = fan->failure;
+    } else if (fan->failed_rank >= 0 || (fan->refused_rank >= 0 && fan->answered < n)) {
+      // A rank failed, or refused while another has not answered: the ranks may be out of step.
+      for (auto& context : fan->contexts) context->TryCancel();
+      outcome.failed_rank = fan->failed_rank >= 0 ? fan->failed_rank : fan->refused_rank;
+      outcome.status = fan->failed_rank >= 0 ? fan->failure : fan->refusal;
+    } else if (fan->refused_rank >= 0) {
+      // Every rank answered, each with its answer or INVALID_ARGUMENT: each took the forward's
+      // number, so the group is in step; only the request was bad.
+      outcome.refused = true;
+      outcome.failed_rank = fan->refused_rank;
+      outcome.status = fan->refusal;
     } else {
       outcome.responses = std::move(fan->responses);
     }

@@ -43,6 +43,10 @@ struct ForwardOutcome {
   int failed_rank = -1;                        // the first rank whose call failed; -1 if none
   grpc::Status status;                         // that call's status, or the abort's reason
   bool aborted = false;                        // ended by ForwardAbort::Abort
+  // Every rank answered, and at least one (failed_rank, the first) with INVALID_ARGUMENT, the others
+  // OK or INVALID_ARGUMENT: the workers refused the request itself before any collective, each
+  // taking the forward's number, so the ranks are still in step and the group can serve on.
+  bool refused = false;
 };
 
 // Lets another thread end a job's forwards early: when the job fails for another reason (a worker
@@ -65,7 +69,8 @@ class ForwardAbort {
 // Calls Forward(`forward`) on every rank in parallel, each with `deadline`. Returns when all have
 // answered, at the first failure (a dead worker answers UNAVAILABLE at once), or when `abort`
 // (optional) is aborted: the calls still running are then cancelled and finish in the background,
-// owning what they use.
+// owning what they use. A refusal (INVALID_ARGUMENT) is not such a failure: the other ranks are
+// awaited, up to 5 s, to tell a refusal by all (`refused`) from ranks out of step.
 ForwardOutcome ForwardOnAllRanks(const std::vector<RankStub>& ranks, const v1::ForwardRequest& forward,
                                  absl::Time deadline, ForwardAbort* abort = nullptr);
 

@@ -89,6 +89,51 @@ TEST(ForwardOnAllRanks, AbortEndsTheForwardInFlightAndEveryLaterOne) {
   EXPECT_TRUE(fine.requests().empty());  // never sent
 }
 
+FakeWorker::ForwardFn Refusing(const std::string& why) {
+  return [why](grpc::ServerContext*, const v1::ForwardRequest&, v1::ForwardResponse*) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, why);
+  };
+}
+
+// A request every rank refuses before any collective (each taking its number) leaves the ranks in
+// step: the outcome says refused, naming the first rank that refused, and no call is cancelled.
+TEST(ForwardOnAllRanks, ARequestEveryRankRefusesIsARefusalNotAFailure) {
+  FakeWorker a(Refusing("token id 99999 is outside the vocabulary")), b(Refusing("token id 99999 again"));
+  ForwardOutcome out = ForwardOnAllRanks({a.Rank("wa"), b.Rank("wb")}, Numbered(3), Soon());
+  EXPECT_TRUE(out.refused);
+  EXPECT_FALSE(out.aborted);
+  EXPECT_GE(out.failed_rank, 0);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(a.requests().size(), 1u);
+  EXPECT_EQ(b.requests().size(), 1u);
+  // One rank refusing what the rank holding the outputs answered (a want only it checks) is a
+  // refusal too: both took the number.
+  FakeWorker fine(NamedAnswer("fine"));
+  out = ForwardOnAllRanks({fine.Rank("w0"), a.Rank("wa")}, Numbered(4), Soon());
+  EXPECT_TRUE(out.refused);
+  EXPECT_EQ(out.failed_rank, 1);
+}
+
+// A refusal while another rank is still in its call (a collective the refusing rank never joins)
+// is a failure once the others have had their grace: the ranks may be out of step.
+TEST(ForwardOnAllRanks, ARefusalWhileAnotherRankHangsIsAFailure) {
+  absl::Notification release;
+  FakeWorker stuck(Stuck(&release)), refusing(Refusing("bad"));
+  ForwardOutcome out = ForwardOnAllRanks({stuck.Rank("w0"), refusing.Rank("w1")}, Numbered(0), Soon());
+  release.Notify();
+  EXPECT_FALSE(out.refused);
+  EXPECT_EQ(out.failed_rank, 1);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // And a failure of another kind beside a refusal is the failure, at once.
+  FakeWorker failing([](grpc::ServerContext*, const v1::ForwardRequest&, v1::ForwardResponse*) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "out of order");
+  });
+  out = ForwardOnAllRanks({refusing.Rank("w1"), failing.Rank("w2")}, Numbered(1), Soon());
+  EXPECT_FALSE(out.refused);
+  EXPECT_EQ(out.failed_rank, 1);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
 TEST(Blame, NamesTheWorkerThatNoLongerAnswers) {
   FakeWorker alive(NamedAnswer("a")), gone(NamedAnswer("b"));
   const std::vector<RankStub> ranks = {alive.Rank("wa"), gone.Rank("wb")};

@@ -58,6 +58,7 @@ void Scheduler::Drain() {
 }
 
 absl::Status Scheduler::RecoverJobsLocked() {
+  std::vector<std::pair<std::string, std::string>> given_up;  // job id, failure cause
   ASSIGN_OR_RETURN(std::vector<RecoveredJob> jobs,
                    RecoverStoredJobs(*store_, options_.model_root, absl::Now() + options_.readopt_grace,
                                      [this](const absl::Status& status, const std::string& what) {
@@ -73,32 +74,41 @@ absl::Status Scheduler::RecoverJobsLocked() {
     runtime->submitted_by = job.job.submitted_by();
     runtime->name = job.job.name();
     runtime->pending_note = std::move(job.pending_note);
-    if (job.job.state() == v1::PENDING) ResumeRecoveryLocked(job.job.pending_reason(), *runtime);
+    if (job.job.state() == v1::PENDING) {
+      if (std::optional<std::string> cause = ResumeRecoveryLocked(job.job.pending_reason(), *runtime)) {
+        given_up.emplace_back(job.job.id(), *std::move(cause));
+      }
+    }
     runtime->recovery = std::move(job.recovery);
     if (runtime->recovery != nullptr)
       runtime->group.rank_workers.assign(static_cast<size_t>(runtime->plan.world_size()), "");
     if (job.job.state() == v1::PENDING) pending_.push_back({job.job.id(), job.job.pending_reason()});
     runtimes_[job.job.id()] = std::move(runtime);
   }
+  // Recovering under a --max_restarts that no longer allows it (0): ended, as a loss would be.
+  for (const auto& [job_id, cause] : given_up) FailJobLocked(job_id, cause);
   return absl::OkStatus();
 }
 
-void Scheduler::ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime) {
+std::optional<std::string> Scheduler::ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime) {
   // The reason LoseGroupLocked stored: "recovering: lost CAUSE (restart K of at most N)", then
   // "; " and what it waited for. The cause may hold parentheses; the restart count is the last.
   constexpr absl::string_view kPrefix = "recovering: lost ";
-  if (!absl::StartsWith(stored_reason, kPrefix)) return;
+  if (!absl::StartsWith(stored_reason, kPrefix)) return std::nullopt;
   const size_t count = stored_reason.rfind(" (restart ");
-  if (count == std::string::npos || count < kPrefix.size()) return;
+  if (count == std::string::npos || count < kPrefix.size()) return std::nullopt;
   const std::string cause = stored_reason.substr(kPrefix.size(), count - kPrefix.size());
-  runtime.group.restarts.Lost(cause, absl::Now());  // the count starts again here
+  // The count starts again here.
+  const GroupRestarts::Decision decision = runtime.group.restarts.Lost(cause, absl::Now());
+  if (decision.give_up) return decision.cause;
   runtime.pending_note = absl::StrCat("recovering: ", runtime.group.restarts.Describe());
+  return std::nullopt;
 }
 
 v1::RegisterWorkerResponse Scheduler::RegisterWorker(const v1::RegisterWorkerRequest& request) {
   absl::MutexLock lock(&mu_);
   // A worker registering again from the same address lost touch with us. It keeps a job it
-  // still holds; any other job that relied on it fails.
+  // still holds; any other job that relied on it loses its group (and is placed again).
   std::optional<std::pair<std::string, int32_t>> kept;
   if (std::optional<v1::WorkerInfo> old = pool_->RemoveByAddress(request.address())) {
     kept = SettleReplacedLocked(*old, request);
@@ -170,7 +180,7 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
   TakeHeldShardsLocked(before, request.held(), response.mutable_unload_job_ids());
   MarkUnloadingLocked(request.worker_id(), response.unload_job_ids());
   if (!before.healthy()) {
-    pool_->MarkHealthy(request.worker_id());  // back after a pause: its old job has already failed
+    pool_->MarkHealthy(request.worker_id());  // back after a pause: its old job's group was already lost
     ScheduleLocked();
   } else if (before.job_id().empty()) {
     std::optional<v1::WorkerInfo> now = pool_->Find(request.worker_id());
@@ -383,10 +393,9 @@ bool Scheduler::PlanJobLocked(const std::string& job_id, JobRuntime& runtime, co
     p.set_worker_id(a.worker_id());
     runtime.group.progress.push_back(p);
   }
-  absl::Status recorded = store_->SetRanks(job_id, ranks).status();
-  if (recorded.ok()) {
-    recorded = store_->Transition(job_id, v1::PLANNED, absl::StrCat(workers.size(), " workers assigned")).status();
-  }
+  const absl::Status recorded =
+      store_->TransitionWithRanks(job_id, v1::PLANNED, absl::StrCat(workers.size(), " workers assigned"), ranks)
+          .status();
   if (recorded.ok()) return true;
   // Not recorded, so not started: the job stays PENDING as stored, with no ranks, its workers stay
   // free, and the monitor tries again every quarter interval until the database takes it (a
@@ -586,6 +595,7 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int64_t generation, c
   if (group.generation != generation) return;  // a late report of a loss already handled
   auto job = store_->Get(job_id);
   if (!job.ok() || TerminalState(job->state()) || job->state() == v1::PENDING) return;
+  ++groups_lost_;
   const GroupRestarts::Decision decision = group.restarts.Lost(cause, absl::Now());
   if (decision.give_up) {
     FailJobLocked(job_id, decision.cause);
@@ -614,9 +624,9 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int64_t generation, c
       if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
     });
   }
-  RecordLocked(store_->SetRanks(job_id, {}).status(), absl::StrCat("clearing job ", job_id, "'s ranks"));
   runtime->pending_note = absl::StrCat("recovering: ", group.restarts.Describe());
-  absl::StatusOr<v1::Job> pending = store_->Transition(job_id, v1::PENDING, runtime->pending_note);
+  // One write: a job stored PENDING with the lost group's ranks would be taken for placed.
+  absl::StatusOr<v1::Job> pending = store_->TransitionWithRanks(job_id, v1::PENDING, runtime->pending_note, {});
   if (!pending.ok()) {
     // A recovery the database cannot follow would be lost at the next restart.
     StoreErrorLocked(absl::StrCat("putting job ", job_id, " back to PENDING"), pending.status());
@@ -838,6 +848,18 @@ absl::Status Scheduler::WithServingRuntime(const std::string& job_id,
     return use(found->second, v1::Job());
   }
   return use(nullptr, GetJobLocked(job_id));
+}
+
+RecoveryMetrics Scheduler::Recovery() {
+  absl::MutexLock lock(&mu_);
+  RecoveryMetrics metrics;
+  metrics.groups_lost = groups_lost_;
+  for (const auto& [id, runtime] : runtimes_) {
+    if (runtime->ended) continue;
+    const GroupRestarts& restarts = runtime->group.restarts;
+    metrics.jobs.push_back({id, restarts.restarts(), restarts.recovering()});
+  }
+  return metrics;
 }
 
 void Scheduler::ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit) {

@@ -25,7 +25,8 @@
 // ListJobs reads its page of the store before taking it; only Create reads the active jobs, and the
 // taken-back jobs' checkpoint assets, under it, before anything is served). Under it the store is read
 // and written one job at a time. Each job load and each batch queue destroyed off the lock runs on a
-// thread of a ThreadGroup that is joined as the threads end.
+// thread of a ThreadGroup that is joined as the threads end, as is each Unload call to a lost
+// group's survivor (it takes the lock when it returns, to let the worker be placed again).
 #ifndef BERTSHARD_SERVER_SCHEDULER_H_
 #define BERTSHARD_SERVER_SCHEDULER_H_
 
@@ -51,6 +52,7 @@
 #include "server/group_restarts.h"
 #include "server/job_recovery.h"
 #include "server/job_serving.h"
+#include "server/recovery_metrics.h"
 #include "server/thread_group.h"
 #include "server/worker_pool.h"
 
@@ -158,6 +160,9 @@ class Scheduler final : public ForwardTargets {
                                   const std::function<absl::Status(const std::shared_ptr<JobRuntime>& serving,
                                                                    const absl::StatusOr<v1::Job>& job)>& use)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Each job's restarts in a row and whether it is degraded (as Job.restarts and Job.degraded say),
+  // and the groups lost since start: the recovery metrics (recovery_metrics.h).
+  RecoveryMetrics Recovery() ABSL_LOCKS_EXCLUDED(mu_);
   // Calls `visit` under the lock for every job with a runtime here (the jobs that have not ended).
   void ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -175,11 +180,13 @@ class Scheduler final : public ForwardTargets {
   // registers.
   absl::Status RecoverJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A PENDING job stored while it recovered from a lost group (its reason says so) recovers again
-  // here: Job.degraded and its requests' waiting hold across a coordinator restart.
-  void ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // here: Job.degraded and its requests' waiting hold across a coordinator restart. Returns the
+  // failure cause when --max_restarts allows no restart (0): the caller ends the job.
+  std::optional<std::string> ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What the entry a worker replaced (it registers again from its address) means for its job: a
   // recovering job forgets its reports; a job it still holds unbroken is kept (returned: job and
-  // rank, for the new entry); any other fails.
+  // rank, for the new entry); any other loses its group.
   std::optional<std::pair<std::string, int32_t>> SettleReplacedLocked(const v1::WorkerInfo& old,
                                                                       const v1::RegisterWorkerRequest& request)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -254,6 +261,7 @@ class Scheduler final : public ForwardTargets {
   // The PENDING jobs in submission order: what scheduling looks at, instead of the job table.
   std::vector<PendingJob> pending_ ABSL_GUARDED_BY(mu_);
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t groups_lost_ ABSL_GUARDED_BY(mu_) = 0;  // LoseGroupLocked's losses (not the late reports)
   // A planning the job database refused: the monitor schedules again until it is taken.
   bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
   // The earliest end of a restart's backoff among the PENDING jobs (set by ScheduleLocked): the

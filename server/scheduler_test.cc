@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -123,7 +124,9 @@ TEST_F(SchedulerTest, ARankThatKeepsFailingToLoadIsPlacedAgainUntilMaxRestarts) 
             std::string::npos)
       << failed.failure_cause();
   EXPECT_EQ(bad.Loads().size(), 3u);  // the first load and two restarts
-  EXPECT_TRUE(good.WaitForUnload(failed.id()));
+  // Told to unload at each loss: the two restarts' and the last, which ended the job.
+  EXPECT_TRUE(good.WaitForUnload(failed.id(), 3));
+  EXPECT_TRUE(bad.WaitForUnload(failed.id(), 3));
   EXPECT_EQ(pool_->Idle().size(), 2u);  // both free again
   EXPECT_EQ(scheduler_->NextForward(failed.id(), absl::Now()).status().code(), absl::StatusCode::kFailedPrecondition);
 }
@@ -157,17 +160,27 @@ TEST_F(SchedulerTest, ALostGroupIsPlacedAgainAheadOfWaitingJobs) {
   ASSERT_TRUE(lost_target.ok());
   scheduler_->LoseGroup(first.id(), lost_target->generation, "worker w (rank 1) at a: forward 2 failed", "");
   const v1::Job recovering = *scheduler_->GetJob(first.id());
-  // Placed again at once (no backoff for a first loss) unless the survivors were still unloading.
-  EXPECT_NE(recovering.state(), v1::FAILED);
+  // Back to PENDING straight from READY, saying why; then (no backoff for a first loss) placed
+  // again once the survivors unloaded, perhaps already by now; never ended.
+  EXPECT_FALSE(recovering.state() == v1::FAILED || recovering.state() == v1::CANCELLED) << recovering.DebugString();
   EXPECT_EQ(recovering.restarts(), 1);
-  bool said_pending = false;
-  for (const v1::StateChange& change : recovering.history()) {
-    if (change.state() == v1::PENDING && change.reason().find("recovering: lost worker w (rank 1) at a: forward 2 "
-                                                              "failed (restart 1 of at most 2)") == 0) {
-      said_pending = true;
+  int lost_at = -1;
+  for (int i = 0; i < recovering.history_size(); ++i) {
+    const v1::StateChange& change = recovering.history(i);
+    EXPECT_FALSE(change.state() == v1::FAILED || change.state() == v1::CANCELLED) << recovering.DebugString();
+    if (change.state() == v1::PENDING && change.reason().rfind("recovering: lost worker w (rank 1) at a: forward 2 "
+                                                               "failed (restart 1 of at most 2)",
+                                                               0) == 0) {
+      EXPECT_EQ(lost_at, -1) << "lost twice: " << recovering.DebugString();
+      lost_at = i;
     }
   }
-  EXPECT_TRUE(said_pending) << recovering.DebugString();
+  ASSERT_GE(lost_at, 1) << recovering.DebugString();
+  EXPECT_EQ(recovering.history(lost_at - 1).state(), v1::READY);
+  for (int i = lost_at + 1; i < recovering.history_size(); ++i) {
+    const v1::JobState expected[] = {v1::PLANNED, v1::LOADING, v1::READY};
+    EXPECT_EQ(recovering.history(i).state(), expected[i - lost_at - 1]) << recovering.DebugString();
+  }
   EXPECT_TRUE(a.WaitForUnload(first.id()));
   EXPECT_TRUE(b.WaitForUnload(first.id()));
   const v1::Job back = Settled(first.id());
@@ -222,6 +235,35 @@ TEST_F(SchedulerTest, ALeavingWorkersJobIsPlacedAgainOnASpareAndUnknownOnesRegis
   EXPECT_EQ(scheduler_->Heartbeat(unknown).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A batch waiting for a lost group (NextForward) goes on once the group is READY again on a spare,
+// numbered from 0, long before its own deadline. (It usually blocks before the spare comes; should
+// it arrive after, it is answered at once, the same.)
+TEST_F(SchedulerTest, ABatchWaitingForTheGroupGoesOnWhenItIsBack) {
+  FakeWorker a, spare;
+  const std::string id = Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  ASSERT_EQ(ready.state(), v1::READY);
+  v1::HeartbeatRequest leaving;
+  leaving.set_worker_id(id);
+  leaving.set_leaving(true);
+  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  ASSERT_EQ(scheduler_->GetJob(ready.id())->state(), v1::PENDING);
+  absl::StatusOr<ForwardTarget> waited = absl::UnknownError("not returned");
+  absl::Duration took;
+  std::thread batch([&] {
+    const absl::Time start = absl::Now();
+    waited = scheduler_->NextForward(ready.id(), start + absl::Seconds(60));
+    took = absl::Now() - start;
+  });
+  const std::string spare_id = Register(spare);
+  batch.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_LT(took, absl::Seconds(30));
+  EXPECT_EQ(waited->sequence, 0);
+  ASSERT_EQ(waited->ranks.size(), 1u);
+  EXPECT_EQ(waited->ranks[0].worker_id, spare_id);
+}
+
 // The second loss in a row waits out its backoff before the job is placed again, saying until when,
 // even with a worker free.
 TEST_F(SchedulerTest, ASecondLossInARowWaitsOutItsBackoff) {
@@ -248,6 +290,44 @@ TEST_F(SchedulerTest, ASecondLossInARowWaitsOutItsBackoff) {
       << backing_off.pending_reason();
   EXPECT_TRUE(c.Loads().empty());
   EXPECT_EQ(pool_->Idle().size(), 1u);  // c, left free
+}
+
+// Cancelled while it waits out a backoff: the job ends CANCELLED at once, a batch waiting for its
+// group is released (FAILED_PRECONDITION, the job no longer serves; JobServing adds the loss), and
+// no restart follows. (The batch may also arrive after the cancel: the same answer, at once.)
+TEST_F(SchedulerTest, CancelledWhileBackingOffItEndsAndReleasesTheBatchesWaiting) {
+  options_.restarts.backoff_initial = absl::Hours(1);
+  options_.restarts.max_restarts = 5;
+  Start();
+  FakeWorker a, b, c;
+  const std::string a_id = Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  ASSERT_EQ(ready.state(), v1::READY);
+  v1::HeartbeatRequest leaving;
+  leaving.set_leaving(true);
+  leaving.set_worker_id(a_id);
+  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  const std::string b_id = Register(b);
+  ASSERT_EQ(Settled(ready.id()).state(), v1::READY);
+  leaving.set_worker_id(b_id);
+  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());  // the second loss: an hour's backoff
+  ASSERT_EQ(scheduler_->GetJob(ready.id())->state(), v1::PENDING);
+  absl::StatusOr<ForwardTarget> waited = absl::UnknownError("not returned");
+  absl::Duration took;
+  std::thread batch([&] {
+    const absl::Time start = absl::Now();
+    waited = scheduler_->NextForward(ready.id(), start + absl::Seconds(60));
+    took = absl::Now() - start;
+  });
+  const absl::StatusOr<v1::Job> cancelled = scheduler_->CancelJob(ready.id());
+  batch.join();
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::CANCELLED);
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kFailedPrecondition) << waited.status();
+  EXPECT_LT(took, absl::Seconds(30));  // released, not left to its deadline
+  Register(c);
+  EXPECT_TRUE(c.Loads().empty());  // nothing placed again
+  EXPECT_EQ(scheduler_->GetJob(ready.id())->state(), v1::CANCELLED);
 }
 
 // Placement happens within the call that makes it possible, so what has not loaded by the time

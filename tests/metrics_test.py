@@ -185,6 +185,14 @@ def main():
     expect(delta(c1, c2, "bertshard_coordinator_batch_requests_sum"), 3, "requests over the batched forwards")
     expect(delta(c1, c2, "bertshard_coordinator_batch_requests_bucket", le="1"), 3, "forwards of one request")
     expect(delta(c1, c2, "bertshard_coordinator_batch_rows_sum"), 3 * rows, "rows over the batched forwards")
+    # Recovery (issue 22): a job that never lost its group reads 0 restarts and not degraded, and
+    # no group was lost.
+    expect(c2.types.get("bertshard_coordinator_job_restarts"), "gauge", "type of the job restarts")
+    expect(c2.types.get("bertshard_coordinator_job_degraded"), "gauge", "type of job degraded")
+    expect(c2.types.get("bertshard_coordinator_groups_lost"), "counter", "type of groups lost")
+    expect(c2.children("bertshard_coordinator_job_restarts").get((("job", job),)), 0.0, "restarts of the job")
+    expect(c2.children("bertshard_coordinator_job_degraded").get((("job", job),)), 0.0, "degraded of the job")
+    expect(c2.samples.get(("bertshard_coordinator_groups_lost_total", ())), 0.0, "groups lost")
     expect(c2.types.get("bertshard_coordinator_infer_queue_depth"), "gauge", "type of the queue depth")
     expect(c2.children("bertshard_coordinator_infer_queue_depth").get((("job", job),)), 0.0,
            "queue depth of the job (present) once every call returned")
@@ -218,6 +226,8 @@ def main():
     expect(c3.children("bertshard_coordinator_infer_queue_depth").get((("job", job),)), None,
            "queue depth of the cancelled job")
     expect(c3.get("bertshard_coordinator_jobs", state="CANCELLED"), 1.0, "CANCELLED jobs")
+    for family in ("bertshard_coordinator_job_restarts", "bertshard_coordinator_job_degraded"):
+        expect(c3.children(family).get((("job", job),)), None, "%s of the cancelled job" % family)
     deadline = time.time() + 30
     while any(job in Scrape(w).text for w in workers):
         assert time.time() < deadline, "a worker still exposes the cancelled job's series"

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/fault_point.h"
 #include "common/grpc_auth.h"
@@ -154,6 +155,8 @@ bool WorkerService::UnloadJob(const std::string& job_id) {
       job = std::move(it->second);
       jobs_.erase(it);
     }
+    // A load of it still running is not kept when it ends (LoadShard).
+    if (auto loading = loading_.find(job_id); loading != loading_.end()) ++loading->second.unloads;
   }
   return job != nullptr;  // the shard is freed when the last in-flight forward lets go of it
 }
@@ -280,12 +283,21 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
                                       grpc::ServerWriter<v1::LoadProgress>* writer) {
   if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   if (absl::Status refused = CheckLoadRequest(*request); !refused.ok()) return common::ToGrpcStatus(refused);
+  int64_t unloads_at_start = 0;
   {
     absl::MutexLock lock(&mu_);
     if (jobs_.count(request->job_id())) {
       return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " is already loaded here")};
     }
+    LoadsInProgress& loading = loading_[request->job_id()];
+    ++loading.loads;
+    unloads_at_start = loading.unloads;
   }
+  absl::Cleanup done_loading = [this, &request] {
+    absl::MutexLock lock(&mu_);
+    auto it = loading_.find(request->job_id());
+    if (--it->second.loads == 0) loading_.erase(it);
+  };
   v1::LoadProgress progress;  // the last one says READY, with the counts of the load
   absl::StatusOr<std::shared_ptr<LoadedJob>> job = LoadJob(*request, *context, *writer, progress);
   if (!job.ok()) return common::ToGrpcStatus(job.status());
@@ -295,6 +307,13 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   }
   {
     absl::MutexLock lock(&mu_);
+    if (loading_[request->job_id()].unloads != unloads_at_start) {
+      // Told to unload the job while this load ran (its group was lost; the coordinator's cancel
+      // may not have reached us): kept, it would be a stale shard under a job id the coordinator
+      // may place here again.
+      return {grpc::StatusCode::CANCELLED,
+              absl::StrCat("job ", request->job_id(), " was unloaded while it loaded here; not kept")};
+    }
     if (!jobs_.emplace(request->job_id(), *job).second) {
       return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " was loaded concurrently")};
     }
@@ -318,15 +337,6 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
   }
   const v1::TokenInputs& in = request->inputs();
   const int64_t n = in.rows() * in.seq();
-  if (in.rows() < 1 || in.seq() < 1 || in.input_ids_size() != n || in.attention_mask_size() != n ||
-      in.token_type_ids_size() != n) {
-    return {grpc::StatusCode::INVALID_ARGUMENT,
-            "inputs must hold rows x seq values in each of input_ids, attention_mask, token_type_ids"};
-  }
-  // Every rank refuses a want it cannot honour alike, before its forward.
-  if (absl::Status s = request->has_want() ? CheckForwardWant(request->want()) : absl::OkStatus(); !s.ok()) {
-    return common::ToGrpcStatus(s);
-  }
   absl::MutexLock lock(&job->mu);
   if (!job->broken.empty()) {
     return {grpc::StatusCode::FAILED_PRECONDITION,
@@ -336,6 +346,19 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
     return {grpc::StatusCode::FAILED_PRECONDITION,
             absl::StrCat("forward ", request->sequence(), " of job ", request->job_id(),
                          " arrived out of order; next is ", job->next_sequence)};
+  }
+  // A refused request takes its number like a forward that ran: every rank refuses it alike before
+  // any collective, so the ranks stay in step and the coordinator keeps the group (it answers the
+  // batch's callers with the refusal instead of losing the group).
+  if (in.rows() < 1 || in.seq() < 1 || in.input_ids_size() != n || in.attention_mask_size() != n ||
+      in.token_type_ids_size() != n) {
+    ++job->next_sequence;
+    return {grpc::StatusCode::INVALID_ARGUMENT,
+            "inputs must hold rows x seq values in each of input_ids, attention_mask, token_type_ids"};
+  }
+  if (absl::Status s = request->has_want() ? CheckForwardWant(request->want()) : absl::OkStatus(); !s.ok()) {
+    ++job->next_sequence;
+    return common::ToGrpcStatus(s);
   }
   if (context->IsCancelled()) return {grpc::StatusCode::CANCELLED, "cancelled before the forward"};
   // Fault tests stop a worker here: its forward is under way (the job's lock held, the sequence

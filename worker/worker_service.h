@@ -102,7 +102,8 @@ class WorkerService final : public v1::Worker::Service {
   // What this worker holds, for its registration and heartbeats. Never waits for a running
   // forward (that shard is reported with forward_running set).
   std::vector<v1::HeldShard> HeldShards();
-  // Drops a job's shard and groups, as Unload does; false if it was not loaded.
+  // Drops a job's shard and groups, as Unload does; false if it was not loaded. A load of the job
+  // still running then ends CANCELLED instead of keeping the shard.
   bool UnloadJob(const std::string& job_id);
 
   // Registers the gauge bertshard_worker_shards_loaded (loaded_jobs(), read when scraped) in
@@ -126,6 +127,13 @@ class WorkerService final : public v1::Worker::Service {
   const WorkerServiceOptions options_;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<LoadedJob>> jobs_ ABSL_GUARDED_BY(mu_);
+  // Loads running, by job id (erased when the last ends), and the Unload calls for that id seen
+  // meanwhile: a load that saw one is not kept.
+  struct LoadsInProgress {
+    int loads = 0;
+    int64_t unloads = 0;
+  };
+  std::map<std::string, LoadsInProgress> loading_ ABSL_GUARDED_BY(mu_);
   // "auto" choices by (threads, hidden size, intermediate size, tp size), which fix the product
   // PickGemmPathForPlan times: measured once each.
   absl::Mutex gemm_mu_;

@@ -226,6 +226,10 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(refused.error_message().find("inputs must hold rows x seq values"), std::string::npos)
       << refused.error_message();
+  // The refusal took its number, as it does on every rank: the next forward is 3, not 2 again.
+  refused = workers[0].stub->Forward(Context().get(), malformed, &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("next is 3"), std::string::npos) << refused.error_message();
 
   // What the worker reports to the coordinator: the rank, its world, and the next forward.
   for (int rank = 0; rank < 2; ++rank) {
@@ -234,7 +238,7 @@ TEST_P(WorkerServicePaths, LoadsForwardsInOrderAndUnloads) {
     EXPECT_EQ(held[0].job_id(), "job-1");
     EXPECT_EQ(held[0].rank(), rank);
     EXPECT_EQ(held[0].world_size(), 2);
-    EXPECT_EQ(held[0].next_sequence(), 2);
+    EXPECT_EQ(held[0].next_sequence(), rank == 0 ? 3 : 2);
     EXPECT_FALSE(held[0].forward_running());
     EXPECT_EQ(held[0].broken(), "");
   }

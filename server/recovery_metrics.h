@@ -1,0 +1,47 @@
+// File: server/recovery_metrics.h
+// -----------------------------------------------------------------------------
+// The coordinator's recovery metrics on /metrics (issue 22): per job that has not ended, how many
+// times in a row its group was lost (`bertshard_coordinator_job_restarts`) and whether it is being
+// placed and loaded again after a loss (`bertshard_coordinator_job_degraded`, 0 or 1); and how many
+// groups this coordinator has lost since it started (`bertshard_coordinator_groups_lost_total`), so
+// that operators can alert on a job that recovers, or on one that keeps losing its workers. Read
+// from the scheduler at each scrape (nothing to keep in step); a job's series go when it ends.
+//
+// Example:
+//   ASSIGN_OR_RETURN(auto handles, RegisterRecoveryMetrics(&registry, [&] { return cluster->Recovery(); }));
+//   // keep `handles` while the cluster lives: they unregister the collectors
+//
+// Failure model: errors are the registry's (a name taken: ALREADY_EXISTS).
+//
+// Thread safety: the collectors call `read` from the scrape's thread; `read` must be thread-safe.
+#ifndef BERTSHARD_SERVER_RECOVERY_METRICS_H_
+#define BERTSHARD_SERVER_RECOVERY_METRICS_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/metrics.h"
+
+namespace bertshard::server {
+
+// One job that has not ended, as its recovery stands.
+struct JobRecoveryState {
+  std::string job_id;
+  int restarts = 0;       // Job.restarts: losses in a row of its group
+  bool degraded = false;  // Job.degraded set: its group is being placed and loaded again
+};
+
+struct RecoveryMetrics {
+  std::vector<JobRecoveryState> jobs;  // every job that has not ended
+  int64_t groups_lost = 0;             // groups lost since the coordinator started (give-ups included)
+};
+
+absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRecoveryMetrics(
+    common::MetricsRegistry* registry, std::function<RecoveryMetrics()> read);
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_RECOVERY_METRICS_H_
