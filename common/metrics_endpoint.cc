@@ -46,27 +46,6 @@ namespace {
 
 constexpr char kContentType[] = "text/plain; version=0.0.4; charset=utf-8";
 
-// HOST:PORT -> civetweb's listening_ports syntax, refusing what civetweb would read as something
-// else: a list (`,`), SSL or redirect suffixes (`s`, `r`), a bare port (every interface).
-absl::StatusOr<std::string> ListeningPort(const std::string& address) {
-  const auto invalid = [&address]() {
-    return absl::InvalidArgumentError(absl::StrCat("metrics address '", address,
-                                                   "' is not HOST:PORT with a port in 0..65535 "
-                                                   "(e.g. 0.0.0.0:9090, 127.0.0.1:0)"));
-  };
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0) return invalid();
-  const std::string host = address.substr(0, colon);
-  const std::string port = address.substr(colon + 1);
-  int number = -1;
-  if (port.empty() || port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5 ||
-      !absl::SimpleAtoi(port, &number) || number > 65535) {
-    return invalid();
-  }
-  if (host.find_first_of(",: \t") != std::string::npos) return invalid();
-  return absl::StrCat(host, ":", number);
-}
-
 void Respond(mg_connection* connection, int code, const char* reason, const std::string& body,
              const char* extra_headers = "") {
   mg_printf(connection, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%sConnection: close\r\n\r\n",
@@ -84,11 +63,31 @@ bool SameSecret(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
+absl::StatusOr<std::string> CivetwebListeningPort(const std::string& address, absl::string_view what,
+                                                  int example_port) {
+  const auto invalid = [&]() {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " address '", address,
+                     "' is not HOST:PORT with a port in 0..65535 (e.g. 0.0.0.0:", example_port, ", 127.0.0.1:0)"));
+  };
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0) return invalid();
+  const std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  int number = -1;
+  if (port.empty() || port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5 ||
+      !absl::SimpleAtoi(port, &number) || number > 65535) {
+    return invalid();
+  }
+  if (host.find_first_of(",: \t") != std::string::npos) return invalid();
+  return absl::StrCat(host, ":", number);
+}
+
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const std::string& address,
                                                                         MetricsRegistry* registry,
                                                                         std::vector<std::string> bearer_tokens) {
   std::string listening;
-  if (auto parsed = ListeningPort(address); parsed.ok()) {
+  if (auto parsed = CivetwebListeningPort(address, "metrics", 9090); parsed.ok()) {
     listening = *std::move(parsed);
   } else {
     return parsed.status();

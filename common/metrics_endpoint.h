@@ -30,12 +30,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/metrics.h"
 
 struct mg_connection;
 struct mg_context;
 
 namespace bertshard::common {
+
+// HOST:PORT -> civetweb's listening_ports syntax, refusing what civetweb would read as something
+// else: a list (`,`), SSL or redirect suffixes (`s`, `r`), a bare port (every interface).
+// INVALID_ARGUMENT says "<what> address 'X' is not HOST:PORT ... (e.g. 0.0.0.0:<example_port>, ...)".
+// Shared with the HTTP API's listener (http/http_server.h).
+absl::StatusOr<std::string> CivetwebListeningPort(const std::string& address, absl::string_view what, int example_port);
 
 class MetricsEndpoint {
  public:

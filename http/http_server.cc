@@ -10,38 +10,15 @@
 #include <utility>
 
 #include "absl/base/call_once.h"
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/metrics_endpoint.h"
 
 // civetweb's threads get a large enough stack through common/metrics_endpoint.cc's
 // pthread_attr_setstacksize (linked in by this library's dependency on it).
 
 namespace bertshard::http {
 namespace {
-
-// HOST:PORT -> civetweb's listening_ports syntax, refusing what civetweb would read as something
-// else: a list (`,`), SSL or redirect suffixes, a bare port (every interface).
-absl::StatusOr<std::string> ListeningPort(const std::string& address) {
-  const auto invalid = [&address]() {
-    return absl::InvalidArgumentError(absl::StrCat("HTTP address '", address,
-                                                   "' is not HOST:PORT with a port in 0..65535 "
-                                                   "(e.g. 0.0.0.0:8080, 127.0.0.1:0)"));
-  };
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0) return invalid();
-  const std::string host = address.substr(0, colon);
-  const std::string port = address.substr(colon + 1);
-  int number = -1;
-  if (port.empty() || port.find_first_not_of("0123456789") != std::string::npos || port.size() > 5 ||
-      !absl::SimpleAtoi(port, &number) || number > 65535) {
-    return invalid();
-  }
-  if (host.find_first_of(",: \t") != std::string::npos) return invalid();
-  return absl::StrCat(host, ":", number);
-}
 
 const char* Reason(int status) {
   switch (status) {
@@ -102,7 +79,7 @@ BodyRead ReadBody(mg_connection* connection, int64_t declared, int64_t limit, st
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOptions& options, HttpHandler handler) {
   std::string listening;
-  if (auto parsed = ListeningPort(options.listen); parsed.ok()) {
+  if (auto parsed = common::CivetwebListeningPort(options.listen, "HTTP", 8080); parsed.ok()) {
     listening = *std::move(parsed);
   } else {
     return parsed.status();

@@ -25,6 +25,7 @@
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/metrics_scrape.h"
 #include "tests/serving_fixture.h"
 #include "tests/test_process.h"
 
@@ -42,6 +43,7 @@ using testing::NewServingCluster;
 using testing::Pool;
 using testing::ReadAll;
 using testing::ReferencePool;
+using testing::ScrapeMetrics;
 using testing::Shape;
 using testing::Shardctl;
 using testing::SubmitTp;
@@ -55,27 +57,6 @@ namespace fs = std::filesystem;
 // surely merge; a batch holds at most 4096 padded tokens.
 
 constexpr int kMaxBatchTokens = 4096;
-
-// The body of `GET /metrics` on 127.0.0.1:`port`; "" if it cannot be read.
-std::string ScrapeMetrics(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string response;
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0) {
-    const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[4096];
-      for (ssize_t n; (n = read(fd, buffer, sizeof buffer)) > 0;) response.append(buffer, static_cast<size_t>(n));
-    }
-  }
-  close(fd);
-  const size_t body = response.find("\r\n\r\n");
-  return body == std::string::npos ? "" : response.substr(body + 4);
-}
 
 class BatchingTest : public ::testing::Test {
  protected:

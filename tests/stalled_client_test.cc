@@ -22,33 +22,13 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/cluster_fixture.h"
+#include "tests/metrics_scrape.h"
 #include "tests/proc_status.h"
 #include "tests/serving_fixture.h"
 #include "tests/test_process.h"
 
 namespace bertshard::testing {
 namespace {
-
-// The body of `GET /metrics` on 127.0.0.1:`port`; "" if it cannot be read.
-std::string ScrapeMetrics(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string response;
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) == 0) {
-    const std::string request = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[4096];
-      for (ssize_t n; (n = read(fd, buffer, sizeof buffer)) > 0;) response.append(buffer, static_cast<size_t>(n));
-    }
-  }
-  close(fd);
-  const size_t body = response.find("\r\n\r\n");
-  return body == std::string::npos ? "" : response.substr(body + 4);
-}
 
 // How far above idle the coordinator's RSS may stay. Under ASan its quarantine holds freed memory
 // (and the coordinator is an ASan build too): the memory bound does not apply there.
