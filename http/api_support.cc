@@ -53,8 +53,11 @@ ApiError FromStatus(const absl::Status& status) {
   std::string message(status.message());
   switch (status.code()) {
     case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kNotFound:
     case absl::StatusCode::kOutOfRange:
+      // The request path's refusals of what was asked (too many tokens, a cut wider than the
+      // vectors): TEI's Validation, which TEI answers 413. 422 stays for bodies that do not parse.
+      return MakeError(TeiErrorType::kValidation, std::move(message));
+    case absl::StatusCode::kNotFound:
       return MalformedRequest(std::move(message));
     case absl::StatusCode::kResourceExhausted:
       return MakeError(TeiErrorType::kOverloaded, std::move(message));

@@ -128,7 +128,7 @@ TEST_F(TeiRoutesTest, RefusesTokenRowsWhosePaddedRectangleIsOverTheBatchBeforeMa
   const std::string body = R"({"inputs": [)" + long_row + R"(, [101, 102], [101, 102]]})";
   for (const char* path : {"/embed", "/embed_all"}) {
     SCOPED_TRACE(path);
-    ExpectTeiError(Post(path, body), 422, "Validation", "3 x 42 = 126 ids, more than the 64");
+    ExpectTeiError(Post(path, body), 413, "Validation", "3 x 42 = 126 ids, more than the 64");
   }
   const HttpResponse openai = Post("/v1/embeddings", R"({"input": [)" + long_row + R"(, [101, 102], [101, 102]]})");
   EXPECT_EQ(openai.status, 400) << openai.body;
@@ -164,7 +164,7 @@ TEST_F(TeiRoutesTest, RefusesAsTeiDoes) {
 
 TEST_F(TeiRoutesTest, MapsTheRequestPathsRefusals) {
   const std::vector<std::tuple<absl::Status, int, std::string>> cases = {
-      {absl::InvalidArgumentError("text has 600 tokens; the model takes at most 512"), 422, "Validation"},
+      {absl::InvalidArgumentError("text has 600 tokens; the model takes at most 512"), 413, "Validation"},
       {absl::FailedPreconditionError("Embed needs a BertModel job"), 424, "Backend"},
       {absl::ResourceExhaustedError("over this client's share"), 429, "Overloaded"},
       {absl::UnavailableError("job failed"), 503, "Unhealthy"},
@@ -356,6 +356,20 @@ TEST_F(TeiRoutesTest, DescribesTheDefaultJob) {
   EXPECT_EQ(Post("/info", "{}").status, 405);
   EXPECT_EQ(Get("/embed").status, 405);
   EXPECT_EQ(Get("/nowhere").status, 404);
+}
+
+// As TEI's router: a classifier of more than one label is a classifier, one of one label (a
+// cross-encoder) a reranker.
+TEST_F(TeiRoutesTest, DescribesAOneLabelClassifierAsAReranker) {
+  options_.default_job = "reranker";
+  const json reranker = json::parse(Get("/info").body);
+  EXPECT_EQ(reranker["model_type"], json::parse(R"({"reranker": {"id2label": {"0": "LABEL_0"},
+                                                                 "label2id": {"LABEL_0": 0}}})"));
+  api_.reset();
+  options_.default_job = "sentiment";
+  const json classifier = json::parse(Get("/info").body);
+  ASSERT_TRUE(classifier["model_type"].contains("classifier")) << classifier.dump();
+  EXPECT_GT(classifier["model_type"]["classifier"]["id2label"].size(), 1u);
 }
 
 }  // namespace

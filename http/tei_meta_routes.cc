@@ -136,7 +136,9 @@ HttpResponse HttpApi::TeiInfo() {
       common::AppendJsonString(model->labels[i], &label2id);
       absl::StrAppend(&label2id, ":", i);
     }
-    absl::StrAppend(&out, "{\"classifier\":{\"id2label\":", id2label, "},\"label2id\":", label2id, "}}}");
+    // TEI calls a one-label classifier a reranker (a cross-encoder), and clients pick /rerank by it.
+    absl::StrAppend(&out, model->labels.size() == 1 ? "{\"reranker\"" : "{\"classifier\"", ":{\"id2label\":", id2label,
+                    "},\"label2id\":", label2id, "}}}");
   } else {
     // Not one of TEI's kinds: the HF class, so that a reader sees what serves.
     out += "{\"other\":{\"architecture\":";

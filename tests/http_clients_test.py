@@ -183,7 +183,7 @@ class Checks:
         self.tei_error(self.post("/embed", {"inputs": 5}), 422, "Validation")
         self.tei_error(self.post("/embed", None, data=b"{not json"), 422, "Validation")
         self.tei_error(self.post("/embed", {"inputs": "x" * 70000}), 413, "Validation", "length limit")
-        self.tei_error(self.post("/embed", {"inputs": "word " * 400}), 422, "Validation", "256")  # too long
+        self.tei_error(self.post("/embed", {"inputs": "word " * 400}), 413, "Validation", "256")  # too long, as TEI
         self.tei_error(self.post("/predict", {"inputs": "x"}), 424, "Backend", "not a classifier")
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             refused = self.post("/embed", {"inputs": "x"}, headers=headers)
