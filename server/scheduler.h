@@ -4,7 +4,8 @@
 // (placement.h), loading with progress (shard_loading.h), losing a job's group and placing it
 // again (group_restarts.h), failing and cancelling them, re-adoption after a restart
 // (job_recovery.h, readoption.h), and what a worker's arrival, departure or silence means for its
-// job. Jobs persist in a JobStore; the workers are a WorkerPool's.
+// job (that last part, with re-adoption and losing a group, in scheduler_workers.cc). Jobs persist
+// in a JobStore; the workers are a WorkerPool's.
 // Cluster (cluster.h) is the front that the gRPC layer talks to; the rules users see are there.
 //
 // Example:
