@@ -52,6 +52,13 @@ class SchedulerTest : public ::testing::Test {
     return job.ok() ? *job : v1::Job();
   }
   // The job once READY or ended (WatchJob's end), within 60 s.
+  // Worker `id` says it is leaving (SIGTERM): its job loses its group.
+  bool Leave(const std::string& id) {
+    v1::HeartbeatRequest leaving;
+    leaving.set_worker_id(id);
+    leaving.set_leaving(true);
+    return scheduler_->Heartbeat(leaving).ok();
+  }
   v1::Job Settled(const std::string& id) {
     v1::Job last;
     const absl::Status watched = scheduler_->WatchJob(
@@ -203,10 +210,7 @@ TEST_F(SchedulerTest, ALeavingWorkersJobIsPlacedAgainOnASpareAndUnknownOnesRegis
   const std::string id = Register(a);
   const v1::Job ready = Settled(Submit(1).id());
   ASSERT_EQ(ready.state(), v1::READY);
-  v1::HeartbeatRequest leaving;
-  leaving.set_worker_id(id);
-  leaving.set_leaving(true);
-  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  ASSERT_TRUE(Leave(id));
   const v1::Job waiting = *scheduler_->GetJob(ready.id());
   EXPECT_EQ(waiting.state(), v1::PENDING);
   const std::string lost = "lost worker " + id + " (rank 0) at " + a.Address() + " is shutting down";
@@ -243,10 +247,7 @@ TEST_F(SchedulerTest, ABatchWaitingForTheGroupGoesOnWhenItIsBack) {
   const std::string id = Register(a);
   const v1::Job ready = Settled(Submit(1).id());
   ASSERT_EQ(ready.state(), v1::READY);
-  v1::HeartbeatRequest leaving;
-  leaving.set_worker_id(id);
-  leaving.set_leaving(true);
-  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  ASSERT_TRUE(Leave(id));
   ASSERT_EQ(scheduler_->GetJob(ready.id())->state(), v1::PENDING);
   absl::StatusOr<ForwardTarget> waited = absl::UnknownError("not returned");
   absl::Duration took;
@@ -274,14 +275,10 @@ TEST_F(SchedulerTest, ASecondLossInARowWaitsOutItsBackoff) {
   const std::string a_id = Register(a);
   const v1::Job ready = Settled(Submit(1).id());
   ASSERT_EQ(ready.state(), v1::READY);
-  v1::HeartbeatRequest leaving;
-  leaving.set_leaving(true);
-  leaving.set_worker_id(a_id);
-  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  ASSERT_TRUE(Leave(a_id));
   const std::string b_id = Register(b);  // the first restart is at once
   ASSERT_EQ(Settled(ready.id()).state(), v1::READY);
-  leaving.set_worker_id(b_id);
-  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  ASSERT_TRUE(Leave(b_id));
   Register(c);
   const v1::Job backing_off = *scheduler_->GetJob(ready.id());
   EXPECT_EQ(backing_off.state(), v1::PENDING);
@@ -303,14 +300,10 @@ TEST_F(SchedulerTest, CancelledWhileBackingOffItEndsAndReleasesTheBatchesWaiting
   const std::string a_id = Register(a);
   const v1::Job ready = Settled(Submit(1).id());
   ASSERT_EQ(ready.state(), v1::READY);
-  v1::HeartbeatRequest leaving;
-  leaving.set_leaving(true);
-  leaving.set_worker_id(a_id);
-  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());
+  ASSERT_TRUE(Leave(a_id));
   const std::string b_id = Register(b);
   ASSERT_EQ(Settled(ready.id()).state(), v1::READY);
-  leaving.set_worker_id(b_id);
-  ASSERT_TRUE(scheduler_->Heartbeat(leaving).ok());  // the second loss: an hour's backoff
+  ASSERT_TRUE(Leave(b_id));  // the second loss: an hour's backoff
   ASSERT_EQ(scheduler_->GetJob(ready.id())->state(), v1::PENDING);
   absl::StatusOr<ForwardTarget> waited = absl::UnknownError("not returned");
   absl::Duration took;
