@@ -73,10 +73,12 @@ bool TransitionAllowed(v1::JobState from, v1::JobState to) {
       return to == v1::PLANNED;
     case v1::PLANNED:
       return to == v1::LOADING || to == v1::PENDING;
+    // A job's state is its most advanced replica's: it falls back when that one loses a worker
+    // (to PENDING with one replica; to what the others have reached with several).
     case v1::LOADING:
-      return to == v1::READY || to == v1::PENDING;  // PENDING: a worker lost while loading
+      return to == v1::READY || to == v1::PENDING || to == v1::PLANNED;
     case v1::READY:
-      return to == v1::PENDING;  // a worker lost: placed and loaded again
+      return to == v1::PENDING || to == v1::PLANNED || to == v1::LOADING;
     default:
       return false;
   }
@@ -243,6 +245,18 @@ absl::StatusOr<v1::Job> JobStore::SetRanks(const std::string& id, const std::vec
   ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
   job.clear_ranks();
   for (const auto& r : ranks) *job.add_ranks() = r;
+  job.set_updated_unix_millis(options_.now_millis());
+  RETURN_IF_ERROR(PutLocked(job, /*insert=*/false));
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobStore::SetReplicas(const std::string& id, int32_t replicas) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
+  if (Terminal(job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state())));
+  }
+  job.set_replicas(replicas);
   job.set_updated_unix_millis(options_.now_millis());
   RETURN_IF_ERROR(PutLocked(job, /*insert=*/false));
   return job;

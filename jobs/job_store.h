@@ -78,6 +78,10 @@ class JobStore {
   // Replaces the rank assignments of job `id`. NOT_FOUND for an unknown id.
   absl::StatusOr<v1::Job> SetRanks(const std::string& id, const std::vector<v1::RankAssignment>& ranks);
 
+  // Records how many replicas job `id` runs (Job.replicas; ScaleJob). NOT_FOUND for an unknown id,
+  // FAILED_PRECONDITION for a job that has ended.
+  absl::StatusOr<v1::Job> SetReplicas(const std::string& id, int32_t replicas);
+
   // Rewrites why PENDING job `id` waits (the pool changed under it). FAILED_PRECONDITION for a
   // job in another state, NOT_FOUND for an unknown id.
   absl::Status SetPendingReason(const std::string& id, const std::string& reason);

@@ -103,8 +103,37 @@ TEST(JobStore, ReadyAndLoadingJobsGoBackToPendingWhenAWorkerIsLost) {
   EXPECT_TRUE((*store)->Transition("j", v1::PENDING, "lost while loading").ok());
   EXPECT_TRUE(TransitionAllowed(v1::READY, v1::PENDING));
   EXPECT_TRUE(TransitionAllowed(v1::LOADING, v1::PENDING));
-  EXPECT_FALSE(TransitionAllowed(v1::READY, v1::LOADING));
   EXPECT_FALSE(TransitionAllowed(v1::FAILED, v1::PENDING));
+  EXPECT_FALSE(TransitionAllowed(v1::PENDING, v1::LOADING));  // placed first
+  EXPECT_FALSE(TransitionAllowed(v1::PENDING, v1::READY));
+  EXPECT_FALSE(TransitionAllowed(v1::PLANNED, v1::READY));
+}
+
+// A job's state is its most advanced replica's: when the only serving replica is lost while another
+// loads (or is placed), the job falls back to that one's state, not to PENDING.
+TEST(JobStore, AJobFallsBackToWhatItsOtherReplicasHaveReached) {
+  EXPECT_TRUE(TransitionAllowed(v1::READY, v1::LOADING));
+  EXPECT_TRUE(TransitionAllowed(v1::READY, v1::PLANNED));
+  EXPECT_TRUE(TransitionAllowed(v1::LOADING, v1::PLANNED));
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
+  for (v1::JobState s : {v1::PLANNED, v1::LOADING, v1::READY, v1::LOADING, v1::PLANNED, v1::LOADING, v1::READY}) {
+    ASSERT_TRUE((*store)->Transition("j", s, "").ok()) << v1::JobState_Name(s);
+  }
+}
+
+// Job.replicas is stored (a restart keeps what ScaleJob asked for), never for an ended job.
+TEST(JobStore, StoresTheReplicasOfAJobThatHasNotEnded) {
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
+  ASSERT_TRUE((*store)->SetReplicas("j", 3).ok());
+  EXPECT_EQ((*store)->Get("j")->replicas(), 3);
+  EXPECT_EQ((*store)->SetReplicas("nope", 2).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE((*store)->Transition("j", v1::CANCELLED, "").ok());
+  EXPECT_EQ((*store)->SetReplicas("j", 2).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*store)->Get("j")->replicas(), 3);
 }
 
 // A lost group's ranks are cleared in the same write that puts the job back to PENDING: both or

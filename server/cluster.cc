@@ -57,6 +57,11 @@ absl::StatusOr<std::map<v1::JobState, int64_t>> Cluster::CountJobsByState() { re
 
 absl::StatusOr<v1::Job> Cluster::CancelJob(const std::string& id) { return scheduler_->CancelJob(id); }
 
+absl::StatusOr<v1::Job> Cluster::ScaleJob(const std::string& job, int32_t replicas) {
+  ASSIGN_OR_RETURN(const std::string id, ResolveJob(job));
+  return scheduler_->ScaleJob(id, replicas);
+}
+
 absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
                                const std::function<bool(const v1::JobEvent&)>& emit,
                                const std::function<bool()>& cancelled) {
@@ -116,6 +121,7 @@ absl::StatusOr<std::shared_ptr<JobServing>> Cluster::ServingFor(const std::strin
                                         : RefusedJobAssets(absl::InternalError("the job's assets were not read"));
           runtime.job_serving =
               std::make_shared<JobServing>(job_id, runtime.plan, std::move(assets), scheduler_.get(), serving_options);
+          runtime.job_serving->SetConcurrency(std::max(1, runtime.ServingGroups()));  // then the scheduler's
         }
         serving = runtime.job_serving;
         return absl::OkStatus();
@@ -150,7 +156,7 @@ absl::StatusOr<std::string> Cluster::ResolveJob(const std::string& job, const st
     if (runtime.ended) return;
     if (id == job) by_id = id;
     if (!runtime.name.empty() && runtime.name == job) by_name = id;
-    if (runtime.group.serving) {
+    if (runtime.ServingGroups() > 0) {
       serving.push_back(runtime.name.empty() ? id : runtime.name);
       only = id;
     }
@@ -174,7 +180,7 @@ absl::StatusOr<std::string> Cluster::ResolveJob(const std::string& job, const st
 std::vector<Cluster::ServingJob> Cluster::ServingJobs() {
   std::vector<ServingJob> jobs;
   scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime& runtime) {
-    if (!runtime.group.serving || runtime.ended) return;
+    if (runtime.ServingGroups() == 0 || runtime.ended) return;
     jobs.push_back({id, runtime.name, runtime.plan,
                     runtime.assets != nullptr
                         ? runtime.assets

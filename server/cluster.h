@@ -17,7 +17,11 @@
 // surviving ranks are told to unload and the job is placed and loaded again on idle workers, with
 // backoff (ClusterOptions::restarts, group_restarts.h), instead of failing; requests wait for the
 // new group (the batch in flight is sent once more on it), UNAVAILABLE shortly before their
-// deadline if none comes. Past --max_restarts losses in a row, or on a load refused for what it
+// deadline if none comes. With replicas (SubmitJobRequest.replicas: independent groups of the one
+// plan, each on its own workers, behind the job's one id and queue; one forward at a time each,
+// to the one idle the longest) only the replica that lost the worker is placed again: the job
+// stays READY while another serves, Job.degraded says which is lost and why, and the batch in
+// flight on the lost one is sent once more on another. Past --max_restarts losses in a row, or on a load refused for what it
 // asks, the job FAILS. Workers' collectives have timeouts, so no rank waits forever.
 //
 // Coordinator restarts end no job. Workers report the shards they hold (job, rank, world size,
@@ -89,6 +93,11 @@ class Cluster {
   // Jobs by state (the store's count; states with none absent).
   absl::StatusOr<std::map<v1::JobState, int64_t>> CountJobsByState();
   absl::StatusOr<v1::Job> CancelJob(const std::string& id);
+  // Grows or shrinks job `job` (its id or name) to `replicas` replicas (1..max_replicas, else
+  // INVALID_ARGUMENT), stored at once: new replicas wait for idle workers and serve when READY; a
+  // replica taken away that runs a forward finishes it first, then unloads. FAILED_PRECONDITION
+  // for a job that is not READY (or still taking its replicas back after a restart); NOT_FOUND.
+  absl::StatusOr<v1::Job> ScaleJob(const std::string& job, int32_t replicas);
   // Calls `emit` with the job's state and load progress whenever they change, until the job is
   // READY (and not recovering), FAILED or CANCELLED, `emit` returns false, `cancelled` turns true (checked at least
   // every half second), or the deadline passes.

@@ -56,6 +56,9 @@ struct ClusterOptions {
   // certificate, else its host: every client of one host (or one certificate) shares the quota.
   // (Tokens name no client: every submitter holds the one cluster token.)
   int max_jobs_per_client = 16;
+  // The most replicas a job may ask for (SubmitJobRequest.replicas, ScaleJob): more is
+  // INVALID_ARGUMENT. Each replica takes a whole TP x PP group of workers.
+  int max_replicas = 16;
   // Ended jobs (FAILED, CANCELLED) stay in the job database this long after they ended (GetJob,
   // ListJobs show them), then the monitor deletes them; absl::InfiniteDuration(): kept for good.
   // Jobs that have not ended are never deleted. The memory a job takes in the coordinator is freed

@@ -283,7 +283,7 @@ TEST_F(ClusterRestart, AJobRecoveringFromALostGroupStillSaysSoAfterARestart) {
   infer.mutable_tokens()->add_input_ids(101);
   const absl::Status waited = cluster_->Infer(infer, absl::Now() + absl::Seconds(5)).status();
   EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
-  EXPECT_NE(waited.message().find("has no group serving"), std::string::npos) << waited;
+  EXPECT_NE(waited.message().find("has no replica serving"), std::string::npos) << waited;
 }
 
 // Placed again after a lost group (PLANNED) when the coordinator stopped: back to PENDING, still
@@ -319,7 +319,7 @@ TEST_F(ClusterRestart, AJobPlacedAgainAfterALostGroupStillRecoversAfterARestart)
   infer.mutable_tokens()->add_input_ids(101);
   const absl::Status waited = cluster_->Infer(infer, absl::Now() + absl::Seconds(5)).status();
   EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
-  EXPECT_NE(waited.message().find("has no group serving"), std::string::npos) << waited;
+  EXPECT_NE(waited.message().find("has no replica serving"), std::string::npos) << waited;
   // Degraded in the metrics too (no group lost by this coordinator); its series go when it ends.
   RecoveryMetrics metrics = cluster_->Recovery();
   EXPECT_EQ(metrics.groups_lost, 0);

@@ -203,6 +203,10 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     RETURN_IF_DENIED(context, common::Access::kAdmin);
     return Reply(cluster_->CancelJob(request->job_id()), response);
   }
+  grpc::Status ScaleJob(grpc::ServerContext* context, const v1::ScaleJobRequest* request, v1::Job* response) override {
+    RETURN_IF_DENIED(context, common::Access::kAdmin);
+    return Reply(cluster_->ScaleJob(request->job_id(), request->replicas()), response);
+  }
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                         grpc::ServerWriter<v1::JobEvent>* writer) override {
     RETURN_IF_DENIED(context, common::Access::kRead);

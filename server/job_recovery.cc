@@ -134,46 +134,22 @@ absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
       record(pending.status(), absl::StrCat("putting job ", job.id(), " back to PENDING"));
       if (pending.ok()) job = *std::move(pending);
     } else if (job.state() == v1::LOADING || job.state() == v1::READY) {
-      r.recovery = std::make_unique<JobRecovery>();
-      r.recovery->deadline = deadline;
-      r.recovery->was_loading = job.state() == v1::LOADING;
-      r.recovery->previous.assign(job.ranks().begin(), job.ranks().end());
+      // Each replica that had ranks waits for them on its own (RankAssignment.replica: 0 in jobs
+      // stored before replicas, which had one).
+      for (const v1::RankAssignment& a : job.ranks()) {
+        std::unique_ptr<JobRecovery>& recovery = r.recoveries[a.replica()];
+        if (recovery == nullptr) {
+          recovery = std::make_unique<JobRecovery>();
+          recovery->deadline = deadline;
+          recovery->was_loading = job.state() == v1::LOADING;
+        }
+        recovery->previous.push_back(a);
+      }
     }
     r.job = std::move(job);
     recovered.push_back(std::move(r));
   }
   return recovered;
-}
-
-Adoption RecordAdoption(jobs::JobStore& store, const std::string& job_id, const std::vector<std::string>& rank_workers,
-                        const std::function<std::string(const std::string& worker_id)>& address_of,
-                        const std::function<void(const absl::Status&, const std::string&)>& record) {
-  Adoption adoption;
-  std::vector<v1::RankAssignment> ranks;
-  for (size_t r = 0; r < rank_workers.size(); ++r) {
-    v1::RankAssignment a;
-    a.set_rank(static_cast<int32_t>(r));
-    a.set_worker_id(rank_workers[r]);
-    a.set_worker_address(address_of(rank_workers[r]));
-    ranks.push_back(a);
-    v1::RankProgress p;
-    p.set_rank(a.rank());
-    p.set_worker_id(a.worker_id());
-    p.mutable_progress()->set_phase(v1::LoadProgress::READY);
-    adoption.progress.push_back(p);
-  }
-  record(store.SetRanks(job_id, ranks).status(), absl::StrCat("recording job ", job_id, "'s ranks"));
-  auto job = store.Get(job_id);
-  if (job.ok() && job->state() == v1::LOADING) {
-    record(store
-               .Transition(job_id, v1::READY,
-                           absl::StrCat("all ", ranks.size(), " ranks had loaded when the coordinator restarted"))
-               .status(),
-           absl::StrCat("readying job ", job_id));
-  }
-  job = store.Get(job_id);
-  adoption.ready = job.ok() && job->state() == v1::READY;
-  return adoption;
 }
 
 HeldShards SortHeldShards(const v1::WorkerInfo& worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,

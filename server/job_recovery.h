@@ -82,7 +82,9 @@ struct RecoveredJob {
   // Why it is PENDING again ("the coordinator restarted before loading", after the recovery it was
   // placed for, "recovering: lost ... (restart K of at most N); ", when it was); empty otherwise.
   std::string pending_note;
-  std::unique_ptr<JobRecovery> recovery;  // READY and LOADING jobs: waiting for their ranks
+  // READY and LOADING jobs: each replica with stored ranks, waiting for them (by replica index;
+  // the others are placed again).
+  std::map<int32_t, std::unique_ptr<JobRecovery>> recoveries;
   // Its serving assets, read again from its checkpoint under the root (each part's error, should
   // the checkpoint be gone or refused now, is the requests' that need it).
   std::shared_ptr<const JobAssets> assets;
@@ -102,18 +104,6 @@ absl::StatusOr<std::vector<RecoveredJob>> RecoverStoredJobs(
     jobs::JobStore& store, const common::ModelRoot& root, absl::Time deadline,
     const std::function<void(const absl::Status&, const std::string&)>& record);
 
-// A recovering job whose ranks all came back (ReadoptionDecision::kAdopt), recorded: its ranks
-// (`rank_workers`, addresses from `address_of`) stored, and LOADING made READY (every rank had
-// loaded). Refused writes go to `record`. Returns each rank's progress (READY) and whether the
-// store now says READY (only then does the job serve).
-struct Adoption {
-  std::vector<v1::RankProgress> progress;
-  bool ready = false;
-};
-Adoption RecordAdoption(jobs::JobStore& store, const std::string& job_id, const std::vector<std::string>& rank_workers,
-                        const std::function<std::string(const std::string& worker_id)>& address_of,
-                        const std::function<void(const absl::Status&, const std::string&)>& record);
-
 // What the store and the scheduler know of a held shard's job.
 enum class HeldJob {
   kUnknown,      // no such job, or it has ended: unload
@@ -121,7 +111,8 @@ enum class HeldJob {
   kKnown,        // a job this coordinator runs
 };
 
-// One worker's held shards, sorted.
+// One worker's held shards, sorted. Shards go by their key on the worker: a job's id for its
+// first replica, ReplicaKey (replica_keys.h) for the others; "job" below means that key.
 struct HeldShards {
   std::vector<std::string> unload;  // jobs the worker must drop
   // The recovering job and rank the (idle) worker reported and is taken back for, if any: added to

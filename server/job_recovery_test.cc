@@ -1,5 +1,7 @@
 #include "server/job_recovery.h"
 
+#include "absl/strings/str_cat.h"
+
 #include <fcntl.h>
 #include <stdio.h>
 
@@ -84,7 +86,7 @@ TEST_F(RecoverStoredJobsTest, SettlesEachStoredJobByItsState) {
 
   const RecoveredJob& pending = *by_id.at("job-pending");
   EXPECT_EQ(pending.job.state(), v1::PENDING);
-  EXPECT_EQ(pending.recovery, nullptr);
+  EXPECT_TRUE(pending.recoveries.empty());
   EXPECT_EQ(pending.backend, "gloo");  // stored before backends
   EXPECT_EQ(pending.plan.world_size(), 2);
 
@@ -99,11 +101,12 @@ TEST_F(RecoverStoredJobsTest, SettlesEachStoredJobByItsState) {
 
   for (const char* id : {"job-loading", "job-ready"}) {
     const RecoveredJob& j = *by_id.at(id);
-    ASSERT_NE(j.recovery, nullptr) << id;
-    EXPECT_EQ(j.recovery->deadline, deadline_);
-    EXPECT_EQ(j.recovery->was_loading, std::string(id) == "job-loading");
-    ASSERT_EQ(j.recovery->previous.size(), 1u);
-    EXPECT_EQ(j.recovery->previous[0].worker_address(), "127.0.0.1:9");
+    ASSERT_EQ(j.recoveries.size(), 1u) << id;
+    const JobRecovery& recovery = *j.recoveries.at(0);  // stored before replicas: replica 0
+    EXPECT_EQ(recovery.deadline, deadline_);
+    EXPECT_EQ(recovery.was_loading, std::string(id) == "job-loading");
+    ASSERT_EQ(recovery.previous.size(), 1u);
+    EXPECT_EQ(recovery.previous[0].worker_address(), "127.0.0.1:9");
     EXPECT_EQ(store_->Get(id)->state(), std::string(id) == "job-loading" ? v1::LOADING : v1::READY);
   }
   EXPECT_TRUE(refusals_.empty());
@@ -151,25 +154,36 @@ TEST_F(RecoverStoredJobsTest, PlansAgainOrFailsJobsStoredWithoutAPlan) {
       << failed.DebugString();
 }
 
-// Adopted: the ranks as they came back are stored, and a job that was LOADING is READY now.
-TEST_F(RecoverStoredJobsTest, RecordsAnAdoptionAndReadiesALoadingJob) {
-  ASSERT_NO_FATAL_FAILURE(Store("job-loading", v1::LOADING));
-  std::vector<std::string> refusals;
-  const Adoption adoption = RecordAdoption(
-      *store_, "job-loading", {"w0", "w1"}, [](const std::string& id) { return "addr-of-" + id; },
-      [&](const absl::Status& s, const std::string& what) {
-        if (!s.ok()) refusals.push_back(what);
-      });
-  EXPECT_TRUE(refusals.empty());
-  EXPECT_TRUE(adoption.ready);
-  ASSERT_EQ(adoption.progress.size(), 2u);
-  EXPECT_EQ(adoption.progress[1].worker_id(), "w1");
-  EXPECT_EQ(adoption.progress[1].progress().phase(), v1::LoadProgress::READY);
-  const v1::Job job = *store_->Get("job-loading");
-  EXPECT_EQ(job.state(), v1::READY);
-  ASSERT_EQ(job.ranks_size(), 2);
-  EXPECT_EQ(job.ranks(1).worker_id(), "w1");
-  EXPECT_EQ(job.ranks(1).worker_address(), "addr-of-w1");
+// Each replica of a READY job waits for its own ranks (by RankAssignment.replica); a replica with
+// no ranks stored has none to wait for (it is placed again).
+TEST_F(RecoverStoredJobsTest, EachReplicaWithStoredRanksWaitsForItsOwn) {
+  ASSERT_NO_FATAL_FAILURE(Store("job-ready", v1::READY));
+  std::vector<v1::RankAssignment> ranks;
+  for (int32_t replica : {0, 2}) {
+    for (int32_t rank : {0, 1}) {
+      v1::RankAssignment a;
+      a.set_rank(rank);
+      a.set_replica(replica);
+      a.set_worker_id(absl::StrCat("w", replica, rank));
+      a.set_worker_address(absl::StrCat("127.0.0.1:", 10 * replica + rank + 1));
+      ranks.push_back(a);
+    }
+  }
+  ASSERT_TRUE(store_->SetRanks("job-ready", ranks).ok());
+  ASSERT_TRUE(store_->SetReplicas("job-ready", 3).ok());
+  auto recovered = Recover();
+  ASSERT_TRUE(recovered.ok()) << recovered.status();
+  ASSERT_EQ(recovered->size(), 1u);
+  const RecoveredJob& job = (*recovered)[0];
+  EXPECT_EQ(job.job.replicas(), 3);
+  ASSERT_EQ(job.recoveries.size(), 2u);
+  for (int32_t replica : {0, 2}) {
+    const JobRecovery& recovery = *job.recoveries.at(replica);
+    ASSERT_EQ(recovery.previous.size(), 2u) << replica;
+    for (const v1::RankAssignment& a : recovery.previous) EXPECT_EQ(a.replica(), replica);
+    EXPECT_EQ(recovery.previous[1].worker_id(), absl::StrCat("w", replica, 1));
+  }
+  EXPECT_EQ(job.recoveries.count(1), 0u);
 }
 
 RankReport Report(const std::string& worker, int rank, int64_t next_sequence) {

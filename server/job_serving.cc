@@ -65,6 +65,8 @@ JobServing::JobServing(std::string job_id, v1::ShardPlan plan, std::shared_ptr<c
 
 void JobServing::Close(const std::string& reason) { queue_.Close(reason); }
 
+void JobServing::SetConcurrency(int lanes) { queue_.SetConcurrency(lanes); }
+
 absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, int micro_batches,
                                                  absl::Time callers_deadline, const v1::ForwardWant& want) {
   // Not the callers' deadline: a rank call cut short by one fails the group (the ranks' order can no
@@ -102,6 +104,8 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
     forward.set_micro_batches(std::max(1, micro_batches));
     *forward.mutable_want() = want;
     outcome = ForwardOnAllRanks(target.ranks, forward, deadline, target.abort.get());
+    // The replica takes its next forward now; a loss below is reported for this placement.
+    targets_->EndForward(job_id_, target.replica, target.generation);
     if (outcome.refused) {
       // The workers refused the request itself before any collective, each taking its number: the
       // group serves on (losing it would spend a restart per bad request, and the retry would be
@@ -124,7 +128,7 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
                                              " failed: ", common::FromGrpcStatus(outcome.status).ToString());
       const UnreachableRank down = FindUnreachableRank(target.ranks);
       cause = down.rank >= 0 ? down.cause : first;
-      targets_->LoseGroup(job_id_, target.generation, cause,
+      targets_->LoseGroup(job_id_, target.replica, target.generation, cause,
                           down.rank >= 0 ? target.ranks[static_cast<size_t>(down.rank)].worker_id : "");
     }
     // Inference is idempotent: the batch is sent once more, on the group that replaces the lost

@@ -12,10 +12,12 @@
 //   ASSIGN_OR_RETURN(v1::EmbedResponse response, serving.Embed(request, deadline, cancelled));
 //
 // Failure model: bad requests are INVALID_ARGUMENT (FAILED_PRECONDITION for what the job cannot
-// do) before anything is queued. A forward that fails on a rank (or is cut off because the group
-// was lost elsewhere) loses the job's group (ForwardTargets::LoseGroup, with the worker to blame:
-// the scheduler places it again) and is sent once more, on the group that replaces it (inference
-// is idempotent); only when that fails too do the batch's requests get UNAVAILABLE. While no group
+// do) before anything is queued. Each merged forward goes to one of the job's replicas (the one
+// ForwardTargets hands out: up to one forward per replica at once, SetConcurrency). A forward that
+// fails on a rank (or is cut off because the replica was lost elsewhere) loses that replica
+// (ForwardTargets::LoseGroup, with the worker to blame: the scheduler places it again) and is sent
+// once more, on another replica or the one that replaces it (inference is idempotent); only when
+// that fails too do the batch's requests get UNAVAILABLE. While no replica
 // serves, a batch waits for one until shortly before its callers' latest deadline (a tenth of the
 // time left, at most a second, so that the answer is UNAVAILABLE saying why, not a bare
 // DEADLINE_EXCEEDED), bounded by forward_timeout; callers whose own deadline passes first get
@@ -53,8 +55,9 @@ struct ForwardTarget {
   std::vector<RankStub> ranks;          // in rank order
   int64_t sequence = 0;                 // the forward's number: every rank expects the next one
   std::shared_ptr<ForwardAbort> abort;  // the group's: ends its forward in flight when it is lost elsewhere
-  // Which placement of the job's group this is: a loss reported for an earlier one (a forward that
-  // failed on a group already replaced) changes nothing.
+  // Which replica of the job, and which placement of it, this is: a loss reported for an earlier
+  // one (a forward that failed on a group already replaced) changes nothing.
+  int32_t replica = 0;
   int64_t generation = 0;
 };
 
@@ -62,16 +65,20 @@ struct ForwardTarget {
 class ForwardTargets {
  public:
   virtual ~ForwardTargets() = default;
-  // The job's ranks for its next forward, numbered: the sequence advances once per call, so a
-  // caller that gets a target must send it. While the job's group is being placed and loaded
-  // again, waits for it until `wait_until`, then UNAVAILABLE saying why. FAILED_PRECONDITION when
-  // the job no longer serves (it ended).
+  // The ranks of one of the job's replicas for its next forward, numbered: the sequence advances
+  // once per call, so a caller that gets a target must send it, and the replica is the caller's
+  // until it calls EndForward (one forward at a time per replica). While no replica is free (all
+  // busy, or being placed and loaded again), waits for one until `wait_until`, then UNAVAILABLE
+  // saying why. FAILED_PRECONDITION when the job no longer serves (it ended).
   virtual absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, absl::Time wait_until) = 0;
-  // A forward failed on placement `generation` of the job's group (`cause` names the worker;
+  // The forward sent to `replica`'s placement `generation` has ended (whatever its outcome): the
+  // replica takes the next one.
+  virtual void EndForward(const std::string& job_id, int32_t replica, int64_t generation) = 0;
+  // A forward failed on placement `generation` of the job's replica (`cause` names the worker;
   // `unreachable_worker` is the one that does not answer its health check, "" when all do): the
-  // ranks may be out of step, so the group is dropped and placed again (or the job fails, past
+  // ranks may be out of step, so the replica is dropped and placed again (or the job fails, past
   // --max_restarts).
-  virtual void LoseGroup(const std::string& job_id, int64_t generation, const std::string& cause,
+  virtual void LoseGroup(const std::string& job_id, int32_t replica, int64_t generation, const std::string& cause,
                          const std::string& unreachable_worker) = 0;
 };
 
@@ -114,9 +121,12 @@ class JobServing {
   // INVALID_ARGUMENT for an id outside the vocabulary; FAILED_PRECONDITION as Tokenize.
   absl::StatusOr<std::string> Decode(const std::vector<int64_t>& ids) const;
 
-  // Fails the waiting requests with UNAVAILABLE(`reason`) and refuses new ones; the forward in
-  // flight finishes. Does not block.
+  // Fails the waiting requests with UNAVAILABLE(`reason`) and refuses new ones; the forwards in
+  // flight finish. Does not block.
   void Close(const std::string& reason);
+  // Up to `lanes` (>= 1) merged forwards run at once: one per replica that serves
+  // (BatchQueue::SetConcurrency). Does not block; safe under the caller's locks.
+  void SetConcurrency(int lanes);
   // Infer/Embed calls in progress (queue depth).
   int calls() const { return calls_.load(); }
 

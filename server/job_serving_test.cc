@@ -28,13 +28,19 @@ class Targets : public ForwardTargets {
   absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, absl::Time wait_until) override {
     absl::MutexLock lock(&mu_);
     wait_until_ = wait_until;
-    if (recovering_) return absl::UnavailableError(absl::StrCat("job ", job_id, " has no group serving"));
+    if (recovering_) return absl::UnavailableError(absl::StrCat("job ", job_id, " has no replica serving"));
     if (static_cast<size_t>(generation_) >= groups_.size()) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
     }
-    return ForwardTarget{groups_[static_cast<size_t>(generation_)], next_++, abort_, generation_};
+    ++leased_;
+    return ForwardTarget{groups_[static_cast<size_t>(generation_)], next_++, abort_, 0, generation_};
   }
-  void LoseGroup(const std::string& job_id, int64_t generation, const std::string& cause,
+  void EndForward(const std::string& /*job_id*/, int32_t replica, int64_t generation) override {
+    absl::MutexLock lock(&mu_);
+    ends_.push_back(absl::StrCat(replica, "/", generation));
+    --leased_;
+  }
+  void LoseGroup(const std::string& job_id, int32_t /*replica*/, int64_t generation, const std::string& cause,
                  const std::string& unreachable_worker) override {
     absl::MutexLock lock(&mu_);
     losses_.push_back(absl::StrCat(job_id, " (group ", generation, "): ", cause,
@@ -58,6 +64,15 @@ class Targets : public ForwardTargets {
     absl::MutexLock lock(&mu_);
     return wait_until_;
   }
+  // Forwards handed out and not yet ended (each NextForward's target must be given back).
+  int leased() const {
+    absl::MutexLock lock(&mu_);
+    return leased_;
+  }
+  std::vector<std::string> ends() const {
+    absl::MutexLock lock(&mu_);
+    return ends_;
+  }
 
  private:
   const std::vector<std::vector<RankStub>> groups_;
@@ -66,6 +81,8 @@ class Targets : public ForwardTargets {
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t next_ ABSL_GUARDED_BY(mu_) = 0;
   bool recovering_ ABSL_GUARDED_BY(mu_) = false;
+  int leased_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> ends_ ABSL_GUARDED_BY(mu_);
   absl::Time wait_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::vector<std::string> losses_ ABSL_GUARDED_BY(mu_);
 };
@@ -215,6 +232,9 @@ TEST_F(JobServingTest, AFailedForwardIsSentOnceMoreOnTheGroupThatReplacesIt) {
   ASSERT_EQ(last_.requests().size(), 1u);
   EXPECT_EQ(last_.requests()[0].sequence(), 0);  // the new group's first forward
   EXPECT_EQ(last_.requests()[0].inputs().input_ids_size(), 6);
+  // Each attempt gave its replica back, the failed one included (another forward may take it).
+  EXPECT_EQ(targets_->ends(), (std::vector<std::string>{"0/0", "0/1"}));
+  EXPECT_EQ(targets_->leased(), 0);
 }
 
 // A request every rank refuses before any collective (INVALID_ARGUMENT from each: it took its
@@ -297,7 +317,7 @@ TEST_F(JobServingTest, WithNoGroupServingABatchWaitsUntilShortlyBeforeItsDeadlin
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   auto response = serving_->Infer(request, deadline, nullptr);
   EXPECT_EQ(response.status().code(), absl::StatusCode::kUnavailable) << response.status();
-  EXPECT_NE(response.status().message().find("has no group serving"), std::string::npos) << response.status();
+  EXPECT_NE(response.status().message().find("has no replica serving"), std::string::npos) << response.status();
   const absl::Time waited_until = targets_->wait_until();
   EXPECT_LT(waited_until, deadline);                            // the margin: a tenth of 5 s
   EXPECT_GT(waited_until, deadline - absl::Milliseconds(600));  // but no more than that

@@ -84,6 +84,8 @@ ABSL_FLAG(std::string, read_token_file, "",
 ABSL_FLAG(int, max_jobs_per_client, 16,
           "jobs one client may have that have not ended; 0: no limit. A client is its verified TLS certificate's "
           "common name, else its host: every client of one host shares it (tokens name no client)");
+ABSL_FLAG(int, max_replicas, 16,
+          "the most replicas (independent TP x PP groups of workers) one job may run (SubmitJob, ScaleJob)");
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(24 * 7),
           "how long ended (FAILED, CANCELLED) jobs stay in the job database, listed and readable, before they are "
           "deleted (e.g. 168h, 30m; inf: kept for good). Jobs that have not ended are never deleted");
@@ -162,6 +164,8 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
   options.server_credentials = security->server_credentials;
   options.cluster.worker_credentials = security->peer_credentials;
   options.cluster.max_jobs_per_client = absl::GetFlag(FLAGS_max_jobs_per_client);
+  options.cluster.max_replicas = absl::GetFlag(FLAGS_max_replicas);
+  if (options.cluster.max_replicas < 1) return absl::InvalidArgumentError("--max_replicas must be >= 1");
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   if (options.cluster.max_jobs_per_client < 0 || options.max_message_bytes < 4096 ||

@@ -1,5 +1,6 @@
 #include "server/recovery_metrics.h"
 
+#include <functional>
 #include <utility>
 
 #include "common/status_macros.h"
@@ -8,12 +9,11 @@ namespace bertshard::server {
 
 absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRecoveryMetrics(
     common::MetricsRegistry* registry, std::function<RecoveryMetrics()> read) {
-  auto per_job = [read](bool degraded) {
-    return [read, degraded]() -> absl::StatusOr<std::vector<common::Sample>> {
+  using Field = std::function<double(const JobRecoveryState&)>;
+  auto per_job = [read](Field field) {
+    return [read, field]() -> absl::StatusOr<std::vector<common::Sample>> {
       std::vector<common::Sample> samples;
-      for (const JobRecoveryState& job : read().jobs) {
-        samples.push_back({{job.job_id}, degraded ? (job.degraded ? 1.0 : 0.0) : static_cast<double>(job.restarts)});
-      }
+      for (const JobRecoveryState& job : read().jobs) samples.push_back({{job.job_id}, field(job)});
       return samples;
     };
   };
@@ -23,15 +23,15 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRe
   std::vector<common::MetricsRegistry::CollectorHandle> handles;
   ASSIGN_OR_RETURN(auto restarts,
                    registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_restarts",
-                                          "Losses in a row of the job's group (Job.restarts; 0 once it served "
-                                          "--restart_reset_after), per job that has not ended.",
-                                          {"job"}, per_job(false)));
+                                          "Losses in a row of the job's replica lost most (Job.restarts; 0 once it "
+                                          "served --restart_reset_after), per job that has not ended.",
+                                          {"job"}, per_job([](const JobRecoveryState& j) { return static_cast<double>(j.restarts); })));
   handles.push_back(std::move(restarts));
   ASSIGN_OR_RETURN(auto degraded,
                    registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_degraded",
-                                          "1 while the job's group is being placed and loaded again after a lost "
-                                          "worker (Job.degraded), else 0; per job that has not ended.",
-                                          {"job"}, per_job(true)));
+                                          "1 while a replica of the job is being placed and loaded again after a "
+                                          "lost worker (Job.degraded), else 0; per job that has not ended.",
+                                          {"job"}, per_job([](const JobRecoveryState& j) { return j.degraded ? 1.0 : 0.0; })));
   handles.push_back(std::move(degraded));
   ASSIGN_OR_RETURN(auto groups_lost,
                    registry->AddCollector(common::MetricType::kCounter, "bertshard_coordinator_groups_lost_total",
@@ -39,6 +39,25 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRe
                                           "or load) since the coordinator started.",
                                           {}, lost));
   handles.push_back(std::move(groups_lost));
+  ASSIGN_OR_RETURN(auto replicas,
+                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_replicas",
+                                          "Replicas the job runs (Job.replicas), per job that has not ended.", {"job"},
+                                          per_job([](const JobRecoveryState& j) { return j.replicas; })));
+  handles.push_back(std::move(replicas));
+  ASSIGN_OR_RETURN(auto ready,
+                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_replicas_ready",
+                                          "Replicas of the job that serve now, per job that has not ended.", {"job"},
+                                          per_job([](const JobRecoveryState& j) { return j.replicas_ready; })));
+  handles.push_back(std::move(ready));
+  auto wanted = [read]() -> absl::StatusOr<std::vector<common::Sample>> {
+    return std::vector<common::Sample>{{{}, static_cast<double>(read().workers_wanted)}};
+  };
+  ASSIGN_OR_RETURN(auto workers_wanted,
+                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_workers_wanted",
+                                          "Workers that every job's replicas need: those placed, and the world size "
+                                          "of each replica waiting for workers (a worker autoscaler's target).",
+                                          {}, wanted));
+  handles.push_back(std::move(workers_wanted));
   return handles;
 }
 

@@ -31,12 +31,17 @@ namespace bertshard::server {
 struct JobRecoveryState {
   std::string job_id;
   int restarts = 0;       // Job.restarts: losses in a row of its group
-  bool degraded = false;  // Job.degraded set: its group is being placed and loaded again
+  bool degraded = false;  // Job.degraded set: a replica is being placed and loaded again
+  int replicas = 1;        // Job.replicas: wanted
+  int replicas_ready = 0;  // serving now
 };
 
 struct RecoveryMetrics {
   std::vector<JobRecoveryState> jobs;  // every job that has not ended
   int64_t groups_lost = 0;             // groups lost since the coordinator started (give-ups included)
+  // The workers every job's replicas need: those placed (or being taken back) and the world size
+  // of each replica waiting for workers; what a worker autoscaler aims the pool at.
+  int64_t workers_wanted = 0;
 };
 
 absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRecoveryMetrics(

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "planner/planner.h"
 #include "server/job_names.h"
 #include "server/placement.h"
+#include "server/replica_keys.h"
 #include "server/shard_loading.h"
 
 namespace bertshard::server {
@@ -38,7 +40,9 @@ void Scheduler::Stop() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     for (auto& [id, runtime] : runtimes_) {
-      for (auto& context : runtime->group.load_contexts) context->TryCancel();
+      for (auto& [replica, group] : runtime->groups) {
+        for (auto& context : group->load_contexts) context->TryCancel();
+      }
       if (auto serving = CloseServingLocked(*runtime, "the coordinator is shutting down")) {
         servings.push_back(std::move(serving));
       }
@@ -62,6 +66,11 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   }
   ASSIGN_OR_RETURN(const std::string backend, NormaliseBackend(request.backend()));
   if (!request.name().empty()) RETURN_IF_ERROR(CheckJobName(request.name()));
+  const int32_t replicas = request.has_replicas() ? request.replicas() : 1;
+  if (replicas < 1 || replicas > options_.max_replicas) {
+    return absl::InvalidArgumentError(absl::StrCat("replicas must be 1..", options_.max_replicas,
+                                                   " (--max_replicas), not ", replicas));
+  }
   // The checkpoint opened once under the model root: config.json for the plan and the serving
   // assets are read through its descriptors, here, off the lock.
   ASSIGN_OR_RETURN(const LocalCheckpoint local, OpenLocalCheckpoint(options_.model_root, request.request()));
@@ -90,14 +99,22 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   // What the job would wait for now: for NCCL, GPUs that several workers report count once, and
   // the reason says so up front, not NCCL after every rank has loaded.
   const Placement now = PlaceRanks(backend, plan.world_size(), pool_->Idle());
-  if (now.ranks.empty() && request.fail_if_no_workers()) {
-    return absl::FailedPreconditionError(absl::StrCat("the job cannot start now: ", now.waiting_for));
+  if (request.fail_if_no_workers()) {
+    // Every replica at once, each on its own workers.
+    const Placement all = PlaceRanks(backend, plan.world_size() * replicas, pool_->Idle());
+    if (all.ranks.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the job cannot start now: ",
+          replicas == 1 ? all.waiting_for : absl::StrCat(replicas, " replicas of ", plan.world_size(),
+                                                         " ranks: ", all.waiting_for)));
+    }
   }
   v1::Job job;
   job.set_id(absl::StrCat("job-", absl::ToUnixMillis(absl::Now()), "-", ++next_job_));
   *job.mutable_request() = request.request();
   job.set_submitted_by(client);
   job.set_name(request.name());
+  job.set_replicas(replicas);
   // The class the plan resolved (from the checkpoint's config.json when the request named none),
   // so that listings say what runs.
   job.mutable_request()->set_variant(plan.variant());
@@ -113,8 +130,9 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   runtime->backend = backend;
   runtime->submitted_by = client;
   runtime->name = request.name();
+  runtime->replicas = replicas;
   runtimes_[job.id()] = runtime;
-  pending_.push_back({job.id(), job.pending_reason()});
+  for (int32_t r = 0; r < replicas; ++r) AddGroupLocked(job.id(), *runtime, r).reason = job.pending_reason();
   ScheduleLocked();
   changed_.SignalAll();
   return store_->Get(job.id());
@@ -122,20 +140,23 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
 
 void Scheduler::ScheduleLocked() {
   if (stopping_ || draining_) return;
-  std::vector<PendingJob> still_pending;
+  std::vector<PendingGroup> still_pending;
   std::vector<size_t> waiting;  // into still_pending: those no placement fits now, or in backoff
+  std::set<std::string> changed;  // jobs whose replicas were placed: recorded once each below
   const absl::Time now = absl::Now();
   next_backoff_end_ = absl::InfiniteFuture();
-  const auto backing_off = [now](const JobRuntime& runtime) {
-    return runtime.group.restarts.recovering() && now < runtime.group.restarts.not_before();
+  const auto backing_off = [now](const GroupRuntime& group) {
+    return group.restarts.recovering() && now < group.restarts.not_before();
   };
-  for (PendingJob& pending : pending_) {
+  for (PendingGroup& pending : pending_) {
     auto runtime = runtimes_.find(pending.job_id);
     if (runtime == runtimes_.end()) continue;
-    if (backing_off(*runtime->second)) {
+    GroupRuntime* group = runtime->second->Group(pending.replica);
+    if (group == nullptr || group->phase != GroupRuntime::Phase::kPending) continue;
+    if (backing_off(*group)) {
       // Lost again soon after its last placement: it waits out its backoff (the monitor schedules
-      // again when it is over), leaving the workers to the jobs behind it meanwhile.
-      next_backoff_end_ = std::min(next_backoff_end_, runtime->second->group.restarts.not_before());
+      // again when it is over), leaving the workers to the replicas behind it meanwhile.
+      next_backoff_end_ = std::min(next_backoff_end_, group->restarts.not_before());
       waiting.push_back(still_pending.size());
       still_pending.push_back(std::move(pending));
       continue;
@@ -149,90 +170,102 @@ void Scheduler::ScheduleLocked() {
     }
     std::vector<IdleWorker> workers;
     for (size_t i : placement.ranks) workers.push_back(free_workers[i]);
-    if (!PlanJobLocked(pending.job_id, *runtime->second, workers)) {
+    if (!PlanGroupLocked(pending.job_id, *runtime->second, *group, workers)) {
       still_pending.push_back(std::move(pending));  // PENDING as stored; the monitor tries again
       continue;
     }
-    threads_.Start(
-        [this, id = pending.job_id, generation = runtime->second->group.generation] { LoadJob(id, generation); });
+    threads_.Start([this, id = pending.job_id, replica = pending.replica, generation = group->generation] {
+      LoadGroup(id, replica, generation);
+    });
   }
   pending_ = std::move(still_pending);
-  // Why the others wait, against the pool as the jobs placed above left it; written only when it
-  // changed (a worker came or went, reported a GPU another holds).
+  // Why the others wait, against the pool as the replicas placed above left it; written only when
+  // it changed (a worker came or went, reported a GPU another holds).
   const std::vector<IdleWorker> free_workers = pool_->Idle();
   for (size_t i : waiting) {
-    PendingJob& pending = pending_[i];
-    const JobRuntime& runtime = *runtimes_.at(pending.job_id);
+    const PendingGroup& pending = pending_[i];
+    JobRuntime& runtime = *runtimes_.at(pending.job_id);
+    GroupRuntime& group = *runtime.Group(pending.replica);
     const std::string why =
-        backing_off(runtime)
+        backing_off(group)
             ? absl::StrCat("placing it again from ",
-                           absl::FormatTime("%H:%M:%E3S UTC", runtime.group.restarts.not_before(), absl::UTCTimeZone()),
-                           " (backoff: ", runtime.group.restarts.restarts(), " losses in a row)")
+                           absl::FormatTime("%H:%M:%E3S UTC", group.restarts.not_before(), absl::UTCTimeZone()),
+                           " (backoff: ", group.restarts.restarts(), " losses in a row)")
             : PlaceRanks(runtime.backend, runtime.plan.world_size(), free_workers).waiting_for;
-    const std::string reason = runtime.pending_note.empty() ? why : absl::StrCat(runtime.pending_note, "; ", why);
-    if (pending.reason == reason) continue;
-    const absl::Status recorded = store_->SetPendingReason(pending.job_id, reason);
-    RecordLocked(recorded, "recording the pending reason of " + pending.job_id);
-    if (recorded.ok()) pending.reason = reason;
+    const std::string reason = group.pending_note.empty() ? why : absl::StrCat(group.pending_note, "; ", why);
+    if (group.reason == reason) continue;
+    group.reason = reason;
+    changed.insert(pending.job_id);
+  }
+  for (const std::string& job_id : changed) {
+    RecordLocked(RecordJobLocked(job_id, *runtimes_.at(job_id), ""), "recording the pending reason of " + job_id);
   }
   changed_.SignalAll();
 }
 
-bool Scheduler::PlanJobLocked(const std::string& job_id, JobRuntime& runtime, const std::vector<IdleWorker>& workers) {
-  std::vector<v1::RankAssignment> ranks;
-  ++runtime.group.generation;  // a load of an earlier placement, still winding down, is not this one
-  runtime.group.next_sequence = 0;
-  runtime.group.rank_workers.clear();
-  runtime.group.progress.clear();
+bool Scheduler::PlanGroupLocked(const std::string& job_id, JobRuntime& runtime, GroupRuntime& group,
+                                const std::vector<IdleWorker>& workers) {
+  const std::string key = ReplicaKey(job_id, group.replica);
+  group.generation = ++generations_;  // a load of an earlier placement, still winding down, is not this one
+  group.next_sequence = 0;
+  group.forwards = 0;
+  group.ranks.clear();
+  group.progress.clear();
   for (size_t r = 0; r < workers.size(); ++r) {
-    pool_->Assign(workers[r].worker_id, job_id, static_cast<int32_t>(r));
+    pool_->Assign(workers[r].worker_id, key, static_cast<int32_t>(r));
     v1::RankAssignment a;
     a.set_rank(static_cast<int32_t>(r));
     a.set_worker_id(workers[r].worker_id);
     a.set_worker_address(workers[r].address);
-    ranks.push_back(a);
-    runtime.group.rank_workers.push_back(a.worker_id());
+    a.set_replica(group.replica);
+    group.ranks.push_back(a);
     v1::RankProgress p;
     p.set_rank(a.rank());
     p.set_worker_id(a.worker_id());
-    runtime.group.progress.push_back(p);
+    p.set_replica(group.replica);
+    group.progress.push_back(p);
   }
-  const absl::Status recorded =
-      store_->TransitionWithRanks(job_id, v1::PLANNED, absl::StrCat(workers.size(), " workers assigned"), ranks)
-          .status();
+  group.phase = GroupRuntime::Phase::kPlanned;
+  const absl::Status recorded = RecordJobLocked(
+      job_id, runtime,
+      runtime.replicas == 1 ? absl::StrCat(workers.size(), " workers assigned")
+                            : absl::StrCat(workers.size(), " workers assigned to replica ", group.replica));
   if (recorded.ok()) return true;
-  // Not recorded, so not started: the job stays PENDING as stored, with no ranks, its workers stay
-  // free, and the monitor tries again every quarter interval until the database takes it (a
+  // Not recorded, so not started: the replica stays PENDING as stored, with no ranks, its workers
+  // stay free, and the monitor tries again every quarter interval until the database takes it (a
   // restarted coordinator would see the same).
   StoreErrorLocked(absl::StrCat("planning job ", job_id), recorded);
   for (const IdleWorker& w : workers) pool_->Unassign(w.worker_id);
-  runtime.group.rank_workers.clear();
-  runtime.group.progress.clear();
+  group.phase = GroupRuntime::Phase::kPending;
+  group.ranks.clear();
+  group.progress.clear();
   schedule_retry_ = true;
   return false;
 }
 
 struct Scheduler::Load {
   std::string job_id;
-  int64_t generation = 0;  // the group's placement this load is for
+  int32_t replica = 0;
+  std::string key;         // ReplicaKey(job_id, replica): what its workers know it by
+  int64_t generation = 0;  // the replica's placement this load is for
   std::shared_ptr<JobRuntime> runtime;
-  std::vector<RankStub> ranks;  // copied: a worker registering again may change rank_workers
+  std::vector<RankStub> ranks;  // copied: a worker registering again may change the group's ranks
 };
 
-void Scheduler::LoadJob(const std::string& job_id, int64_t generation) {
+void Scheduler::LoadGroup(const std::string& job_id, int32_t replica, int64_t generation) {
   // The job is PLANNED here, and stays so until BeginLoad: fault tests hold it in that window.
   common::PausePoint("coordinator_planned");
-  const std::optional<Load> load = BeginLoad(job_id, generation);
+  const std::optional<Load> load = BeginLoad(job_id, replica, generation);
   if (!load.has_value()) return;
   // A secret per load attempt, held only here and in the requests (never in the job store or a
   // log): the ranks prove it to the rendezvous, which refuses anyone else (worker/auth_store.h).
   const absl::StatusOr<std::string> secret = common::SecureRandomBytes(32);
   const absl::StatusOr<int32_t> port =
-      secret.ok() ? ReserveRendezvousPort(load->ranks[0], job_id, *secret) : absl::StatusOr<int32_t>(secret.status());
+      secret.ok() ? ReserveRendezvousPort(load->ranks[0], load->key, *secret) : absl::StatusOr<int32_t>(secret.status());
   if (!port.ok()) {
     absl::MutexLock lock(&mu_);
     // Stopping: the job stays LOADING for the next coordinator, which places it again.
-    LoseGroupLocked(job_id, generation, std::string(port.status().message()));
+    LoseGroupLocked(job_id, replica, generation, std::string(port.status().message()));
     return;
   }
   const std::vector<std::shared_ptr<grpc::ClientContext>> contexts = LoadContexts(*load);
@@ -240,25 +273,30 @@ void Scheduler::LoadJob(const std::string& job_id, int64_t generation) {
   FinishLoad(*load, LoadShards(*load, *port, *secret, contexts));
 }
 
-std::optional<Scheduler::Load> Scheduler::BeginLoad(const std::string& job_id, int64_t generation) {
+std::optional<Scheduler::Load> Scheduler::BeginLoad(const std::string& job_id, int32_t replica, int64_t generation) {
   absl::MutexLock lock(&mu_);
-  // Between planning and here (the PLANNED window) the job may have been cancelled, and a worker
-  // may have registered again under a new id: neither may start a load.
+  // Between planning and here (the PLANNED window) the job may have been cancelled or scaled down,
+  // and a worker may have registered again under a new id: none of these may start a load.
   auto job = store_->Get(job_id);
   auto found = runtimes_.find(job_id);
   if (stopping_ || !job.ok() || TerminalState(job->state()) || found == runtimes_.end()) return std::nullopt;
+  GroupRuntime* group = found->second->Group(replica);
   // Lost and placed again in that window: the later placement's own load runs.
-  if (found->second->group.generation != generation) return std::nullopt;
-  Load load{job_id, generation, found->second, {}};
-  absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs(load.runtime->group.rank_workers);
+  if (group == nullptr || group->generation != generation || group->phase != GroupRuntime::Phase::kPlanned) {
+    return std::nullopt;
+  }
+  Load load{job_id, replica, ReplicaKey(job_id, replica), generation, found->second, {}};
+  absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs(group->WorkerIds());
   if (!stubs.ok()) {
-    LoseGroupLocked(job_id, generation, absl::StrCat(stubs.status().message(), " before the job began loading"));
+    LoseGroupLocked(job_id, replica, generation,
+                    absl::StrCat(stubs.status().message(), " before the job began loading"));
     return std::nullopt;
   }
   for (WorkerStub& s : *stubs) {
     load.ranks.push_back({s.worker_id, s.address, std::move(s.stub), options_.worker_token, std::move(s.health)});
   }
-  if (absl::Status s = store_->Transition(job_id, v1::LOADING, "").status(); !s.ok()) {
+  group->phase = GroupRuntime::Phase::kLoading;
+  if (absl::Status s = RecordJobLocked(job_id, *found->second, ""); !s.ok()) {
     // Nothing is loaded yet; a job the database cannot follow is not started.
     StoreErrorLocked(absl::StrCat("loading job ", job_id), s);
     FailJobLocked(job_id, absl::StrCat("the job database could not record the load: ", s.message()));
@@ -276,12 +314,13 @@ std::vector<std::shared_ptr<grpc::ClientContext>> Scheduler::LoadContexts(const 
   // loads started now; the job stays LOADING for the next coordinator.
   std::vector<std::shared_ptr<grpc::ClientContext>> contexts;
   absl::MutexLock lock(&mu_);
-  if (stopping_ || load.runtime->ended || load.runtime->group.generation != load.generation) return contexts;
+  GroupRuntime* group = load.runtime->Group(load.replica);
+  if (stopping_ || load.runtime->ended || group == nullptr || group->generation != load.generation) return contexts;
   for (const RankStub& rank : load.ranks) {
     auto context = std::make_shared<grpc::ClientContext>();
     context->set_deadline(absl::ToChronoTime(absl::Now() + options_.load_timeout));
     common::AttachToken(context.get(), rank.token);
-    load.runtime->group.load_contexts.push_back(context);
+    group->load_contexts.push_back(context);
     contexts.push_back(std::move(context));
   }
   return contexts;
@@ -290,7 +329,7 @@ std::vector<std::shared_ptr<grpc::ClientContext>> Scheduler::LoadContexts(const 
 bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& secret,
                            const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts) {
   v1::LoadShardRequest request;
-  request.set_job_id(load.job_id);
+  request.set_job_id(load.key);
   *request.mutable_plan() = load.runtime->plan;
   request.set_checkpoint(load.runtime->checkpoint);
   request.set_backend(load.runtime->backend);
@@ -302,18 +341,21 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
       load.ranks, request, contexts,
       [&](size_t rank, const v1::LoadProgress& progress) {
         absl::MutexLock lock(&mu_);
-        if (load.runtime->group.generation != load.generation) return;  // the group was lost
-        *load.runtime->group.progress[rank].mutable_progress() = progress;
+        GroupRuntime* group = load.runtime->Group(load.replica);
+        if (group == nullptr || group->generation != load.generation) return;  // the group was lost
+        *group->progress[rank].mutable_progress() = progress;
         changed_.SignalAll();
       },
       [&](size_t /*rank*/, const absl::Status& failure) {
         absl::MutexLock lock(&mu_);
         // Stopping: see LoadContexts.
         if (stopping_ || load.runtime->ended) return;
+        GroupRuntime* group = load.runtime->Group(load.replica);
+        if (group == nullptr) return;  // scaled away meanwhile
         // Late news of an older group: its placement is long gone, and the job may serve again.
-        const int64_t now = load.runtime->group.generation;
-        const bool lost_by_this_load = now == load.generation + 1 && load.runtime->group.rank_workers.empty();
-        if (LoadCanNeverSucceed(failure) && (now == load.generation || lost_by_this_load)) {
+        const bool lost_by_this_load =
+            group->lost_from == load.generation && group->phase == GroupRuntime::Phase::kPending;
+        if (LoadCanNeverSucceed(failure) && (group->generation == load.generation || lost_by_this_load)) {
           // The checkpoint or the request is wrong: loading it again would meet the same refusal. So
           // even when another rank's failure of this load lost the group first (it is not placed
           // again yet), the job ends here.
@@ -321,26 +363,30 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
           return;
         }
         const absl::optional<absl::Cord> unreachable = failure.GetPayload(kUnreachableWorkerPayload);
-        LoseGroupLocked(load.job_id, load.generation, std::string(failure.message()),  // late: nothing
+        LoseGroupLocked(load.job_id, load.replica, load.generation, std::string(failure.message()),  // late: nothing
                         unreachable.has_value() ? std::string(*unreachable) : "");
       });
 }
 
 void Scheduler::FinishLoad(const Load& load, bool all_loaded) {
   absl::MutexLock lock(&mu_);
-  if (load.runtime->ended || load.runtime->group.generation != load.generation) return;
-  load.runtime->group.load_contexts.clear();
+  GroupRuntime* group = load.runtime->Group(load.replica);
+  if (load.runtime->ended || group == nullptr || group->generation != load.generation) return;
+  group->load_contexts.clear();
   if (!all_loaded) return;
-  if (absl::Status s = store_->Transition(load.job_id, v1::READY, "").status(); !s.ok()) {
+  group->phase = GroupRuntime::Phase::kServing;
+  if (absl::Status s = RecordJobLocked(load.job_id, *load.runtime, ""); !s.ok()) {
     // Serving a job the database still calls LOADING would be lost at the next restart.
     StoreErrorLocked(absl::StrCat("readying job ", load.job_id), s);
     FailJobLocked(load.job_id, absl::StrCat("the job database could not record it READY: ", s.message()));
     return;
   }
-  load.runtime->group.serving = true;
-  load.runtime->group.restarts.Served(absl::Now());
-  load.runtime->pending_note.clear();
-  changed_.SignalAll();  // batches waiting for the group (NextForward) go on
+  group->restarts.Served(absl::Now());
+  group->pending_note.clear();
+  group->reason.clear();
+  group->idle_since = absl::Now();
+  UpdateLanesLocked(*load.runtime);
+  changed_.SignalAll();  // batches waiting for a replica (NextForward) go on
 }
 
 void Scheduler::FailJobLocked(const std::string& job_id, const std::string& cause, v1::JobState state) {
@@ -352,16 +398,22 @@ void Scheduler::FailJobLocked(const std::string& job_id, const std::string& caus
     StoreErrorLocked(absl::StrCat("ending job ", job_id, " as ", v1::JobState_Name(state), " (", cause, ")"), s);
   }
   pending_.erase(
-      std::remove_if(pending_.begin(), pending_.end(), [&](const PendingJob& p) { return p.job_id == job_id; }),
+      std::remove_if(pending_.begin(), pending_.end(), [&](const PendingGroup& p) { return p.job_id == job_id; }),
       pending_.end());
   auto runtime = runtimes_.find(job_id);
+  std::vector<std::string> keys;
+  if (runtime != runtimes_.end()) {
+    for (const auto& [replica, group] : runtime->second->groups) keys.push_back(ReplicaKey(job_id, replica));
+  }
   if (runtime != runtimes_.end()) {
     const std::string why = absl::StrCat("job ", job_id, " is ", v1::JobState_Name(state), ": ", cause);
     runtime->second->ended = true;
-    for (auto& context : runtime->second->group.load_contexts) context->TryCancel();
-    runtime->second->group.forward_abort->Abort(why);
-    runtime->second->recovery.reset();
-    runtime->second->group.serving = false;
+    for (auto& [replica, group] : runtime->second->groups) {
+      for (auto& context : group->load_contexts) context->TryCancel();
+      group->forward_abort->Abort(why);
+      group->recovery.reset();
+      group->phase = GroupRuntime::Phase::kPending;
+    }
     if (auto serving = CloseServingLocked(*runtime->second, why)) {
       // (No JobServing exists once stopping_ is set: see WithServingRuntime.)
       threads_.Start([serving = std::move(serving)]() mutable { serving.reset(); });
@@ -371,9 +423,11 @@ void Scheduler::FailJobLocked(const std::string& job_id, const std::string& caus
     // coordinator by 200 MiB and its /metrics by a line per ended job.
     runtimes_.erase(runtime);
   }
-  for (const WorkerStub& w : pool_->Release(job_id)) {
-    if (stopping_) break;
-    UnloadInBackground(w.stub, job_id, options_.worker_token);  // survivors drop their shard
+  for (const std::string& key : keys) {
+    for (const WorkerStub& w : pool_->Release(key)) {
+      if (stopping_) break;
+      UnloadInBackground(w.stub, key, options_.worker_token);  // survivors drop their shard
+    }
   }
   changed_.SignalAll();
   ScheduleLocked();
@@ -424,25 +478,18 @@ void Scheduler::MonitorLoop() {
                              absl::StrCat("stopped heartbeating (silent for ", absl::FormatDuration(d.silent), ")"));
     }
     if (!silent.empty()) ScheduleLocked();
-    std::vector<std::string> overdue;
+    std::vector<std::string> overdue;  // replicas' keys
     for (const auto& [job_id, runtime] : runtimes_) {
-      if (runtime->recovery != nullptr && now >= runtime->recovery->deadline) overdue.push_back(job_id);
+      for (const auto& [replica, group] : runtime->groups) {
+        if (group->recovery != nullptr && now >= group->recovery->deadline) {
+          overdue.push_back(ReplicaKey(job_id, replica));
+        }
+      }
     }
-    for (const std::string& job_id : overdue) DecideRecoveryLocked(job_id);
+    for (const std::string& key : overdue) DecideRecoveryLocked(key);
     if (now >= next_backoff_end_) ScheduleLocked();  // a restart's backoff is over
     SweepEndedJobsLocked(now);
   }
-}
-
-void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
-  auto runtime = runtimes_.find(job.id());
-  if (runtime == runtimes_.end()) return;
-  if (runtime->second->recovery != nullptr) {
-    job.set_recovering(runtime->second->recovery->Describe(runtime->second->plan.world_size()));
-  }
-  const GroupRestarts& restarts = runtime->second->group.restarts;
-  if (restarts.recovering()) job.set_degraded(restarts.Describe());
-  job.set_restarts(restarts.restarts());
 }
 
 absl::StatusOr<v1::Job> Scheduler::GetJobLocked(const std::string& id) {
@@ -487,16 +534,6 @@ absl::StatusOr<v1::Job> Scheduler::CancelJob(const std::string& id) {
   return GetJobLocked(id);
 }
 
-v1::JobEvent Scheduler::EventLocked(const v1::Job& job) {
-  v1::JobEvent event;
-  *event.mutable_job() = job;
-  auto runtime = runtimes_.find(job.id());
-  if (runtime != runtimes_.end()) {
-    for (const auto& p : runtime->second->group.progress) *event.add_ranks() = p;
-  }
-  return event;
-}
-
 absl::Status Scheduler::WatchJob(const std::string& id, absl::Time deadline,
                                  const std::function<bool(const v1::JobEvent&)>& emit,
                                  const std::function<bool()>& cancelled) {
@@ -522,75 +559,6 @@ absl::Status Scheduler::WatchJob(const std::string& id, absl::Time deadline,
     const v1::JobState s = event.job().state();
     if (TerminalState(s) || (s == v1::READY && event.job().recovering().empty())) return absl::OkStatus();
   }
-}
-
-absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, absl::Time wait_until) {
-  absl::MutexLock lock(&mu_);
-  std::shared_ptr<JobRuntime> found;
-  while (true) {
-    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
-    auto it = runtimes_.find(job_id);
-    if (it == runtimes_.end()) {
-      // It ended while this batch waited (its queue is closed by now too).
-      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
-    }
-    found = it->second;
-    if (found->group.serving) break;
-    if (!found->group.restarts.recovering()) {
-      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " does not serve now"));
-    }
-    // Its group is being placed and loaded again: the batch waits for it (FinishLoad signals).
-    if (absl::Now() >= wait_until) {
-      return absl::UnavailableError(absl::StrCat("job ", job_id, " has no group serving (",
-                                                 found->group.restarts.Describe(),
-                                                 ") and none came back before the requests' deadline; retry"));
-    }
-    changed_.WaitWithDeadline(&mu_, wait_until);
-  }
-  JobRuntime& runtime = *found;
-  // A serving job's workers are in the pool: one that registers again keeps the rank under its
-  // new id (MoveRankLocked), and one that leaves fails the job first.
-  ASSIGN_OR_RETURN(std::vector<WorkerStub> stubs, pool_->Stubs(runtime.group.rank_workers));
-  ForwardTarget target;
-  for (WorkerStub& s : stubs) {
-    target.ranks.push_back({s.worker_id, s.address, std::move(s.stub), options_.worker_token, std::move(s.health)});
-  }
-  target.sequence = runtime.group.next_sequence++;
-  target.abort = runtime.group.forward_abort;
-  target.generation = runtime.group.generation;
-  return target;
-}
-
-void Scheduler::LoseGroup(const std::string& job_id, int64_t generation, const std::string& cause,
-                          const std::string& unreachable_worker) {
-  absl::MutexLock lock(&mu_);
-  LoseGroupLocked(job_id, generation, cause, unreachable_worker);
-}
-
-absl::Status Scheduler::WithServingRuntime(const std::string& job_id,
-                                           const std::function<absl::Status(const std::shared_ptr<JobRuntime>& serving,
-                                                                            const absl::StatusOr<v1::Job>& job)>& use) {
-  absl::MutexLock lock(&mu_);
-  // Stop() takes every batch queue out as it sets stopping_; none may be made after.
-  if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
-  auto found = runtimes_.find(job_id);
-  // A group being placed again: the requests queue and wait for it (NextForward).
-  if (found != runtimes_.end() && (found->second->group.serving || found->second->group.restarts.recovering())) {
-    return use(found->second, v1::Job());
-  }
-  return use(nullptr, GetJobLocked(job_id));
-}
-
-RecoveryMetrics Scheduler::Recovery() {
-  absl::MutexLock lock(&mu_);
-  RecoveryMetrics metrics;
-  metrics.groups_lost = groups_lost_;
-  for (const auto& [id, runtime] : runtimes_) {
-    if (runtime->ended) continue;
-    const GroupRestarts& restarts = runtime->group.restarts;
-    metrics.jobs.push_back({id, restarts.restarts(), restarts.recovering()});
-  }
-  return metrics;
 }
 
 void Scheduler::ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit) {

@@ -59,37 +59,63 @@
 
 namespace bertshard::server {
 
-// One TP x PP group of workers serving a job: its placement, load and forwards. A job has one
-// today; replicas will make it several, each with its own GroupRuntime inside the JobRuntime.
-// Fields are guarded by the Scheduler's lock.
+// One replica of a job: a TP x PP group of workers with the job's plan, placed, loaded and lost
+// on its own (its workers know it by ReplicaKey(job id, replica): replica_keys.h). Fields are
+// guarded by the Scheduler's lock.
 struct GroupRuntime {
-  explicit GroupRuntime(const RestartPolicy& policy) : restarts(policy) {}
-  std::vector<std::string> rank_workers;
+  GroupRuntime(int32_t replica, const RestartPolicy& policy) : replica(replica), restarts(policy) {}
+  enum class Phase {
+    kPending,     // waiting for idle workers (first placement, or after a loss: restarts says)
+    kPlanned,     // workers assigned; its load starts
+    kLoading,     // its ranks load
+    kReadopting,  // a restarted coordinator waits for its ranks to come back (recovery)
+    kServing,     // loaded and answering
+  };
+  const int32_t replica;
+  Phase phase = Phase::kPending;
+  // While pending: what it waits for (ReplicaStatus.reason); `pending_note` is said before it
+  // (why it is pending again: "recovering: lost ...", "the coordinator restarted before loading").
+  std::string reason;
+  std::string pending_note;
+  // The placement: rank r's worker (RankAssignment.replica set), empty while pending.
+  std::vector<v1::RankAssignment> ranks;
   std::vector<v1::RankProgress> progress;
   std::vector<std::shared_ptr<grpc::ClientContext>> load_contexts;
-  // The next forward's number. Advanced only by the batch queue's thread (one forward at a time, so
-  // every rank sees one order), set by recovery before the job serves again, and 0 on every new
+  // The next forward's number. Advanced only by the forward that leases the group (one at a time,
+  // so every rank sees one order), set by recovery before it serves again, and 0 on every new
   // placement (a fresh load numbers from 0).
   int64_t next_sequence = 0;
-  // Loaded and answering (READY, not recovering after a restart): what the stored job says, kept
-  // here so that serving a request needs no database read.
-  bool serving = false;
   // Ends the forward in flight when the group is lost elsewhere (LoseGroupLocked) or the job fails,
   // instead of letting it wait for the surviving ranks' collective timeout. A new one for each
   // placement: the old one stays aborted.
   std::shared_ptr<ForwardAbort> forward_abort = std::make_shared<ForwardAbort>();
   // Which placement this is: advanced when the group is placed and when it is lost, so that a load
   // or a forward's failure from an earlier placement finds it changed and does nothing.
+  // Unique among all placements of this coordinator (a replica scaled away and added again must
+  // not meet its predecessor's loads): Scheduler::generations_.
   int64_t generation = 0;
+  int64_t lost_from = 0;  // the placement the last loss ended
   // Losses in a row, backoff and the --max_restarts limit (group_restarts.h).
   GroupRestarts restarts;
+  // Set while kReadopting: which of its ranks came back after a coordinator restart.
+  std::unique_ptr<JobRecovery> recovery;
+  // A forward holds the group (NextForward to EndForward): one at a time.
+  bool forwarding = false;
+  absl::Time idle_since = absl::InfinitePast();  // the forward that leased it last ended then
+  int64_t forwards = 0;                          // run since it was placed
+  // Scaled away while a forward held it: dropped when that forward ends (ScaleJob).
+  bool retiring = false;
+
+  bool serving() const { return phase == Phase::kServing; }
+  std::vector<std::string> WorkerIds() const;
 };
 
 // One job as this coordinator runs it, from its submission (or its recovery at start) until it
 // ends: then it is erased (a load in flight keeps its pointer until it sees `ended`), so memory
 // follows the live jobs, not the history. Fields are guarded by the Scheduler's lock.
 struct JobRuntime {
-  explicit JobRuntime(const RestartPolicy& policy) : group(policy) {}
+  explicit JobRuntime(const RestartPolicy& policy) : policy(policy) {}
+  const RestartPolicy policy;  // each replica's restarts
   v1::ShardPlan plan;
   std::string checkpoint;
   // Read at submit (or when taken back after a restart) through the checkpoint's descriptors, off
@@ -101,14 +127,21 @@ struct JobRuntime {
   // FAILED or CANCELLED here (FailJobLocked), whether or not the store took the write: no load
   // starts or finishes for it after.
   bool ended = false;
-  // Said before what a PENDING job waits for in its pending reason (why it is PENDING again).
-  std::string pending_note;
-  std::unique_ptr<JobRecovery> recovery;  // set while recovering after a restart
-  GroupRuntime group;
+  // The replicas wanted (Job.replicas) and those that exist: 0..replicas-1, and above that the
+  // ones scaled away that still finish a forward (retiring).
+  int32_t replicas = 1;
+  std::map<int32_t, std::unique_ptr<GroupRuntime>> groups;
   // The job's request path (assets, batch queue, decoding); made on the first Infer/Embed call
-  // (while its group serves or is being placed again), closed (and released off the lock) when the
-  // job ends.
+  // (while a replica serves or one is being placed again), closed (and released off the lock) when
+  // the job ends.
   std::shared_ptr<JobServing> job_serving;
+
+  GroupRuntime* Group(int32_t replica);  // null when there is none
+  int ServingGroups() const;             // replicas that answer now (retiring ones excluded)
+  // Whether a replica serves or is being placed again after a loss or a restart (requests then
+  // wait for it rather than fail).
+  bool Serving() const;
+  bool Recovering() const;
 };
 
 // The jobs' JobServings reach their ranks through it (ForwardTargets, job_serving.h).
@@ -141,19 +174,23 @@ class Scheduler final : public ForwardTargets {
   // Jobs by state, counted by the store (metrics).
   absl::StatusOr<std::map<v1::JobState, int64_t>> CountJobsByState() ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::Job> CancelJob(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  // See Cluster::ScaleJob (scheduler_replicas.cc).
+  absl::StatusOr<v1::Job> ScaleJob(const std::string& id, int32_t replicas) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status WatchJob(const std::string& id, absl::Time deadline,
                         const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // For serving. The ranks, sequence number and abort of the next forward of job `job_id`, waiting
-  // until `wait_until` while its group is being placed again (then UNAVAILABLE, saying why);
-  // FAILED_PRECONDITION when it no longer serves, UNAVAILABLE once stopping.
+  // For serving. The ranks, sequence number and abort of the next forward of job `job_id` on the
+  // replica idle the longest, which it holds until EndForward (one forward at a time per replica);
+  // waits until `wait_until` while every replica is busy or being placed again (then UNAVAILABLE,
+  // saying why); FAILED_PRECONDITION when the job no longer serves, UNAVAILABLE once stopping.
   absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, absl::Time wait_until) override
       ABSL_LOCKS_EXCLUDED(mu_);
-  // A forward failed on placement `generation` of the job's group: LoseGroupLocked.
-  void LoseGroup(const std::string& job_id, int64_t generation, const std::string& cause,
+  void EndForward(const std::string& job_id, int32_t replica, int64_t generation) override ABSL_LOCKS_EXCLUDED(mu_);
+  // A forward failed on placement `generation` of the job's replica: LoseGroupLocked.
+  void LoseGroup(const std::string& job_id, int32_t replica, int64_t generation, const std::string& cause,
                  const std::string& unreachable_worker) override ABSL_LOCKS_EXCLUDED(mu_);
-  // Calls `use` under the lock with the runtime of `job_id` when it serves or its group is being
+  // Calls `use` under the lock with the runtime of `job_id` when it serves or a replica is being
   // placed again (requests then wait for it), else with null and the stored job (recovering filled
   // in) to say why not; returns what `use` returns. UNAVAILABLE, without calling it, once stopping
   // (no batch queue may be made then).
@@ -162,20 +199,49 @@ class Scheduler final : public ForwardTargets {
                                                                    const absl::StatusOr<v1::Job>& job)>& use)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Each job's restarts in a row and whether it is degraded (as Job.restarts and Job.degraded say),
-  // and the groups lost since start: the recovery metrics (recovery_metrics.h).
+  // its replicas, and the groups lost since start: the recovery metrics (recovery_metrics.h).
   RecoveryMetrics Recovery() ABSL_LOCKS_EXCLUDED(mu_);
   // Calls `visit` under the lock for every job with a runtime here (the jobs that have not ended).
   void ForEachRuntime(const std::function<void(const std::string& job_id, JobRuntime& runtime)>& visit)
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct PendingJob {
+  // A replica waiting for workers.
+  struct PendingGroup {
     std::string job_id;
-    std::string reason;  // its pending_reason as stored
+    int32_t replica = 0;
   };
-  struct Load;  // one job's load in progress, passed along LoadJob's steps
+  struct Load;  // one replica's load in progress, passed along LoadGroup's steps
+  // A job's runtime and one of its replicas, found by the replica's key on its workers.
+  struct FoundGroup {
+    std::shared_ptr<JobRuntime> runtime;
+    GroupRuntime* group = nullptr;
+    std::string job_id;
+  };
 
   Scheduler(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> store, WorkerPool* pool);
+
+  FoundGroup FindGroupLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds replica `replica` of the job, PENDING, to be placed (ahead of the other waiting replicas
+  // when `first`: a loss has callers waiting).
+  GroupRuntime& AddGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void QueueForPlacementLocked(const std::string& job_id, int32_t replica, bool first)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnqueueLocked(const std::string& job_id, int32_t replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job as its replicas stand, written to the store when it changed: its state (the most
+  // advanced replica's: READY while any serves), every replica's ranks, and the pending reason of
+  // its first waiting replica; `reason` goes into the history with a change of state.
+  absl::Status RecordJobLocked(const std::string& job_id, const JobRuntime& runtime, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The batch queue runs as many forwards at once as replicas serve.
+  void UpdateLanesLocked(JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the replica away now (ScaleJob): loads cancelled, workers unload and go back to the pool.
+  void DropGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The replica's workers go back to the pool after they unload (WorkerPool::SetUnloading: a load
+  // of the same key on one of them would race the unload).
+  void UnloadGroupLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Builds the runtimes of the stored jobs (RecoverStoredJobs). Called once, before any worker
   // registers.
@@ -183,65 +249,67 @@ class Scheduler final : public ForwardTargets {
   // A PENDING job stored while it recovered from a lost group (its reason says so) recovers again
   // here: Job.degraded and its requests' waiting hold across a coordinator restart. Returns the
   // failure cause when --max_restarts allows no restart (0): the caller ends the job.
-  std::optional<std::string> ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime)
+  std::optional<std::string> ResumeRecoveryLocked(const std::string& stored_reason, GroupRuntime& group)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // What the entry a worker replaced (it registers again from its address) means for its job: a
-  // recovering job forgets its reports; a job it still holds unbroken is kept (returned: job and
-  // rank, for the new entry); any other loses its group.
+  // What the entry a worker replaced (it registers again from its address) means for its replica:
+  // a recovering one forgets its reports; one it still holds unbroken is kept (returned: the
+  // replica's key and the rank, for the new entry); any other is lost.
   std::optional<std::pair<std::string, int32_t>> SettleReplacedLocked(const v1::WorkerInfo& old,
                                                                       const v1::RegisterWorkerRequest& request)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The kept rank moves to the new entry `worker` (in the runtime and the store).
-  void MoveRankLocked(const std::string& job_id, int32_t rank, v1::WorkerInfo* worker)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes in what a worker holds (SortHeldShards): reports for recovering jobs, the rest to unload.
+  // The kept rank of the replica `key` moves to the new entry `worker` (in the runtime and the store).
+  void MoveRankLocked(const std::string& key, int32_t rank, v1::WorkerInfo* worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes in what a worker holds (SortHeldShards): reports for recovering replicas, the rest to unload.
   void TakeHeldShardsLocked(const v1::WorkerInfo& worker, const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
                             google::protobuf::RepeatedPtrField<std::string>* unload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Applies the readoption decision to a recovering job: adopt, fail, or keep waiting.
-  void DecideRecoveryLocked(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The stored job with `recovering`, `degraded` and `restarts` filled in from `runtime` (may be null).
+  // Applies the readoption decision to a recovering replica (by key): adopt, lose, or keep waiting.
+  void DecideRecoveryLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The stored job with `recovering`, `degraded`, `restarts`, `replicas` and `replica_status`
+  // filled in from its runtime, if it has one.
   void FillRuntimeFieldsLocked(v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The stored job with `recovering`, `degraded` and `restarts` filled in.
   absl::StatusOr<v1::Job> GetJobLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   v1::JobEvent EventLocked(const v1::Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Places the PENDING jobs that fit the idle workers (in submission order, but for those in a
-  // restart's backoff) and starts their loads; records why the others wait.
+  // Places the waiting replicas that fit the idle workers (in the order they joined, but for those
+  // in a restart's backoff) and starts their loads; records why the others wait.
   void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Assigns the placed workers and records the job PLANNED; false (nothing changed) when the store
-  // refuses.
-  bool PlanJobLocked(const std::string& job_id, JobRuntime& runtime, const std::vector<IdleWorker>& workers)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // LoadJob's steps: check the job may still load and record it LOADING; reserve the rendezvous
-  // port; register the ranks' load contexts; load every rank; record it READY.
-  void LoadJob(const std::string& job_id, int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
-  std::optional<Load> BeginLoad(const std::string& job_id, int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
+  // Assigns the placed workers and records the replica PLANNED; false (nothing changed) when the
+  // store refuses.
+  bool PlanGroupLocked(const std::string& job_id, JobRuntime& runtime, GroupRuntime& group,
+                       const std::vector<IdleWorker>& workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // LoadGroup's steps: check the replica may still load and record it LOADING; reserve the
+  // rendezvous port; register the ranks' load contexts; load every rank; record it READY.
+  void LoadGroup(const std::string& job_id, int32_t replica, int64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
+  std::optional<Load> BeginLoad(const std::string& job_id, int32_t replica, int64_t generation)
+      ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<std::shared_ptr<grpc::ClientContext>> LoadContexts(const Load& load) ABSL_LOCKS_EXCLUDED(mu_);
   bool LoadShards(const Load& load, int32_t port, const std::string& secret,
                   const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts) ABSL_LOCKS_EXCLUDED(mu_);
   void FinishLoad(const Load& load, bool all_loaded) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Ends the job (FAILED or CANCELLED) here and in the store: its loads and forward are cut off, its
-  // batch queue closed, its workers freed (the healthy ones told to unload), and the pool scheduled.
+  // Ends the job (FAILED or CANCELLED) here and in the store: its loads and forwards are cut off,
+  // its batch queue closed, its workers freed (the healthy ones told to unload), and the pool
+  // scheduled.
   void FailJobLocked(const std::string& job_id, const std::string& cause, v1::JobState state = v1::FAILED)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The job's group lost a worker (`cause` names it and says how): instead of ending the job, the
-  // group is cut off (loads cancelled, forward aborted), its survivors unload (kept out of placement
-  // until they have: WorkerPool::SetUnloading), and the job goes back to PENDING saying why, to be
-  // placed again on idle workers after the restart's backoff (group_restarts.h). Past --max_restarts
-  // the job FAILS naming every loss. `generation` must be the group's current placement (else this
-  // is a late report of a loss already handled: nothing happens); `unreachable_worker` (may be "")
-  // is out of placement until it heartbeats again.
-  void LoseGroupLocked(const std::string& job_id, int64_t generation, const std::string& cause,
+  // The job's replica lost a worker (`cause` names it and says how): instead of ending the job, the
+  // replica is cut off (loads cancelled, forward aborted), its survivors unload (kept out of
+  // placement until they have: WorkerPool::SetUnloading), and it waits for workers again, saying
+  // why, to be placed again after the restart's backoff (group_restarts.h); the job stays READY
+  // while another replica serves. Past --max_restarts the job FAILS naming every loss.
+  // `generation` must be the replica's current placement (else this is a late report of a loss
+  // already handled: nothing happens); `unreachable_worker` (may be "") is out of placement until
+  // it heartbeats again.
+  void LoseGroupLocked(const std::string& job_id, int32_t replica, int64_t generation, const std::string& cause,
                        const std::string& unreachable_worker = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // LoseGroupLocked for the job `worker` served, if any: "worker ID (rank R) at ADDR `why`".
+  // LoseGroupLocked for the replica `worker` served, if any: "worker ID (rank R) at ADDR `why`".
   void LoseWorkersGroupLocked(const v1::WorkerInfo& worker, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker told to unload (`unload`, from its registration or heartbeat answer) shards of jobs that
   // run here is kept out of placement until it reports none (WorkerPool::SetUnloading).
   void MarkUnloadingLocked(const std::string& worker_id, const google::protobuf::RepeatedPtrField<std::string>& unload)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Closes the job's JobServing (waiting requests fail with `why`) and returns it, to be released
-  // off the lock: its destructor waits for the running batch, which may be the caller.
+  // off the lock: its destructor waits for the running batches, which may be the caller's.
   std::shared_ptr<JobServing> CloseServingLocked(JobRuntime& runtime, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A write the job database refused (full, read-only, I/O): said on stderr, once per distinct one.
@@ -257,15 +325,17 @@ class Scheduler final : public ForwardTargets {
   const std::unique_ptr<jobs::JobStore> store_;  // thread-safe on its own
   WorkerPool* const pool_;
   absl::Mutex mu_;
-  absl::CondVar changed_;  // any job state or progress change
+  absl::CondVar changed_;  // any job state or progress change, and every forward's end
   std::map<std::string, std::shared_ptr<JobRuntime>> runtimes_ ABSL_GUARDED_BY(mu_);
-  // The PENDING jobs in submission order: what scheduling looks at, instead of the job table.
-  std::vector<PendingJob> pending_ ABSL_GUARDED_BY(mu_);
+  // The replicas waiting for workers, in the order they joined: what scheduling looks at, instead
+  // of the job table.
+  std::vector<PendingGroup> pending_ ABSL_GUARDED_BY(mu_);
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t groups_lost_ ABSL_GUARDED_BY(mu_) = 0;  // LoseGroupLocked's losses (not the late reports)
+  int64_t generations_ ABSL_GUARDED_BY(mu_) = 0;   // the last GroupRuntime::generation given
   // A planning the job database refused: the monitor schedules again until it is taken.
   bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
-  // The earliest end of a restart's backoff among the PENDING jobs (set by ScheduleLocked): the
+  // The earliest end of a restart's backoff among the waiting replicas (set by ScheduleLocked): the
   // monitor schedules again then.
   absl::Time next_backoff_end_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   absl::Time next_retention_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

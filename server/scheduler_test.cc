@@ -115,6 +115,9 @@ TEST_F(SchedulerTest, PlacesAWaitingJobWhenWorkersComeAndNumbersItsForwards) {
     EXPECT_EQ(next->ranks[0].worker_id, first);
     EXPECT_EQ(next->ranks[1].address, b.Address());
     EXPECT_NE(next->abort, nullptr);
+    // One forward at a time on the replica: the next waits for this one's end.
+    EXPECT_EQ(scheduler_->NextForward(submitted.id(), absl::Now()).status().code(), absl::StatusCode::kUnavailable);
+    scheduler_->EndForward(submitted.id(), next->replica, next->generation);
   }
 }
 
@@ -162,10 +165,16 @@ TEST_F(SchedulerTest, ALostGroupIsPlacedAgainAheadOfWaitingJobs) {
   ASSERT_EQ(first.state(), v1::READY);
   const v1::Job second = Submit(2);
   EXPECT_EQ(second.state(), v1::PENDING);
-  for (int i = 0; i < 2; ++i) ASSERT_TRUE(scheduler_->NextForward(first.id(), absl::Now()).ok());
+  for (int i = 0; i < 2; ++i) {
+    const absl::StatusOr<ForwardTarget> served = scheduler_->NextForward(first.id(), absl::Now());
+    ASSERT_TRUE(served.ok()) << served.status();
+    scheduler_->EndForward(first.id(), served->replica, served->generation);
+  }
   const absl::StatusOr<ForwardTarget> lost_target = scheduler_->NextForward(first.id(), absl::Now());
   ASSERT_TRUE(lost_target.ok());
-  scheduler_->LoseGroup(first.id(), lost_target->generation, "worker w (rank 1) at a: forward 2 failed", "");
+  scheduler_->EndForward(first.id(), lost_target->replica, lost_target->generation);
+  scheduler_->LoseGroup(first.id(), lost_target->replica, lost_target->generation,
+                        "worker w (rank 1) at a: forward 2 failed", "");
   const v1::Job recovering = *scheduler_->GetJob(first.id());
   // Back to PENDING straight from READY, saying why; then (no backoff for a first loss) placed
   // again once the survivors unloaded, perhaps already by now; never ended.
@@ -195,7 +204,7 @@ TEST_F(SchedulerTest, ALostGroupIsPlacedAgainAheadOfWaitingJobs) {
   EXPECT_EQ(back.degraded(), "");
   EXPECT_EQ(a.Loads().size(), 2u);
   EXPECT_EQ(scheduler_->GetJob(second.id())->state(), v1::PENDING);  // the recovering job went first
-  scheduler_->LoseGroup(first.id(), lost_target->generation, "late news of the lost group", "");
+  scheduler_->LoseGroup(first.id(), lost_target->replica, lost_target->generation, "late news of the lost group", "");
   EXPECT_EQ(scheduler_->GetJob(first.id())->state(), v1::READY);
   const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(first.id(), absl::Now());
   ASSERT_TRUE(next.ok()) << next.status();

@@ -2,11 +2,13 @@
 // loss means for its job: the jobs taken back after a restart and their re-adoption, ranks kept by
 // a worker that registers again, and a lost worker losing its job's group (placed again after).
 // One class split over two files to keep each readable; the lock and its rules are scheduler.h's.
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "server/replica_keys.h"
 #include "server/scheduler.h"
 #include "server/shard_loading.h"
 
@@ -28,24 +30,36 @@ absl::Status Scheduler::RecoverJobsLocked() {
     runtime->backend = std::move(job.backend);
     runtime->submitted_by = job.job.submitted_by();
     runtime->name = job.job.name();
-    runtime->pending_note = std::move(job.pending_note);
-    if (job.job.state() == v1::PENDING) {
-      if (std::optional<std::string> cause = ResumeRecoveryLocked(job.job.pending_reason(), *runtime)) {
-        given_up.emplace_back(job.job.id(), *std::move(cause));
+    // Jobs stored before replicas ran one.
+    runtime->replicas = std::max(1, job.job.replicas());
+    const std::string& id = job.job.id();
+    for (int32_t r = 0; r < runtime->replicas; ++r) {
+      auto recovery = job.recoveries.find(r);
+      if (recovery != job.recoveries.end()) {
+        // Its ranks were loading or serving: they may come back (readoption).
+        auto& group = runtime->groups[r];
+        group = std::make_unique<GroupRuntime>(r, runtime->policy);
+        group->phase = GroupRuntime::Phase::kReadopting;
+        group->recovery = std::move(recovery->second);
+        continue;
+      }
+      GroupRuntime& group = AddGroupLocked(id, *runtime, r);
+      group.pending_note = job.pending_note;
+      group.reason = job.job.pending_reason();
+      if (job.job.state() == v1::PENDING) {
+        if (std::optional<std::string> cause = ResumeRecoveryLocked(job.job.pending_reason(), group)) {
+          given_up.emplace_back(id, *std::move(cause));
+        }
       }
     }
-    runtime->recovery = std::move(job.recovery);
-    if (runtime->recovery != nullptr)
-      runtime->group.rank_workers.assign(static_cast<size_t>(runtime->plan.world_size()), "");
-    if (job.job.state() == v1::PENDING) pending_.push_back({job.job.id(), job.job.pending_reason()});
-    runtimes_[job.job.id()] = std::move(runtime);
+    runtimes_[id] = std::move(runtime);
   }
   // Recovering under a --max_restarts that no longer allows it (0): ended, as a loss would be.
   for (const auto& [job_id, cause] : given_up) FailJobLocked(job_id, cause);
   return absl::OkStatus();
 }
 
-std::optional<std::string> Scheduler::ResumeRecoveryLocked(const std::string& stored_reason, JobRuntime& runtime) {
+std::optional<std::string> Scheduler::ResumeRecoveryLocked(const std::string& stored_reason, GroupRuntime& group) {
   // The reason LoseGroupLocked stored: "recovering: lost CAUSE (restart K of at most N)", then
   // "; " and what it waited for. The cause may hold parentheses; the restart count is the last.
   constexpr absl::string_view kPrefix = "recovering: lost ";
@@ -54,9 +68,9 @@ std::optional<std::string> Scheduler::ResumeRecoveryLocked(const std::string& st
   if (count == std::string::npos || count < kPrefix.size()) return std::nullopt;
   const std::string cause = stored_reason.substr(kPrefix.size(), count - kPrefix.size());
   // The count starts again here.
-  const GroupRestarts::Decision decision = runtime.group.restarts.Lost(cause, absl::Now());
+  const GroupRestarts::Decision decision = group.restarts.Lost(cause, absl::Now());
   if (decision.give_up) return decision.cause;
-  runtime.pending_note = absl::StrCat("recovering: ", runtime.group.restarts.Describe());
+  group.pending_note = absl::StrCat("recovering: ", group.restarts.Describe());
   return std::nullopt;
 }
 
@@ -81,9 +95,10 @@ v1::RegisterWorkerResponse Scheduler::RegisterWorker(const v1::RegisterWorkerReq
 
 std::optional<std::pair<std::string, int32_t>> Scheduler::SettleReplacedLocked(
     const v1::WorkerInfo& old, const v1::RegisterWorkerRequest& request) {
-  auto runtime = runtimes_.find(old.job_id());
-  if (runtime != runtimes_.end() && runtime->second->recovery != nullptr) {
-    runtime->second->recovery->ForgetWorker(old.worker_id());  // they count again with this registration
+  // old.job_id() is the key of the replica it served (replica_keys.h).
+  const FoundGroup found = FindGroupLocked(old.job_id());
+  if (found.group != nullptr && found.group->recovery != nullptr) {
+    found.group->recovery->ForgetWorker(old.worker_id());  // they count again with this registration
     return std::nullopt;
   }
   if (old.job_id().empty()) return std::nullopt;
@@ -91,31 +106,29 @@ std::optional<std::pair<std::string, int32_t>> Scheduler::SettleReplacedLocked(
   for (const v1::HeldShard& h : request.held()) {
     if (h.job_id() == old.job_id() && h.rank() == old.rank()) shard = &h;
   }
-  if (runtime == runtimes_.end() || runtime->second->ended) return std::nullopt;
+  if (found.group == nullptr || found.runtime->ended) return std::nullopt;
   if (shard != nullptr && shard->broken().empty()) return std::make_pair(old.job_id(), old.rank());
   LoseGroupLocked(
-      old.job_id(), runtime->second->group.generation,
+      found.job_id, found.group->replica, found.group->generation,
       absl::StrCat("worker ", old.worker_id(), " (rank ", old.rank(), ") at ", request.address(), " registered again ",
                    shard == nullptr ? "without its shard" : absl::StrCat("with its shard broken: ", shard->broken())));
   return std::nullopt;
 }
 
-void Scheduler::MoveRankLocked(const std::string& job_id, int32_t rank, v1::WorkerInfo* worker) {
-  pool_->Assign(worker->worker_id(), job_id, rank);
-  worker->set_job_id(job_id);
+void Scheduler::MoveRankLocked(const std::string& key, int32_t rank, v1::WorkerInfo* worker) {
+  pool_->Assign(worker->worker_id(), key, rank);
+  worker->set_job_id(key);
   worker->set_rank(rank);
-  JobRuntime& runtime = *runtimes_.at(job_id);
+  const FoundGroup found = FindGroupLocked(key);
+  if (found.group == nullptr) return;
   const size_t r = static_cast<size_t>(rank);
-  if (r < runtime.group.rank_workers.size()) runtime.group.rank_workers[r] = worker->worker_id();
-  if (r < runtime.group.progress.size()) runtime.group.progress[r].set_worker_id(worker->worker_id());
-  auto job = store_->Get(job_id);
-  if (job.ok() && rank < job->ranks_size()) {
-    std::vector<v1::RankAssignment> ranks(job->ranks().begin(), job->ranks().end());
-    ranks[r].set_worker_id(worker->worker_id());
-    ranks[r].set_worker_address(worker->address());
-    RecordLocked(store_->SetRanks(job_id, ranks).status(),
-                 absl::StrCat("moving job ", job_id, "'s rank ", r, " to worker ", worker->worker_id()));
+  if (r < found.group->ranks.size()) {
+    found.group->ranks[r].set_worker_id(worker->worker_id());
+    found.group->ranks[r].set_worker_address(worker->address());
   }
+  if (r < found.group->progress.size()) found.group->progress[r].set_worker_id(worker->worker_id());
+  RecordLocked(RecordJobLocked(found.job_id, *found.runtime, ""),
+               absl::StrCat("moving job ", found.job_id, "'s rank ", r, " to worker ", worker->worker_id()));
 }
 
 absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRequest& request) {
@@ -147,15 +160,20 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
 void Scheduler::TakeHeldShardsLocked(const v1::WorkerInfo& worker,
                                      const google::protobuf::RepeatedPtrField<v1::HeldShard>& held,
                                      google::protobuf::RepeatedPtrField<std::string>* unload) {
+  // By the replicas' keys: what the workers hold shards by.
   std::map<std::string, JobRecovery*> recovering;
   for (auto& [job_id, runtime] : runtimes_) {
-    if (runtime->recovery != nullptr) recovering[job_id] = runtime->recovery.get();
+    for (auto& [replica, group] : runtime->groups) {
+      if (group->recovery != nullptr) recovering[ReplicaKey(job_id, replica)] = group->recovery.get();
+    }
   }
-  const auto known = [this](const std::string& job_id) {
+  const auto known = [this](const std::string& key) {
     mu_.AssertHeld();
-    auto job = store_->Get(job_id);
+    const ReplicaOf of = ParseReplicaKey(key);
+    auto job = store_->Get(of.job_id);
     if (!job.ok() && job.status().code() != absl::StatusCode::kNotFound) return HeldJob::kStoreSilent;
-    if (!job.ok() || TerminalState(job->state()) || runtimes_.count(job_id) == 0) return HeldJob::kUnknown;
+    // A replica scaled away (or never there) is unknown like an ended job: its shard goes.
+    if (!job.ok() || TerminalState(job->state()) || FindGroupLocked(key).group == nullptr) return HeldJob::kUnknown;
     return HeldJob::kKnown;
   };
   HeldShards sorted = SortHeldShards(worker, held, known, recovering);
@@ -163,111 +181,134 @@ void Scheduler::TakeHeldShardsLocked(const v1::WorkerInfo& worker,
   if (sorted.taken_back.has_value()) {
     pool_->Assign(worker.worker_id(), sorted.taken_back->first, sorted.taken_back->second);
   }
-  for (const std::string& job_id : sorted.decide) DecideRecoveryLocked(job_id);
+  for (const std::string& key : sorted.decide) DecideRecoveryLocked(key);
 }
 
-void Scheduler::DecideRecoveryLocked(const std::string& job_id) {
-  auto it = runtimes_.find(job_id);
-  if (it == runtimes_.end() || it->second->recovery == nullptr) return;
-  JobRuntime& runtime = *it->second;
+void Scheduler::DecideRecoveryLocked(const std::string& key) {
+  const FoundGroup found = FindGroupLocked(key);
+  if (found.group == nullptr || found.group->recovery == nullptr) return;
+  GroupRuntime& group = *found.group;
   const ReadoptionDecision decision =
-      runtime.recovery->Decide(runtime.plan.world_size(), absl::Now(), options_.readopt_grace);
+      group.recovery->Decide(found.runtime->plan.world_size(), absl::Now(), options_.readopt_grace);
   switch (decision.outcome) {
     case ReadoptionDecision::Outcome::kWait:
       changed_.SignalAll();  // Job.recovering changed
       return;
     case ReadoptionDecision::Outcome::kFail:
-      // Not the end of the job: its ranks that came back unload, and it is placed and loaded
-      // again (issue 22, item 5), like any group that lost a worker.
-      runtime.recovery.reset();
-      LoseGroupLocked(job_id, runtime.group.generation, decision.cause);
+      // Not the end of the job: the replica's ranks that came back unload, and it is placed and
+      // loaded again (issue 22, item 5), like any replica that lost a worker.
+      LoseGroupLocked(found.job_id, group.replica, group.generation, decision.cause);
       return;
     case ReadoptionDecision::Outcome::kAdopt:
       break;
     default:
       return;
   }
-  runtime.recovery.reset();
-  runtime.group.rank_workers = decision.rank_workers;
-  runtime.group.next_sequence = decision.next_sequence;
+  const bool was_loading = group.recovery->was_loading;
+  group.recovery.reset();
+  group.next_sequence = decision.next_sequence;
+  group.ranks.clear();
+  group.progress.clear();
   // Every reporting worker is in the pool: one that registers again takes its reports back.
-  Adoption adoption = RecordAdoption(
-      *store_, job_id, runtime.group.rank_workers,
-      [this](const std::string& id) {
-        std::optional<v1::WorkerInfo> w = pool_->Find(id);
-        return w.has_value() ? w->address() : std::string();
-      },
-      [this](const absl::Status& status, const std::string& what) {
-        mu_.AssertHeld();
-        RecordLocked(status, what);
-      });
-  runtime.group.progress = std::move(adoption.progress);
-  runtime.group.serving = adoption.ready;
-  if (adoption.ready) runtime.group.restarts.Served(absl::Now());
+  for (size_t r = 0; r < decision.rank_workers.size(); ++r) {
+    std::optional<v1::WorkerInfo> worker = pool_->Find(decision.rank_workers[r]);
+    v1::RankAssignment a;
+    a.set_rank(static_cast<int32_t>(r));
+    a.set_worker_id(decision.rank_workers[r]);
+    a.set_worker_address(worker.has_value() ? worker->address() : "");
+    a.set_replica(group.replica);
+    group.ranks.push_back(a);
+    v1::RankProgress p;
+    p.set_rank(a.rank());
+    p.set_worker_id(a.worker_id());
+    p.set_replica(group.replica);
+    p.mutable_progress()->set_phase(v1::LoadProgress::READY);
+    group.progress.push_back(p);
+  }
+  group.phase = GroupRuntime::Phase::kServing;
+  const absl::Status recorded = RecordJobLocked(
+      found.job_id, *found.runtime,
+      was_loading ? absl::StrCat("all ", decision.rank_workers.size(), " ranks had loaded when the coordinator restarted")
+                  : "");
+  if (!recorded.ok()) {
+    // Serving a replica the database does not know of would be lost at the next restart.
+    StoreErrorLocked(absl::StrCat("taking back job ", found.job_id), recorded);
+    group.phase = GroupRuntime::Phase::kLoading;
+    LoseGroupLocked(found.job_id, group.replica, group.generation,
+                    absl::StrCat("the job database could not record its ranks: ", recorded.message()));
+    return;
+  }
+  group.restarts.Served(absl::Now());
+  group.idle_since = absl::Now();
+  UpdateLanesLocked(*found.runtime);
   changed_.SignalAll();
 }
 
 void Scheduler::LoseWorkersGroupLocked(const v1::WorkerInfo& worker, const std::string& why) {
   if (worker.job_id().empty()) return;
-  auto runtime = runtimes_.find(worker.job_id());
-  if (runtime == runtimes_.end()) return;
+  const FoundGroup found = FindGroupLocked(worker.job_id());
+  if (found.group == nullptr) return;
   LoseGroupLocked(
-      worker.job_id(), runtime->second->group.generation,
+      found.job_id, found.group->replica, found.group->generation,
       absl::StrCat("worker ", worker.worker_id(), " (rank ", worker.rank(), ") at ", worker.address(), " ", why));
 }
 
-void Scheduler::LoseGroupLocked(const std::string& job_id, int64_t generation, const std::string& cause,
-                                const std::string& unreachable_worker) {
+void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int64_t generation,
+                                const std::string& cause, const std::string& unreachable_worker) {
   // Stopping: the job stays as stored; the next coordinator re-adopts it or places it again.
   if (stopping_) return;
   auto found = runtimes_.find(job_id);
   if (found == runtimes_.end() || found->second->ended) return;
   const std::shared_ptr<JobRuntime> runtime = found->second;
-  GroupRuntime& group = runtime->group;
-  if (group.generation != generation) return;  // a late report of a loss already handled
+  GroupRuntime* group = runtime->Group(replica);
+  // A late report of a loss already handled, or of a replica waiting for workers anyway.
+  if (group == nullptr || group->generation != generation || group->phase == GroupRuntime::Phase::kPending) return;
   auto job = store_->Get(job_id);
-  if (!job.ok() || TerminalState(job->state()) || job->state() == v1::PENDING) return;
+  if (!job.ok() || TerminalState(job->state())) return;
   ++groups_lost_;
-  const GroupRestarts::Decision decision = group.restarts.Lost(cause, absl::Now());
+  // A worker that does not answer is not placed again before it heartbeats again.
+  if (!unreachable_worker.empty()) pool_->MarkUnhealthy(unreachable_worker);
+  if (group->retiring) {
+    // Scaled away and lost before its forward ended: gone as it would have gone.
+    DropGroupLocked(job_id, *runtime, replica);
+    ScheduleLocked();
+    return;
+  }
+  const GroupRestarts::Decision decision = group->restarts.Lost(cause, absl::Now());
   if (decision.give_up) {
     FailJobLocked(job_id, decision.cause);
     return;
   }
-  // The group is cut off: nothing of this placement loads, finishes or answers after.
-  ++group.generation;
-  for (auto& context : group.load_contexts) context->TryCancel();
-  group.load_contexts.clear();
-  group.forward_abort->Abort(absl::StrCat("job ", job_id, " lost its group: ", cause));
-  group.forward_abort = std::make_shared<ForwardAbort>();
-  group.serving = false;
-  group.rank_workers.clear();
-  group.progress.clear();
-  // A worker that does not answer is not placed again before it heartbeats again.
-  if (!unreachable_worker.empty()) pool_->MarkUnhealthy(unreachable_worker);
-  // The survivors drop their shard before they may be placed again (WorkerPool::SetUnloading): the
-  // job's next load on one of them would race the unload of the same job id.
-  for (const WorkerStub& w : pool_->Release(job_id)) {
-    pool_->BeginUnloadCall(w.worker_id);
-    threads_.Start([this, w, job_id] {
-      // Failed: the worker is gone, or holds the shard still; it stays out of placement until a
-      // heartbeat shows the shard gone (MarkUnloadingLocked).
-      const bool unloaded = UnloadShard(*w.stub, job_id, options_.worker_token).ok();
-      absl::MutexLock lock(&mu_);
-      if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
-    });
-  }
-  runtime->pending_note = absl::StrCat("recovering: ", group.restarts.Describe());
-  // One write: a job stored PENDING with the lost group's ranks would be taken for placed.
-  absl::StatusOr<v1::Job> pending = store_->TransitionWithRanks(job_id, v1::PENDING, runtime->pending_note, {});
-  if (!pending.ok()) {
+  const std::string what =
+      runtime->replicas == 1 ? absl::StrCat("job ", job_id, " lost its group")
+                             : absl::StrCat("replica ", replica, " of job ", job_id, " lost a worker");
+  // The replica is cut off: nothing of this placement loads, finishes or answers after.
+  group->lost_from = group->generation;
+  group->generation = ++generations_;
+  for (auto& context : group->load_contexts) context->TryCancel();
+  group->load_contexts.clear();
+  group->forward_abort->Abort(absl::StrCat(what, ": ", cause));
+  group->forward_abort = std::make_shared<ForwardAbort>();
+  group->phase = GroupRuntime::Phase::kPending;
+  group->forwarding = false;
+  group->recovery.reset();
+  group->ranks.clear();
+  group->progress.clear();
+  UnloadGroupLocked(ReplicaKey(job_id, replica));
+  group->pending_note = absl::StrCat("recovering: ", group->restarts.Describe());
+  group->reason = group->pending_note;
+  // One write: a job stored PENDING with the lost replica's ranks would be taken for placed.
+  const absl::Status recorded = RecordJobLocked(job_id, *runtime, group->pending_note);
+  if (!recorded.ok()) {
     // A recovery the database cannot follow would be lost at the next restart.
-    StoreErrorLocked(absl::StrCat("putting job ", job_id, " back to PENDING"), pending.status());
-    FailJobLocked(
-        job_id, absl::StrCat(cause, "; the job database could not record its recovery: ", pending.status().message()));
+    StoreErrorLocked(absl::StrCat("putting job ", job_id, " back to PENDING"), recorded);
+    FailJobLocked(job_id,
+                  absl::StrCat(cause, "; the job database could not record its recovery: ", recorded.message()));
     return;
   }
-  // Ahead of the jobs that wait for their first placement: this one has callers waiting.
-  pending_.insert(pending_.begin(), {job_id, pending->pending_reason()});
+  // Ahead of the replicas that wait for their first placement: this one has callers waiting.
+  QueueForPlacementLocked(job_id, replica, /*first=*/true);
+  UpdateLanesLocked(*runtime);
   ScheduleLocked();  // signals changed_: Job.degraded, and NextForward waiters see the loss
 }
 
@@ -275,7 +316,7 @@ void Scheduler::MarkUnloadingLocked(const std::string& worker_id,
                                     const google::protobuf::RepeatedPtrField<std::string>& unload) {
   // Only the shards of jobs that run here matter: those may be placed on this worker again.
   bool live = false;
-  for (const std::string& job_id : unload) live |= runtimes_.count(job_id) > 0;
+  for (const std::string& key : unload) live |= runtimes_.count(ParseReplicaKey(key).job_id) > 0;
   // Done unloading: it may take a waiting job now (nothing else would schedule then).
   if (pool_->SetUnloading(worker_id, live) && !live) ScheduleLocked();
 }

@@ -1,0 +1,380 @@
+// The Scheduler's replicas (scheduler.h): how a job's state follows its replicas', which replica
+// takes each forward, scaling a job up and down, and what a job shows of its replicas. One class
+// split over three files to keep each readable; the lock and its rules are scheduler.h's.
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "server/replica_keys.h"
+#include "server/scheduler.h"
+#include "server/shard_loading.h"
+
+namespace bertshard::server {
+
+namespace {
+
+// How far a replica has come: the job's state is its most advanced replica's.
+int Advance(GroupRuntime::Phase phase) {
+  switch (phase) {
+    case GroupRuntime::Phase::kPending:
+      return 0;
+    case GroupRuntime::Phase::kPlanned:
+      return 1;
+    case GroupRuntime::Phase::kLoading:
+    case GroupRuntime::Phase::kReadopting:  // its ranks loaded once; they may come back
+      return 2;
+    case GroupRuntime::Phase::kServing:
+      return 3;
+  }
+  return 0;
+}
+
+v1::JobState StateOf(int advance) {
+  static constexpr v1::JobState kStates[] = {v1::PENDING, v1::PLANNED, v1::LOADING, v1::READY};
+  return kStates[std::clamp(advance, 0, 3)];
+}
+
+bool SameRanks(const google::protobuf::RepeatedPtrField<v1::RankAssignment>& stored,
+               const std::vector<v1::RankAssignment>& now) {
+  if (stored.size() != static_cast<int>(now.size())) return false;
+  for (size_t i = 0; i < now.size(); ++i) {
+    if (stored[static_cast<int>(i)].SerializeAsString() != now[i].SerializeAsString()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::vector<std::string> GroupRuntime::WorkerIds() const {
+  std::vector<std::string> ids;
+  for (const v1::RankAssignment& a : ranks) ids.push_back(a.worker_id());
+  return ids;
+}
+
+GroupRuntime* JobRuntime::Group(int32_t replica) {
+  auto it = groups.find(replica);
+  return it == groups.end() ? nullptr : it->second.get();
+}
+
+int JobRuntime::ServingGroups() const {
+  int serving = 0;
+  for (const auto& [replica, group] : groups) serving += (group->serving() && !group->retiring) ? 1 : 0;
+  return serving;
+}
+
+bool JobRuntime::Recovering() const {
+  for (const auto& [replica, group] : groups) {
+    if (group->restarts.recovering()) return true;
+  }
+  return false;
+}
+
+bool JobRuntime::Serving() const { return ServingGroups() > 0 || Recovering(); }
+
+Scheduler::FoundGroup Scheduler::FindGroupLocked(const std::string& key) {
+  ReplicaOf of = ParseReplicaKey(key);
+  auto it = runtimes_.find(of.job_id);
+  if (it == runtimes_.end()) return {};
+  GroupRuntime* group = it->second->Group(of.replica);
+  if (group == nullptr) return {};
+  return {it->second, group, std::move(of.job_id)};
+}
+
+GroupRuntime& Scheduler::AddGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica) {
+  auto& slot = runtime.groups[replica];
+  slot = std::make_unique<GroupRuntime>(replica, runtime.policy);
+  QueueForPlacementLocked(job_id, replica, /*first=*/false);
+  return *slot;
+}
+
+void Scheduler::QueueForPlacementLocked(const std::string& job_id, int32_t replica, bool first) {
+  UnqueueLocked(job_id, replica);
+  if (first) {
+    pending_.insert(pending_.begin(), {job_id, replica});
+  } else {
+    pending_.push_back({job_id, replica});
+  }
+}
+
+void Scheduler::UnqueueLocked(const std::string& job_id, int32_t replica) {
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [&](const PendingGroup& p) { return p.job_id == job_id && p.replica == replica; }),
+                 pending_.end());
+}
+
+absl::Status Scheduler::RecordJobLocked(const std::string& job_id, const JobRuntime& runtime,
+                                        const std::string& reason) {
+  int advance = 0;
+  std::vector<v1::RankAssignment> ranks;
+  std::string pending_reason;
+  for (const auto& [replica, group] : runtime.groups) {
+    advance = std::max(advance, Advance(group->phase));
+    if (group->phase == GroupRuntime::Phase::kReadopting && group->recovery != nullptr) {
+      // Still where they were before the restart, until they come back or are given up: a second
+      // restart meanwhile must find them too.
+      ranks.insert(ranks.end(), group->recovery->previous.begin(), group->recovery->previous.end());
+    } else {
+      ranks.insert(ranks.end(), group->ranks.begin(), group->ranks.end());
+    }
+    if (group->phase == GroupRuntime::Phase::kPending && pending_reason.empty()) pending_reason = group->reason;
+  }
+  const v1::JobState state = StateOf(advance);
+  ASSIGN_OR_RETURN(const v1::Job stored, store_->Get(job_id));
+  if (stored.state() != state) {
+    return store_->TransitionWithRanks(job_id, state, state == v1::PENDING ? pending_reason : reason, ranks).status();
+  }
+  if (!SameRanks(stored.ranks(), ranks)) RETURN_IF_ERROR(store_->SetRanks(job_id, ranks).status());
+  if (state == v1::PENDING && stored.pending_reason() != pending_reason) {
+    RETURN_IF_ERROR(store_->SetPendingReason(job_id, pending_reason));
+  }
+  return absl::OkStatus();
+}
+
+void Scheduler::UpdateLanesLocked(JobRuntime& runtime) {
+  if (runtime.job_serving != nullptr) runtime.job_serving->SetConcurrency(std::max(1, runtime.ServingGroups()));
+}
+
+void Scheduler::UnloadGroupLocked(const std::string& key) {
+  // The workers drop their shard before they may be placed again (WorkerPool::SetUnloading): a
+  // load of the same key on one of them would race the unload.
+  for (const WorkerStub& w : pool_->Release(key)) {
+    pool_->BeginUnloadCall(w.worker_id);
+    threads_.Start([this, w, key] {
+      // Failed: the worker is gone, or holds the shard still; it stays out of placement until a
+      // heartbeat shows the shard gone (MarkUnloadingLocked).
+      const bool unloaded = UnloadShard(*w.stub, key, options_.worker_token).ok();
+      absl::MutexLock lock(&mu_);
+      if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
+    });
+  }
+}
+
+void Scheduler::DropGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica) {
+  auto it = runtime.groups.find(replica);
+  if (it == runtime.groups.end()) return;
+  GroupRuntime& group = *it->second;
+  for (auto& context : group.load_contexts) context->TryCancel();
+  group.forward_abort->Abort(absl::StrCat("replica ", replica, " of job ", job_id, " was scaled away"));
+  UnqueueLocked(job_id, replica);
+  UnloadGroupLocked(ReplicaKey(job_id, replica));
+  // Its loads find no group under this replica (or a new one, with another generation) and stop.
+  runtime.groups.erase(it);
+  RecordLocked(RecordJobLocked(job_id, runtime, ""), absl::StrCat("recording job ", job_id, "'s replicas"));
+  UpdateLanesLocked(runtime);
+  changed_.SignalAll();
+}
+
+absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t replicas) {
+  if (replicas < 1 || replicas > options_.max_replicas) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replicas must be 1..", options_.max_replicas, " (--max_replicas), not ", replicas));
+  }
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(const v1::Job job, store_->Get(id));
+  auto found = runtimes_.find(id);
+  if (TerminalState(job.state()) || found == runtimes_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state())));
+  }
+  JobRuntime& runtime = *found->second;
+  // A job still on its way (or taken back after a restart) has replicas whose fate is not known
+  // yet: scaling it would race their placement. READY is when its shape is settled.
+  bool readopting = false;
+  for (const auto& [replica, group] : runtime.groups) {
+    readopting |= group->phase == GroupRuntime::Phase::kReadopting;
+  }
+  if (job.state() != v1::READY || readopting) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state()),
+                                                      readopting ? " and taking its replicas back after a restart" : "",
+                                                      "; scale it once it is READY"));
+  }
+  // Stored first: a restart keeps what was asked for.
+  RETURN_IF_ERROR(store_->SetReplicas(id, replicas).status());
+  runtime.replicas = replicas;
+  for (int32_t r = 0; r < replicas; ++r) {
+    GroupRuntime* group = runtime.Group(r);
+    if (group == nullptr) {
+      AddGroupLocked(id, runtime, r).reason = "placing its ranks";
+    } else {
+      group->retiring = false;  // scaled away and back before its forward ended
+    }
+  }
+  std::vector<int32_t> drop;
+  for (auto& [replica, group] : runtime.groups) {
+    if (replica < replicas) continue;
+    // One running a forward finishes it first (EndForward drops it): no request fails.
+    if (group->forwarding) {
+      group->retiring = true;
+    } else {
+      drop.push_back(replica);
+    }
+  }
+  for (int32_t replica : drop) DropGroupLocked(id, runtime, replica);
+  RecordLocked(RecordJobLocked(id, runtime, ""), absl::StrCat("recording job ", id, "'s replicas"));
+  UpdateLanesLocked(runtime);
+  ScheduleLocked();
+  return GetJobLocked(id);
+}
+
+absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, absl::Time wait_until) {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+    auto it = runtimes_.find(job_id);
+    if (it == runtimes_.end()) {
+      // It ended while this batch waited (its queue is closed by now too).
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
+    }
+    JobRuntime& runtime = *it->second;
+    // The free replica idle the longest: every replica keeps busy under load, and a lone caller's
+    // forwards go round them all (each stays warm, a bad one shows at once).
+    GroupRuntime* chosen = nullptr;
+    bool busy = false;
+    for (auto& [replica, group] : runtime.groups) {
+      if (!group->serving() || group->retiring) continue;
+      if (group->forwarding) {
+        busy = true;
+        continue;
+      }
+      if (chosen == nullptr || group->idle_since < chosen->idle_since) chosen = group.get();
+    }
+    if (chosen != nullptr) {
+      // A serving replica's workers are in the pool: one that registers again keeps the rank under
+      // its new id (MoveRankLocked), and one that leaves loses the replica first.
+      ASSIGN_OR_RETURN(std::vector<WorkerStub> stubs, pool_->Stubs(chosen->WorkerIds()));
+      ForwardTarget target;
+      for (WorkerStub& s : stubs) {
+        target.ranks.push_back({s.worker_id, s.address, std::move(s.stub), options_.worker_token, std::move(s.health)});
+      }
+      chosen->forwarding = true;
+      target.sequence = chosen->next_sequence++;
+      target.abort = chosen->forward_abort;
+      target.replica = chosen->replica;
+      target.generation = chosen->generation;
+      return target;
+    }
+    if (!busy && !runtime.Recovering()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " does not serve now"));
+    }
+    if (absl::Now() >= wait_until) {
+      if (busy) {
+        return absl::UnavailableError(absl::StrCat("every replica of job ", job_id,
+                                                   " was busy until the requests' deadline; retry"));
+      }
+      std::vector<std::string> why;
+      for (const auto& [replica, group] : runtime.groups) {
+        if (group->restarts.recovering()) why.push_back(group->restarts.Describe());
+      }
+      return absl::UnavailableError(absl::StrCat("job ", job_id, " has no replica serving (", absl::StrJoin(why, "; "),
+                                                 ") and none came back before the requests' deadline; retry"));
+    }
+    // A replica comes back (FinishLoad) or ends its forward (EndForward): both signal.
+    changed_.WaitWithDeadline(&mu_, wait_until);
+  }
+}
+
+void Scheduler::EndForward(const std::string& job_id, int32_t replica, int64_t generation) {
+  absl::MutexLock lock(&mu_);
+  auto it = runtimes_.find(job_id);
+  if (it == runtimes_.end()) return;
+  GroupRuntime* group = it->second->Group(replica);
+  // Lost meanwhile (its placement is another now) or scaled away: nothing holds it.
+  if (group == nullptr || group->generation != generation) return;
+  group->forwarding = false;
+  ++group->forwards;
+  group->idle_since = absl::Now();
+  if (group->retiring) DropGroupLocked(job_id, *it->second, replica);
+  changed_.SignalAll();
+}
+
+void Scheduler::LoseGroup(const std::string& job_id, int32_t replica, int64_t generation, const std::string& cause,
+                          const std::string& unreachable_worker) {
+  absl::MutexLock lock(&mu_);
+  LoseGroupLocked(job_id, replica, generation, cause, unreachable_worker);
+}
+
+absl::Status Scheduler::WithServingRuntime(const std::string& job_id,
+                                           const std::function<absl::Status(const std::shared_ptr<JobRuntime>& serving,
+                                                                            const absl::StatusOr<v1::Job>& job)>& use) {
+  absl::MutexLock lock(&mu_);
+  // Stop() takes every batch queue out as it sets stopping_; none may be made after.
+  if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
+  auto found = runtimes_.find(job_id);
+  // A replica being placed again: the requests queue and wait for it (NextForward).
+  if (found != runtimes_.end() && found->second->Serving()) return use(found->second, v1::Job());
+  return use(nullptr, GetJobLocked(job_id));
+}
+
+RecoveryMetrics Scheduler::Recovery() {
+  absl::MutexLock lock(&mu_);
+  RecoveryMetrics metrics;
+  metrics.groups_lost = groups_lost_;
+  for (const auto& [id, runtime] : runtimes_) {
+    if (runtime->ended) continue;
+    JobRecoveryState job{id, 0, runtime->Recovering()};
+    for (const auto& [replica, group] : runtime->groups) job.restarts = std::max(job.restarts, group->restarts.restarts());
+    job.replicas = runtime->replicas;
+    job.replicas_ready = runtime->ServingGroups();
+    metrics.jobs.push_back(job);
+    // What the HPA scales the workers by: those placed, and those the waiting replicas need.
+    for (const auto& [replica, group] : runtime->groups) {
+      metrics.workers_wanted += group->phase == GroupRuntime::Phase::kPending
+                                    ? runtime->plan.world_size()
+                                    : static_cast<int64_t>(std::max<size_t>(
+                                          group->ranks.size(),
+                                          group->recovery != nullptr ? group->recovery->previous.size() : 0));
+    }
+  }
+  return metrics;
+}
+
+void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
+  auto found = runtimes_.find(job.id());
+  if (found == runtimes_.end()) return;
+  const JobRuntime& runtime = *found->second;
+  const bool one = runtime.groups.size() == 1;
+  const auto named = [one](int32_t replica, const std::string& what) {
+    return one ? what : absl::StrCat("replica ", replica, ": ", what);
+  };
+  std::vector<std::string> recovering, degraded;
+  int32_t restarts = 0;
+  job.set_replicas(runtime.replicas);
+  for (const auto& [replica, group] : runtime.groups) {
+    v1::ReplicaStatus* status = job.add_replica_status();
+    status->set_replica(replica);
+    status->set_state(StateOf(Advance(group->phase)));
+    if (group->phase == GroupRuntime::Phase::kReadopting && group->recovery != nullptr) {
+      const std::string waiting = group->recovery->Describe(runtime.plan.world_size());
+      recovering.push_back(named(replica, waiting));
+      status->set_reason(waiting);
+      for (const v1::RankAssignment& a : group->recovery->previous) *status->add_ranks() = a;
+    } else {
+      for (const v1::RankAssignment& a : group->ranks) *status->add_ranks() = a;
+      if (group->phase == GroupRuntime::Phase::kPending) status->set_reason(group->reason);
+    }
+    if (group->retiring) status->set_reason("scaled away: unloads once its forward ends");
+    if (group->restarts.recovering()) degraded.push_back(named(replica, group->restarts.Describe()));
+    status->set_restarts(group->restarts.restarts());
+    status->set_forwards_in_flight(group->forwarding ? 1 : 0);
+    status->set_forwards(group->forwards);
+    restarts = std::max(restarts, status->restarts());
+  }
+  job.set_recovering(absl::StrJoin(recovering, "; "));
+  job.set_degraded(absl::StrJoin(degraded, "; "));
+  job.set_restarts(restarts);
+}
+
+v1::JobEvent Scheduler::EventLocked(const v1::Job& job) {
+  v1::JobEvent event;
+  *event.mutable_job() = job;
+  auto runtime = runtimes_.find(job.id());
+  if (runtime != runtimes_.end()) {
+    for (const auto& [replica, group] : runtime->second->groups) {
+      for (const auto& p : group->progress) *event.add_ranks() = p;
+    }
+  }
+  return event;
+}
+
+}  // namespace bertshard::server
