@@ -230,16 +230,21 @@ BatchQueue::BatchQueue(BatchLimits limits, BatchPadding padding, RunBatchFn run,
       padding_(padding),
       run_(std::move(run)),
       per_token_(std::move(per_token)),
-      observer_(std::move(observer)),
-      thread_([this] { Loop(); }) {}
+      observer_(std::move(observer)) {
+  absl::MutexLock lock(&mu_);
+  lanes_.emplace_back([this] { Loop(); });
+}
 
 BatchQueue::~BatchQueue() {
   Close("job is going away");
+  std::vector<std::thread> lanes;
   {
     absl::MutexLock lock(&mu_);
-    stopping_ = true;
+    stopping_ = true;  // and SetConcurrency starts no more
+    lanes.swap(lanes_);
   }
-  thread_.join();
+  // Each ends once its batch, if any, is done.
+  for (std::thread& lane : lanes) lane.join();
   // Every request is done now; wait for their Submit calls to see it before mu_ goes away.
   absl::MutexLock lock(&mu_);
   auto returned = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return submits_ == 0; };
@@ -259,9 +264,26 @@ void BatchQueue::Close(const std::string& reason) {
   clients_.clear();
 }
 
+void BatchQueue::SetConcurrency(int n) {
+  n = std::max(1, n);
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return;
+  // A free lane's thread waiting for work sees the change (mu_'s conditions are looked at again
+  // when it is released); a lower n takes effect at the next dispatch.
+  concurrency_ = n;
+  // Started with mu_ held (std::thread does not wait for the thread to run): each new thread
+  // takes mu_ in NextBatch once this returns.
+  while (static_cast<int>(lanes_.size()) < n) lanes_.emplace_back([this] { Loop(); });
+}
+
 int BatchQueue::queued() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(waiting_.size());
+}
+
+int BatchQueue::running() const {
+  absl::MutexLock lock(&mu_);
+  return running_;
 }
 
 int64_t BatchQueue::queued_tokens(const std::string& client) const {
@@ -472,10 +494,17 @@ std::vector<BatchQueue::Request*> BatchQueue::FormBatchLocked(bool* full) const 
 
 std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
   absl::MutexLock lock(&mu_);
-  auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !waiting_.empty(); };
+  // A lane is free and no other free lane's thread is forming a batch: this one forms the next.
+  auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || (!forming_ && running_ < concurrency_ && !waiting_.empty());
+  };
   while (true) {
+    // Every pass starts here, giving up the forming; the Await returns at once (mu_ still held,
+    // so no other thread takes it meanwhile) while this lane is still free and there is work.
+    forming_ = false;
     mu_.Await(absl::Condition(&work));
     if (stopping_) return {};
+    forming_ = true;
     bool full = false;
     std::vector<Request*> batch = FormBatchLocked(&full);
     const Request* oldest = batch.front();
@@ -499,9 +528,12 @@ std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
     if (until != absl::InfinitePast()) {
       // `oldest` may leave the queue (and be freed) meanwhile: compare ids. Each end wakes the
       // loop once to look again (a regroup that completes does not wake it twice: `regrouping`
-      // is false next time).
-      auto changed = [this, oldest_id, regrouping]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      // is false next time). So does a lowered concurrency that leaves no lane free, and another
+      // lane's forward ending (the regroup is for its callers now, see BatchLimits::regroup_delay).
+      const int64_t ended = forwards_ended_;
+      auto changed = [this, oldest_id, regrouping, ended]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         if (stopping_ || waiting_.empty() || HeadLocked()->id != oldest_id) return true;
+        if (running_ >= concurrency_ || forwards_ended_ != ended) return true;
         if (regrouping && RegroupedLocked()) return true;
         bool now_full = false;
         FormBatchLocked(&now_full);
@@ -533,6 +565,8 @@ std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
     std::sort(batch.begin(), batch.end(), [](const Request* a, const Request* b) { return a->id < b->id; });
     // Every client served now has had its turn (those still waiting go to the back).
     ++batches_;
+    ++running_;
+    forming_ = false;
     std::vector<std::shared_ptr<Request>> taken;
     for (Request* r : batch) {
       r->running = true;
@@ -608,10 +642,13 @@ void BatchQueue::RunBatch(std::vector<std::shared_ptr<Request>> batch) {
     batch[i]->done = true;
   }
   // Callers that left while it ran (deadline, cancelled) count too: a client that gave up usually
-  // sends its next request, or a retry, right away.
+  // sends its next request, or a retry, right away. With several lanes the last to end wins (see
+  // BatchLimits::regroup_delay).
   last_end_ = absl::Now();
   last_requests_ = static_cast<int>(batch.size());
   ids_at_last_end_ = next_id_;
+  ++forwards_ended_;
+  --running_;  // the lane is free: a waiting lane thread forms the next batch
 }
 
 bool BatchQueue::RegroupedLocked() const { return next_id_ - ids_at_last_end_ >= last_requests_; }

@@ -1,6 +1,7 @@
 // File: server/batch_queue_test_fixture.h
 // -----------------------------------------------------------------------------
-// What the BatchQueue tests share (batch_queue_test, batch_queue_regroup_test): a fake forward
+// What the BatchQueue tests share (batch_queue_test, batch_queue_regroup_test, _fairness_test,
+// _lanes_test): a fake forward
 // whose outputs depend per row on that row's real tokens only (so any mix-up of rows or positions
 // shows), FakeModel, which records every merged batch and can hold batches at a gate until the test
 // lets them run, and BatchQueueTest, a fixture with a queue in front of it.
@@ -16,8 +17,8 @@
 //
 // Failure model: mismatches are gtest assertion results; WaitUntil gives up after 60 s.
 //
-// Thread safety: FakeModel and the fixture's observer are thread-safe (the queue's thread calls
-// them); the rest is called from the test's thread.
+// Thread safety: FakeModel and the fixture's observer are thread-safe (the queue's lane threads
+// call them, several at once with several lanes); the rest is called from the test's thread.
 #ifndef BERTSHARD_SERVER_BATCH_QUEUE_TEST_FIXTURE_H_
 #define BERTSHARD_SERVER_BATCH_QUEUE_TEST_FIXTURE_H_
 
@@ -143,13 +144,20 @@ class FakeModel {
     int micro_batches;
     absl::Time deadline;
     std::vector<int64_t> tags;  // the requests in it, in row order
+    int in_flight = 0;          // batches in Run when it entered, itself included
   };
 
   absl::StatusOr<BatchOutputs> Run(const v1::TokenInputs& merged, int micro_batches, absl::Time deadline) {
     absl::MutexLock lock(&mu_);
     const int index = started_++;
     if (++in_flight_ > max_in_flight_) max_in_flight_ = in_flight_;
-    Batch batch{merged, micro_batches, deadline, {}};
+    if (on_start_) {  // without mu_: it may call into the queue
+      const std::function<void(int)> on_start = on_start_;
+      mu_.Unlock();
+      on_start(index);
+      mu_.Lock();
+    }
+    Batch batch{merged, micro_batches, deadline, {}, in_flight_};
     for (int64_t r = 0; r < merged.rows(); ++r) {
       const int64_t tag = merged.input_ids(static_cast<int>(r * merged.seq()));
       if (batch.tags.empty() || batch.tags.back() != tag) batch.tags.push_back(tag);
@@ -187,6 +195,17 @@ class FakeModel {
     auto started = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return started_ >= n; };
     mu_.Await(absl::Condition(&started));
   }
+  // Whether n batches have entered Run within `timeout` (false: a test fails instead of hanging).
+  bool WaitStarted(int n, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto started = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return started_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&started), timeout);
+  }
+  // Called at the start of every batch's Run, with its index, on the queue's lane thread.
+  void OnStart(std::function<void(int index)> on_start) {
+    absl::MutexLock lock(&mu_);
+    on_start_ = std::move(on_start);
+  }
   void FailWith(absl::Status status) {
     absl::MutexLock lock(&mu_);
     fail_ = std::move(status);
@@ -212,6 +231,10 @@ class FakeModel {
     absl::MutexLock lock(&mu_);
     return max_in_flight_;
   }
+  int in_flight() {
+    absl::MutexLock lock(&mu_);
+    return in_flight_;
+  }
 
  private:
   absl::Mutex mu_;
@@ -224,6 +247,7 @@ class FakeModel {
   bool bad_shape_ ABSL_GUARDED_BY(mu_) = false;
   absl::Duration slow_ ABSL_GUARDED_BY(mu_);
   std::vector<Batch> batches_ ABSL_GUARDED_BY(mu_);
+  std::function<void(int)> on_start_ ABSL_GUARDED_BY(mu_);
 };
 
 // Polls `done` (no assumption on how fast the machine is).
