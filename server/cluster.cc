@@ -64,8 +64,8 @@ absl::StatusOr<v1::Job> Cluster::ScaleJob(const std::string& job, int32_t replic
 
 absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
                                const std::function<bool(const v1::JobEvent&)>& emit,
-                               const std::function<bool()>& cancelled) {
-  return scheduler_->WatchJob(id, deadline, emit, cancelled);
+                               const std::function<bool()>& cancelled, bool all_replicas) {
+  return scheduler_->WatchJob(id, deadline, emit, cancelled, all_replicas);
 }
 
 std::map<std::string, int> Cluster::InferQueueDepths() {

@@ -21,8 +21,8 @@
 // plan, each on its own workers, behind the job's one id and queue; one forward at a time each,
 // to the one idle the longest) only the replica that lost the worker is placed again: the job
 // stays READY while another serves, Job.degraded says which is lost and why, and the batch in
-// flight on the lost one is sent once more on another. Past --max_restarts losses in a row, or on a load refused for what it
-// asks, the job FAILS. Workers' collectives have timeouts, so no rank waits forever.
+// flight on the lost one is sent once more on another. Past --max_restarts losses in a row, or on a load refused for
+// what it asks, the job FAILS. Workers' collectives have timeouts, so no rank waits forever.
 //
 // Coordinator restarts end no job. Workers report the shards they hold (job, rank, world size,
 // next sequence number) when they register and with every heartbeat. On start, jobs that were
@@ -99,10 +99,12 @@ class Cluster {
   // for a job that is not READY (or still taking its replicas back after a restart); NOT_FOUND.
   absl::StatusOr<v1::Job> ScaleJob(const std::string& job, int32_t replicas);
   // Calls `emit` with the job's state and load progress whenever they change, until the job is
-  // READY (and not recovering), FAILED or CANCELLED, `emit` returns false, `cancelled` turns true (checked at least
-  // every half second), or the deadline passes.
+  // READY (and not recovering; with `all_replicas`, every replica it wants READY too), FAILED or
+  // CANCELLED, `emit` returns false, `cancelled` turns true (checked at least every half second),
+  // or the deadline passes.
   absl::Status WatchJob(const std::string& id, absl::Time deadline,
-                        const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled);
+                        const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled,
+                        bool all_replicas = false);
   // Infer and Embed take the job by id or by name (request.job_id may be either).
   // Requests on a job are batched (ClusterOptions::batching): concurrent ones merge into one
   // forward, and forwards run one at a time. A request whose caller went away (`cancelled`) or

@@ -213,7 +213,7 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     return common::ToGrpcStatus(cluster_->WatchJob(
         request->job_id(), Deadline(context, absl::Hours(1)),
         [&](const v1::JobEvent& e) { return !context->IsCancelled() && writer->Write(e); },
-        [context] { return context->IsCancelled(); }));
+        [context] { return context->IsCancelled(); }, request->all_replicas()));
   }
   grpc::Status Infer(grpc::ServerContext* context, const v1::InferRequest* request,
                      v1::InferResponse* response) override {

@@ -1,7 +1,5 @@
 #include "server/job_recovery.h"
 
-#include "absl/strings/str_cat.h"
-
 #include <fcntl.h>
 #include <stdio.h>
 
@@ -14,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
 

@@ -22,16 +22,18 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRe
   };
   std::vector<common::MetricsRegistry::CollectorHandle> handles;
   ASSIGN_OR_RETURN(auto restarts,
-                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_restarts",
-                                          "Losses in a row of the job's replica lost most (Job.restarts; 0 once it "
-                                          "served --restart_reset_after), per job that has not ended.",
-                                          {"job"}, per_job([](const JobRecoveryState& j) { return static_cast<double>(j.restarts); })));
+                   registry->AddCollector(
+                       common::MetricType::kGauge, "bertshard_coordinator_job_restarts",
+                       "Losses in a row of the job's replica lost most (Job.restarts; 0 once it "
+                       "served --restart_reset_after), per job that has not ended.",
+                       {"job"}, per_job([](const JobRecoveryState& j) { return static_cast<double>(j.restarts); })));
   handles.push_back(std::move(restarts));
-  ASSIGN_OR_RETURN(auto degraded,
-                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_degraded",
-                                          "1 while a replica of the job is being placed and loaded again after a "
-                                          "lost worker (Job.degraded), else 0; per job that has not ended.",
-                                          {"job"}, per_job([](const JobRecoveryState& j) { return j.degraded ? 1.0 : 0.0; })));
+  ASSIGN_OR_RETURN(
+      auto degraded,
+      registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_degraded",
+                             "1 while a replica of the job is being placed and loaded again after a "
+                             "lost worker (Job.degraded), else 0; per job that has not ended.",
+                             {"job"}, per_job([](const JobRecoveryState& j) { return j.degraded ? 1.0 : 0.0; })));
   handles.push_back(std::move(degraded));
   ASSIGN_OR_RETURN(auto groups_lost,
                    registry->AddCollector(common::MetricType::kCounter, "bertshard_coordinator_groups_lost_total",

@@ -30,8 +30,8 @@ namespace bertshard::server {
 // One job that has not ended, as its recovery stands.
 struct JobRecoveryState {
   std::string job_id;
-  int restarts = 0;       // Job.restarts: losses in a row of its group
-  bool degraded = false;  // Job.degraded set: a replica is being placed and loaded again
+  int restarts = 0;        // Job.restarts: losses in a row of its group
+  bool degraded = false;   // Job.degraded set: a replica is being placed and loaded again
   int replicas = 1;        // Job.replicas: wanted
   int replicas_ready = 0;  // serving now
 };

@@ -68,8 +68,8 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   if (!request.name().empty()) RETURN_IF_ERROR(CheckJobName(request.name()));
   const int32_t replicas = request.has_replicas() ? request.replicas() : 1;
   if (replicas < 1 || replicas > options_.max_replicas) {
-    return absl::InvalidArgumentError(absl::StrCat("replicas must be 1..", options_.max_replicas,
-                                                   " (--max_replicas), not ", replicas));
+    return absl::InvalidArgumentError(
+        absl::StrCat("replicas must be 1..", options_.max_replicas, " (--max_replicas), not ", replicas));
   }
   // The checkpoint opened once under the model root: config.json for the plan and the serving
   // assets are read through its descriptors, here, off the lock.
@@ -105,8 +105,8 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
     if (all.ranks.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the job cannot start now: ",
-          replicas == 1 ? all.waiting_for : absl::StrCat(replicas, " replicas of ", plan.world_size(),
-                                                         " ranks: ", all.waiting_for)));
+          replicas == 1 ? all.waiting_for
+                        : absl::StrCat(replicas, " replicas of ", plan.world_size(), " ranks: ", all.waiting_for)));
     }
   }
   v1::Job job;
@@ -141,7 +141,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
 void Scheduler::ScheduleLocked() {
   if (stopping_ || draining_) return;
   std::vector<PendingGroup> still_pending;
-  std::vector<size_t> waiting;  // into still_pending: those no placement fits now, or in backoff
+  std::vector<size_t> waiting;    // into still_pending: those no placement fits now, or in backoff
   std::set<std::string> changed;  // jobs whose replicas were placed: recorded once each below
   const absl::Time now = absl::Now();
   next_backoff_end_ = absl::InfiniteFuture();
@@ -260,8 +260,8 @@ void Scheduler::LoadGroup(const std::string& job_id, int32_t replica, int64_t ge
   // A secret per load attempt, held only here and in the requests (never in the job store or a
   // log): the ranks prove it to the rendezvous, which refuses anyone else (worker/auth_store.h).
   const absl::StatusOr<std::string> secret = common::SecureRandomBytes(32);
-  const absl::StatusOr<int32_t> port =
-      secret.ok() ? ReserveRendezvousPort(load->ranks[0], load->key, *secret) : absl::StatusOr<int32_t>(secret.status());
+  const absl::StatusOr<int32_t> port = secret.ok() ? ReserveRendezvousPort(load->ranks[0], load->key, *secret)
+                                                   : absl::StatusOr<int32_t>(secret.status());
   if (!port.ok()) {
     absl::MutexLock lock(&mu_);
     // Stopping: the job stays LOADING for the next coordinator, which places it again.
@@ -536,7 +536,15 @@ absl::StatusOr<v1::Job> Scheduler::CancelJob(const std::string& id) {
 
 absl::Status Scheduler::WatchJob(const std::string& id, absl::Time deadline,
                                  const std::function<bool(const v1::JobEvent&)>& emit,
-                                 const std::function<bool()>& cancelled) {
+                                 const std::function<bool()>& cancelled, bool all_replicas) {
+  // Every replica the job wants READY, as Job.replica_status shows them.
+  const auto every_replica = [](const v1::Job& job) {
+    if (job.replica_status_size() < std::max(1, job.replicas())) return false;
+    for (const v1::ReplicaStatus& r : job.replica_status()) {
+      if (r.state() != v1::READY) return false;
+    }
+    return true;
+  };
   std::string last;
   while (true) {
     v1::JobEvent event;
@@ -557,7 +565,10 @@ absl::Status Scheduler::WatchJob(const std::string& id, absl::Time deadline,
     }
     if (!emit(event)) return absl::CancelledError("watcher went away");
     const v1::JobState s = event.job().state();
-    if (TerminalState(s) || (s == v1::READY && event.job().recovering().empty())) return absl::OkStatus();
+    if (TerminalState(s) ||
+        (s == v1::READY && event.job().recovering().empty() && (!all_replicas || every_replica(event.job())))) {
+      return absl::OkStatus();
+    }
   }
 }
 

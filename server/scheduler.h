@@ -176,9 +176,10 @@ class Scheduler final : public ForwardTargets {
   absl::StatusOr<v1::Job> CancelJob(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
   // See Cluster::ScaleJob (scheduler_replicas.cc).
   absl::StatusOr<v1::Job> ScaleJob(const std::string& id, int32_t replicas) ABSL_LOCKS_EXCLUDED(mu_);
+  // See Cluster::WatchJob.
   absl::Status WatchJob(const std::string& id, absl::Time deadline,
-                        const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                        const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled,
+                        bool all_replicas = false) ABSL_LOCKS_EXCLUDED(mu_);
 
   // For serving. The ranks, sequence number and abort of the next forward of job `job_id` on the
   // replica idle the longest, which it holds until EndForward (one forward at a time per replica);
@@ -332,7 +333,7 @@ class Scheduler final : public ForwardTargets {
   std::vector<PendingGroup> pending_ ABSL_GUARDED_BY(mu_);
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t groups_lost_ ABSL_GUARDED_BY(mu_) = 0;  // LoseGroupLocked's losses (not the late reports)
-  int64_t generations_ ABSL_GUARDED_BY(mu_) = 0;   // the last GroupRuntime::generation given
+  int64_t generations_ ABSL_GUARDED_BY(mu_) = 0;  // the last GroupRuntime::generation given
   // A planning the job database refused: the monitor schedules again until it is taken.
   bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
   // The earliest end of a restart's backoff among the waiting replicas (set by ScheduleLocked): the

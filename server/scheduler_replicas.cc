@@ -259,8 +259,8 @@ absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, 
     }
     if (absl::Now() >= wait_until) {
       if (busy) {
-        return absl::UnavailableError(absl::StrCat("every replica of job ", job_id,
-                                                   " was busy until the requests' deadline; retry"));
+        return absl::UnavailableError(
+            absl::StrCat("every replica of job ", job_id, " was busy until the requests' deadline; retry"));
       }
       std::vector<std::string> why;
       for (const auto& [replica, group] : runtime.groups) {
@@ -313,17 +313,18 @@ RecoveryMetrics Scheduler::Recovery() {
   for (const auto& [id, runtime] : runtimes_) {
     if (runtime->ended) continue;
     JobRecoveryState job{id, 0, runtime->Recovering()};
-    for (const auto& [replica, group] : runtime->groups) job.restarts = std::max(job.restarts, group->restarts.restarts());
+    for (const auto& [replica, group] : runtime->groups)
+      job.restarts = std::max(job.restarts, group->restarts.restarts());
     job.replicas = runtime->replicas;
     job.replicas_ready = runtime->ServingGroups();
     metrics.jobs.push_back(job);
     // What the HPA scales the workers by: those placed, and those the waiting replicas need.
     for (const auto& [replica, group] : runtime->groups) {
-      metrics.workers_wanted += group->phase == GroupRuntime::Phase::kPending
-                                    ? runtime->plan.world_size()
-                                    : static_cast<int64_t>(std::max<size_t>(
-                                          group->ranks.size(),
-                                          group->recovery != nullptr ? group->recovery->previous.size() : 0));
+      metrics.workers_wanted +=
+          group->phase == GroupRuntime::Phase::kPending
+              ? runtime->plan.world_size()
+              : static_cast<int64_t>(std::max<size_t>(
+                    group->ranks.size(), group->recovery != nullptr ? group->recovery->previous.size() : 0));
     }
   }
   return metrics;

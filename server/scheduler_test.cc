@@ -9,74 +9,11 @@
 
 #include "gtest/gtest.h"
 #include "server/fake_worker.h"
+#include "server/scheduler_test_fixture.h"
 #include "server/worker_pool.h"
 
 namespace bertshard::server {
 namespace {
-
-class SchedulerTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    options_.heartbeat_interval = absl::Hours(1);  // the fakes never heartbeat
-    // A lost group is placed again at once every time (backoff: SchedulerBackoffTest), twice at most.
-    options_.restarts.backoff_initial = absl::ZeroDuration();
-    options_.restarts.max_restarts = 2;
-    Start();
-  }
-  void Start() {
-    scheduler_.reset();
-    pool_ = std::make_unique<WorkerPool>(options_, "test");
-    auto store = jobs::JobStore::Open(":memory:");
-    ASSERT_TRUE(store.ok()) << store.status();
-    auto scheduler = Scheduler::Create(options_, *std::move(store), pool_.get());
-    ASSERT_TRUE(scheduler.ok()) << scheduler.status();
-    scheduler_ = *std::move(scheduler);
-    const std::filesystem::path dir = std::filesystem::path(testing::TempDir()) / "scheduler_model";
-    std::filesystem::create_directories(dir);
-    std::ofstream(dir / "config.json") << R"({"architectures": ["BertForMaskedLM"]})";
-    checkpoint_ = dir.string();
-  }
-  void TearDown() override { scheduler_.reset(); }
-
-  std::string Register(const FakeWorker& worker) {
-    v1::RegisterWorkerRequest request;
-    request.set_address(worker.Address());
-    return scheduler_->RegisterWorker(request).worker_id();
-  }
-  v1::Job Submit(int ranks) {
-    v1::SubmitJobRequest submit;
-    submit.mutable_request()->set_checkpoint(checkpoint_);
-    submit.mutable_request()->mutable_parallel()->set_tp_size(ranks);
-    auto job = scheduler_->SubmitJob(submit, "test");
-    EXPECT_TRUE(job.ok()) << job.status();
-    return job.ok() ? *job : v1::Job();
-  }
-  // The job once READY or ended (WatchJob's end), within 60 s.
-  // Worker `id` says it is leaving (SIGTERM): its job loses its group.
-  bool Leave(const std::string& id) {
-    v1::HeartbeatRequest leaving;
-    leaving.set_worker_id(id);
-    leaving.set_leaving(true);
-    return scheduler_->Heartbeat(leaving).ok();
-  }
-  v1::Job Settled(const std::string& id) {
-    v1::Job last;
-    const absl::Status watched = scheduler_->WatchJob(
-        id, absl::Now() + absl::Seconds(60),
-        [&](const v1::JobEvent& e) {
-          last = e.job();
-          return true;
-        },
-        nullptr);
-    EXPECT_TRUE(watched.ok()) << watched;
-    return last;
-  }
-
-  ClusterOptions options_;
-  std::unique_ptr<WorkerPool> pool_;
-  std::unique_ptr<Scheduler> scheduler_;
-  std::string checkpoint_;
-};
 
 TEST_F(SchedulerTest, PlacesAWaitingJobWhenWorkersComeAndNumbersItsForwards) {
   FakeWorker a, b;

@@ -228,8 +228,9 @@ void Scheduler::DecideRecoveryLocked(const std::string& key) {
   group.phase = GroupRuntime::Phase::kServing;
   const absl::Status recorded = RecordJobLocked(
       found.job_id, *found.runtime,
-      was_loading ? absl::StrCat("all ", decision.rank_workers.size(), " ranks had loaded when the coordinator restarted")
-                  : "");
+      was_loading
+          ? absl::StrCat("all ", decision.rank_workers.size(), " ranks had loaded when the coordinator restarted")
+          : "");
   if (!recorded.ok()) {
     // Serving a replica the database does not know of would be lost at the next restart.
     StoreErrorLocked(absl::StrCat("taking back job ", found.job_id), recorded);
@@ -279,9 +280,9 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
     FailJobLocked(job_id, decision.cause);
     return;
   }
-  const std::string what =
-      runtime->replicas == 1 ? absl::StrCat("job ", job_id, " lost its group")
-                             : absl::StrCat("replica ", replica, " of job ", job_id, " lost a worker");
+  const std::string what = runtime->replicas == 1
+                               ? absl::StrCat("job ", job_id, " lost its group")
+                               : absl::StrCat("replica ", replica, " of job ", job_id, " lost a worker");
   // The replica is cut off: nothing of this placement loads, finishes or answers after.
   group->lost_from = group->generation;
   group->generation = ++generations_;
