@@ -99,7 +99,7 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
     const absl::Time deadline = absl::Now() + forward_timeout_;
     forward.Clear();
     forward.set_sequence(target.sequence);
-    forward.set_job_id(job_id_);
+    forward.set_job_id(target.shard_key.empty() ? job_id_ : target.shard_key);
     *forward.mutable_inputs() = merged;
     forward.set_micro_batches(std::max(1, micro_batches));
     *forward.mutable_want() = want;

@@ -59,6 +59,9 @@ struct ForwardTarget {
   // one (a forward that failed on a group already replaced) changes nothing.
   int32_t replica = 0;
   int64_t generation = 0;
+  // What the replica's workers hold its shards by (ForwardRequest.job_id: replica_keys.h); empty:
+  // the job's id.
+  std::string shard_key;
 };
 
 // What a JobServing needs from the cluster (the Scheduler implements it).

@@ -252,6 +252,7 @@ absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, 
       target.abort = chosen->forward_abort;
       target.replica = chosen->replica;
       target.generation = chosen->generation;
+      target.shard_key = ReplicaKey(job_id, chosen->replica);
       return target;
     }
     if (!busy && !runtime.Recovering()) {

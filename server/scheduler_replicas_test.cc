@@ -88,6 +88,9 @@ TEST_F(ReplicasTest, ForwardsTakeTheFreeReplicaIdleTheLongest) {
   EXPECT_NE(first->ranks[0].worker_id, second->ranks[0].worker_id);
   EXPECT_EQ(first->sequence, 0);
   EXPECT_EQ(second->sequence, 0);  // numbered per replica
+  // Each sent under its replica's key on the workers.
+  EXPECT_EQ((std::set<std::string>{first->shard_key, second->shard_key}),
+            (std::set<std::string>{ready.id(), ReplicaKey(ready.id(), 1)}));
   const absl::StatusOr<ForwardTarget> busy = scheduler_->NextForward(ready.id(), absl::Now());
   EXPECT_EQ(busy.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(busy.status().message().find("busy"), std::string::npos) << busy.status();

@@ -16,6 +16,7 @@
 #include "bertshard/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/closed_loop_clients.h"
 #include "tests/cluster_fixture.h"
 #include "tests/test_process.h"
 
@@ -117,58 +118,23 @@ TEST_F(Cluster, KilledWorkersJobServesAgainOnASpareUnderClients) {
   const v1::Job job = Submit(kModel, 2, 1);
   ASSERT_EQ(Watch(job.id()).job().state(), v1::READY);
   const std::vector<float> expected = Expected();
-  struct Failure {
-    grpc::StatusCode code;
-    std::string message;
-    absl::Time sent;
-  };
-  absl::Mutex mu;
-  std::vector<Failure> failures;                         // guarded by mu
-  int64_t answered = 0;                                  // guarded by mu
-  int wrong = 0;                                         // guarded by mu
-  absl::Time first_after_kill = absl::InfiniteFuture();  // the first answer to a request sent after the kill
-  absl::Time killed = absl::InfiniteFuture();            // guarded by mu
-  std::atomic<bool> stop{false};
   constexpr int kClients = 8;  // issue 22: 8-16 closed-loop clients
-  std::vector<std::thread> clients;
-  for (int c = 0; c < kClients; ++c) {
-    clients.emplace_back([&] {
-      while (!stop) {
-        v1::InferRequest infer;
-        infer.set_job_id(job.id());
-        *infer.mutable_tokens() = Tokens();
-        v1::InferResponse response;
-        const absl::Time sent = absl::Now();
-        const grpc::Status status = stub_->Infer(Context(60).get(), infer, &response);
-        absl::MutexLock lock(&mu);
-        if (!status.ok()) {
-          failures.push_back({status.error_code(), status.error_message(), sent});
-          continue;
-        }
-        ++answered;
-        if (response.outputs_size() != 1 || MaxDiff(response.outputs(0), expected) > 1e-5f) ++wrong;
-        if (sent > killed) first_after_kill = std::min(first_after_kill, absl::Now());
-      }
-    });
-  }
-  const auto answers = [&] {
-    absl::MutexLock lock(&mu);
-    return answered;
-  };
-  const auto until = [&](int64_t n) {
-    for (int k = 0; k < 3000 && answers() < n; ++k) usleep(10 * 1000);
-    return answers() >= n;
-  };
-  ASSERT_TRUE(until(8)) << "the clients are not being answered";
+  testing::ClosedLoopClients clients(kClients, [&] {
+    v1::InferRequest infer;
+    infer.set_job_id(job.id());
+    *infer.mutable_tokens() = Tokens();
+    v1::InferResponse response;
+    const grpc::Status status = stub_->Infer(Context(60).get(), infer, &response);
+    return testing::ClosedLoopClients::Outcome{
+        status, response.outputs_size() == 1 && MaxDiff(response.outputs(0), expected) <= 1e-5f};
+  });
+  ASSERT_TRUE(clients.WaitAnswers(8)) << "the clients are not being answered";
   std::string victim_id;
   const int victim = WorkerServing(job.id(), 1, &victim_id);
   ASSERT_GE(victim, 0);
   KillWorker(victim);
-  {
-    // After the kill: a request sent before it may have been answered by the old group.
-    absl::MutexLock lock(&mu);
-    killed = absl::Now();
-  }
+  // After the kill: a request sent before it may have been answered by the old group.
+  const absl::Time killed = clients.Mark();
   const v1::Job lost = WaitLost(job.id());
   EXPECT_NE(RecoveryReason(lost).find(victim_id), std::string::npos) << lost.DebugString();
   const v1::Job back = WaitState(job.id(), v1::READY, absl::Seconds(40));
@@ -177,16 +143,16 @@ TEST_F(Cluster, KilledWorkersJobServesAgainOnASpareUnderClients) {
   EXPECT_EQ(back.degraded(), "");
   for (const auto& r : back.ranks()) EXPECT_NE(r.worker_id(), victim_id);
   // Served on the new group: more answers after it is READY (each client's next requests).
-  ASSERT_TRUE(until(answers() + 4 * kClients)) << "no answers after the job was READY again";
-  stop = true;
-  for (std::thread& t : clients) t.join();
-  absl::MutexLock lock(&mu);
-  EXPECT_EQ(wrong, 0);
-  for (const Failure& f : failures) {
+  ASSERT_TRUE(clients.WaitAnswers(clients.answered() + 4 * kClients)) << "no answers after the job was READY again";
+  clients.Stop();
+  EXPECT_EQ(clients.wrong(), 0);
+  const std::vector<testing::ClosedLoopClients::Failure> failures = clients.failures();
+  for (const auto& f : failures) {
     EXPECT_EQ(f.code, grpc::StatusCode::UNAVAILABLE) << f.message;
     EXPECT_GE(f.sent, killed - absl::Seconds(1)) << "an error before the fault: " << f.message;
     EXPECT_LT(f.sent, ready_again) << "an error after the job was READY again: " << f.message;
   }
+  const absl::Time first_after_kill = clients.first_answer_after();
   std::printf(
       "recovery: TP 2 job, SIGKILL of rank 1, %d clients: first answer after the kill %.2f s, READY again "
       "%.2f s, %zu client errors\n",

@@ -1,0 +1,165 @@
+// Replicas end to end (issue 22) on a coordinator and four shard-worker processes on loopback: a
+// TP 1 job with two replicas under eight closed-loop clients checking every answer against the
+// reference. SIGKILL the worker of one replica: the other answers every request (no client error
+// at all), and the lost replica is READY again on a spare. Scale 1 -> 3 -> 1 under the same load:
+// the new replicas take forwards once READY, the ones taken away finish theirs, no request fails.
+// Prints the failover and scaling times (a loaded, shared machine: no bound asserted on speed).
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "absl/time/clock.h"
+#include "bertshard/v1/coordinator.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/closed_loop_clients.h"
+#include "tests/cluster_fixture.h"
+
+namespace bertshard {
+namespace {
+
+using testing::ClosedLoopClients;
+using testing::Cluster;
+using testing::Context;
+using testing::kModel;
+
+class Replicas : public Cluster {
+ protected:
+  v1::Job SubmitReplicas(int replicas) {
+    v1::SubmitJobRequest submit;
+    submit.mutable_request()->set_checkpoint(std::filesystem::absolute(kModel).string());
+    submit.set_replicas(replicas);
+    v1::Job job;
+    const grpc::Status s = stub_->SubmitJob(Context().get(), submit, &job);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return job;
+  }
+  // The job once every replica it wants is READY (or it ended, or 60 s passed).
+  v1::Job WatchAllReplicas(const std::string& id) {
+    v1::GetJobRequest request;
+    request.set_job_id(id);
+    request.set_all_replicas(true);
+    auto context = Context(60);
+    auto reader = stub_->WatchJob(context.get(), request);
+    v1::JobEvent event;
+    v1::Job last;
+    while (reader->Read(&event)) last = event.job();
+    const grpc::Status finished = reader->Finish();
+    EXPECT_TRUE(finished.ok()) << finished.error_message() << " " << last.DebugString();
+    return last;
+  }
+  static int ReadyReplicas(const v1::Job& job) {
+    int ready = 0;
+    for (const v1::ReplicaStatus& r : job.replica_status()) ready += r.state() == v1::READY ? 1 : 0;
+    return ready;
+  }
+  // Closed-loop Infer calls on `job`, each answer checked against the reference.
+  std::unique_ptr<ClosedLoopClients> Clients(const std::string& job, int n) {
+    return std::make_unique<ClosedLoopClients>(n, [this, job, expected = Expected()] {
+      v1::InferRequest infer;
+      infer.set_job_id(job);
+      *infer.mutable_tokens() = Tokens();
+      v1::InferResponse response;
+      const grpc::Status status = stub_->Infer(Context(60).get(), infer, &response);
+      return ClosedLoopClients::Outcome{
+          status, response.outputs_size() == 1 && MaxDiff(response.outputs(0), expected) <= 1e-5f};
+    });
+  }
+  static void ExpectNoFailure(const ClosedLoopClients& clients) {
+    EXPECT_EQ(clients.wrong(), 0);
+    for (const ClosedLoopClients::Failure& f : clients.failures()) {
+      ADD_FAILURE() << "a client saw " << f.code << ": " << f.message;
+    }
+  }
+};
+
+TEST_F(Replicas, ALostReplicaFailsNoRequestAndComesBackOnASpare) {
+  const v1::Job job = SubmitReplicas(2);
+  const v1::Job ready = WatchAllReplicas(job.id());
+  ASSERT_EQ(ReadyReplicas(ready), 2) << ready.DebugString();
+  constexpr int kClients = 8;
+  std::unique_ptr<ClosedLoopClients> clients = Clients(job.id(), kClients);
+  ASSERT_TRUE(clients->WaitAnswers(4 * kClients)) << "the clients are not being answered";
+  // The worker of replica 1 (known to the workers by the replica's key).
+  std::string victim_id;
+  const int victim = WorkerServing(job.id() + "/replica-1", 0, &victim_id);
+  ASSERT_GE(victim, 0);
+  KillWorker(victim);
+  const absl::Time killed = clients->Mark();
+  // Seen lost (it may be back already: its count of losses stays).
+  v1::Job lost;
+  for (int i = 0; i < 1000 && lost.restarts() == 0; ++i) {
+    lost = GetJob(job.id());
+    if (lost.restarts() == 0) usleep(20 * 1000);
+  }
+  ASSERT_EQ(lost.restarts(), 1) << lost.DebugString();
+  EXPECT_EQ(lost.state(), v1::READY) << lost.DebugString();
+  if (!lost.degraded().empty()) {
+    EXPECT_EQ(lost.degraded().rfind("replica 1: lost worker " + victim_id, 0), 0u) << lost.DebugString();
+  }
+  // The job never left READY: the lost replica's story is in its status and Job.degraded only.
+  const v1::Job back = WatchAllReplicas(job.id());
+  const absl::Time ready_again = absl::Now();
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  ASSERT_EQ(ReadyReplicas(back), 2) << back.DebugString();
+  EXPECT_EQ(back.degraded(), "");
+  for (const auto& r : back.ranks()) EXPECT_NE(r.worker_id(), victim_id);
+  bool served = false;  // from its first READY on, never anything else
+  for (const v1::StateChange& change : back.history()) {
+    if (served) EXPECT_EQ(change.state(), v1::READY) << "the job stopped serving: " << back.DebugString();
+    served |= change.state() == v1::READY;
+  }
+  ASSERT_TRUE(clients->WaitAnswers(clients->answered() + 4 * kClients)) << "no answers after the replica came back";
+  clients->Stop();
+  ExpectNoFailure(*clients);
+  std::printf(
+      "failover: 2 replicas of TP 1, SIGKILL of replica 1's worker, %d clients: first answer after the kill %.3f s, "
+      "lost replica READY again %.2f s, %zu client errors\n",
+      kClients, absl::ToDoubleSeconds(clients->first_answer_after() - killed),
+      absl::ToDoubleSeconds(ready_again - killed), clients->failures().size());
+}
+
+TEST_F(Replicas, ScalingOneToThreeToOneUnderLoadFailsNoRequest) {
+  const v1::Job job = SubmitReplicas(1);
+  ASSERT_EQ(WatchAllReplicas(job.id()).state(), v1::READY);
+  constexpr int kClients = 8;
+  std::unique_ptr<ClosedLoopClients> clients = Clients(job.id(), kClients);
+  ASSERT_TRUE(clients->WaitAnswers(2 * kClients));
+  v1::ScaleJobRequest scale;
+  scale.set_job_id(job.id());
+  scale.set_replicas(3);
+  v1::Job scaled;
+  const absl::Time up = absl::Now();
+  ASSERT_TRUE(stub_->ScaleJob(Context().get(), scale, &scaled).ok());
+  EXPECT_EQ(scaled.replicas(), 3);
+  const v1::Job three = WatchAllReplicas(job.id());
+  const absl::Duration up_took = absl::Now() - up;
+  ASSERT_EQ(ReadyReplicas(three), 3) << three.DebugString();
+  // Every replica takes forwards under load.
+  const int64_t before = clients->answered();
+  ASSERT_TRUE(clients->WaitAnswers(before + 12 * kClients));
+  const v1::Job busy = GetJob(job.id());
+  for (const v1::ReplicaStatus& r : busy.replica_status()) EXPECT_GT(r.forwards(), 0) << busy.DebugString();
+  scale.set_replicas(1);
+  const absl::Time down = absl::Now();
+  ASSERT_TRUE(stub_->ScaleJob(Context().get(), scale, &scaled).ok());
+  EXPECT_EQ(scaled.replicas(), 1);
+  // The two taken away finish their forwards, unload, and their workers are idle again.
+  EXPECT_TRUE(WaitForWorkers(3)) << GetJob(job.id()).DebugString();
+  const absl::Duration down_took = absl::Now() - down;
+  const v1::Job one = GetJob(job.id());
+  EXPECT_EQ(one.replica_status_size(), 1) << one.DebugString();
+  EXPECT_EQ(one.ranks_size(), 1);
+  ASSERT_TRUE(clients->WaitAnswers(clients->answered() + 4 * kClients));
+  clients->Stop();
+  ExpectNoFailure(*clients);
+  std::printf(
+      "scaling: TP 1 job, %d clients: 1 -> 3 replicas READY in %.2f s, 3 -> 1 and workers idle in %.2f s, "
+      "%zu client errors\n",
+      kClients, absl::ToDoubleSeconds(up_took), absl::ToDoubleSeconds(down_took), clients->failures().size());
+}
+
+}  // namespace
+}  // namespace bertshard
