@@ -66,7 +66,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   }
   ASSIGN_OR_RETURN(const std::string backend, NormaliseBackend(request.backend()));
   if (!request.name().empty()) RETURN_IF_ERROR(CheckJobName(request.name()));
-  const int32_t replicas = request.has_replicas() ? request.replicas() : 1;
+  const int32_t replicas = request.replicas() == 0 ? 1 : request.replicas();
   if (replicas < 1 || replicas > options_.max_replicas) {
     return absl::InvalidArgumentError(
         absl::StrCat("replicas must be 1..", options_.max_replicas, " (--max_replicas), not ", replicas));

@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Replicas benchmark (issue 22) on the real all-MiniLM-L6-v2: one TP 1 job with 1 replica against
+# the same job with 2 replicas, each replica a worker with THREADS LibTorch threads (default 1),
+# under CLIENTS concurrent one-sentence Embed clients (//bench:embed_load) for DURATION seconds;
+# then failover: the 2-replica job with a spare worker, SIGKILL of one replica's worker DURATION/3
+# seconds into a run of the same clients: the errors the clients saw (target 0) and how long
+# until the lost replica was READY again. Writes bench/results/replicas-<date>.md and prints it.
+#
+#   bash bench/replicas_benchmark.sh
+#
+# Environment: DURATION (default 12), CLIENTS (default 16), THREADS (default 1), RESULTS (file).
+# Figures, not asserts: the exit status is 0 unless something fails to run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DURATION=${DURATION:-12}
+CLIENTS=${CLIENTS:-16}
+THREADS=${THREADS:-1}
+RESULTS=${RESULTS:-bench/results/replicas-$(date +%Y-%m-%d).md}
+
+echo "replicas_benchmark: building (-c opt)" >&2
+bazel build -c opt //client:shardctl //server:bertshard-coordinator //worker:shard-worker //bench:embed_load \
+  >/dev/null 2>&1 || {
+  echo "replicas_benchmark: build failed; run: bazel build -c opt //client:shardctl //server:bertshard-coordinator //worker:shard-worker //bench:embed_load" >&2
+  exit 1
+}
+WORK=$(mktemp -d)
+source tools/local_cluster.sh
+trap 'stop_cluster >/dev/null 2>&1 || true; rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/bin"
+for b in client/shardctl worker/shard-worker server/bertshard-coordinator bench/embed_load; do
+  cp "bazel-out/k8-opt/bin/$b" "$WORK/bin/"
+done
+shardctl=$WORK/bin/shardctl
+load=$WORK/bin/embed_load
+COORDINATOR_BIN=$WORK/bin/bertshard-coordinator
+WORKER_BIN=$WORK/bin/shard-worker
+model=$(bash tools/fetch_model.sh all-MiniLM-L6-v2)
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+cat > "$WORK/sentences.txt" <<'EOF'
+The train to the airport leaves every twenty minutes from the second platform.
+She finished reading the novel on the flight home and immediately recommended it to her sister.
+Our team will review the quarterly budget on Thursday afternoon before the board meeting.
+Please remember to water the tomato plants while I am away.
+A sudden storm knocked out power across the northern half of the city last night.
+The museum's new exhibit traces three centuries of maritime trade between Europe and Asia.
+He fixed the leaking kitchen faucet with a wrench borrowed from his neighbour.
+Scientists have found that regular walking can improve sleep quality in older adults.
+Can you send me the updated slides before lunch?
+The bakery on the corner sells out of its sourdough bread by nine o'clock every Saturday morning.
+After months of negotiation, the two companies finally agreed on the terms of the merger.
+My laptop battery drains much faster since the latest operating system update was installed.
+Children at the local school planted over two hundred trees along the river this spring.
+The restaurant was fully booked, so we ordered pizza and watched a movie at home instead.
+Heavy traffic on the bridge delayed thousands of commuters for more than an hour this morning.
+The orchestra rehearsed the symphony for weeks before its sold-out premiere at the concert hall.
+EOF
+
+# Workers with THREADS threads each (and their BLAS pools sized alike, as serving_benchmark does).
+start_bench_workers() {
+  for i in $(seq "$1"); do
+    OMP_NUM_THREADS="$THREADS" OPENBLAS_NUM_THREADS="$THREADS" "$WORKER_BIN" --listen=127.0.0.1:0 \
+      --coordinator="$BERTSHARD_SERVER" --threads="$THREADS" >"$WORK/worker-$2-$i.log" 2>&1 &
+    CLUSTER_PIDS+=($!)
+  done
+  for _ in $(seq 200); do
+    [ "$($shardctl workers | grep -c ' yes ')" -ge "$1" ] && return 0
+    sleep 0.1
+  done
+  echo "replicas_benchmark: workers did not register" >&2
+  return 1
+}
+
+# Submits the model with REPLICAS replicas and waits until every one is READY; prints the job id.
+submit() {
+  local job
+  job=$($shardctl submit --checkpoint "$model" --tp 1 --pp 1 --replicas "$1" --wait | sed -n 's/^job \(job-[^ ]*\).*/\1/p' | head -n 1)
+  [ -n "$job" ] || { echo "replicas_benchmark: submit failed" >&2; return 1; }
+  for _ in $(seq 600); do
+    [ "$($shardctl job "$job" | grep -c '^  replica [0-9]* *READY')" -ge "$1" ] && { echo "$job"; return 0; }
+    sleep 0.1
+  done
+  echo "replicas_benchmark: job $job did not get $1 READY replicas" >&2
+  $shardctl job "$job" >&2
+  return 1
+}
+
+run_load() {  # JOB -> embed_load's JSON line
+  $load --job="$1" --clients="$CLIENTS" --sentences="$WORK/sentences.txt" --duration_s="$DURATION" --warmup=3 \
+    --json > "$WORK/load.txt" || true
+  tail -n 1 "$WORK/load.txt"
+}
+
+rows=()
+for replicas in 1 2; do
+  start_coordinator
+  start_bench_workers "$replicas" "r$replicas"
+  job=$(submit "$replicas")
+  line=$(run_load "$job")
+  echo "replicas $replicas: $line" >&2
+  rows+=("$replicas $line")
+  stop_cluster >/dev/null 2>&1 || true
+  rm -rf "$WORK/coordinator"
+done
+
+# Failover: 2 replicas and a spare; one replica's worker killed a third of the way in.
+start_coordinator
+start_bench_workers 3 failover
+job=$(submit 2)
+victim_addr=$($shardctl workers | awk -v key="$job/replica-1" '$0 ~ key {print $2; exit}')
+# The worker process whose log names the victim's port.
+victim_pid=
+for i in 1 2 3; do
+  if grep -q "port ${victim_addr##*:}" "$WORK/worker-failover-$i.log"; then victim_pid=${CLUSTER_PIDS[$i]}; fi
+done
+[ -n "$victim_pid" ] || { echo "replicas_benchmark: no worker serves $job/replica-1" >&2; exit 1; }
+$load --job="$job" --clients="$CLIENTS" --sentences="$WORK/sentences.txt" --duration_s="$DURATION" --warmup=3 \
+  --json > "$WORK/failover.txt" &
+load_pid=$!
+sleep "$(( DURATION / 3 + 1 ))"
+killed=$(date +%s.%N)
+kill -KILL "$victim_pid"
+back=
+for _ in $(seq 600); do
+  if [ "$($shardctl job "$job" | grep -c '^  replica [0-9]* *READY')" -ge 2 ] &&
+    ! $shardctl workers | grep -q "$victim_addr.* yes"; then
+    back=$(date +%s.%N)
+    break
+  fi
+  sleep 0.05
+done
+wait "$load_pid" || true
+failover=$(tail -n 1 "$WORK/failover.txt")
+stop_cluster >/dev/null 2>&1 || true
+
+/usr/bin/python3 - "$RESULTS" "$cpu" "$CLIENTS" "$DURATION" "$THREADS" "$killed" "${back:-0}" "$failover" "${rows[@]}" <<'PY'
+import json, sys
+out, cpu, clients, duration, threads, killed, back, failover = sys.argv[1:9]
+rows = [(int(r.split(" ", 1)[0]), json.loads(r.split(" ", 1)[1])) for r in sys.argv[9:]]
+f = json.loads(failover)
+lines = [f"# Replicas benchmark ({__import__('datetime').date.today()})", "",
+         f"CPU: {cpu}; all-MiniLM-L6-v2, TP 1, {threads} LibTorch thread(s) per worker, {clients} closed-loop "
+         f"one-sentence Embed clients, {duration} s per run.", "",
+         "| replicas | requests/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|"]
+for n, r in rows:
+    lines.append(f"| {n} | {r['requests_per_second']:.1f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['errors']} |")
+base = rows[0][1]["requests_per_second"]
+lines += ["", f"2 replicas / 1 replica: {rows[1][1]['requests_per_second'] / base:.2f}x", "",
+          "Failover (2 replicas and a spare worker, SIGKILL of replica 1's worker a third of the way in):",
+          f"- client errors over the run: {f['errors']} of {f['requests'] + f['errors']} requests "
+          f"({f['requests_per_second']:.1f} requests/s, p99 {f['p99_ms']:.2f} ms)",
+          f"- lost replica READY again on the spare: "
+          + (f"{float(back) - float(killed):.2f} s after the kill" if float(back) > 0 else "not within 30 s")]
+open(out, "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
