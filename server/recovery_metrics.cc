@@ -3,6 +3,7 @@
 #include <functional>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace bertshard::server {
@@ -51,6 +52,31 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRe
                                           "Replicas of the job that serve now, per job that has not ended.", {"job"},
                                           per_job([](const JobRecoveryState& j) { return j.replicas_ready; })));
   handles.push_back(std::move(ready));
+  using ReplicaField = std::function<double(const ReplicaState&)>;
+  auto per_replica = [read](ReplicaField field) {
+    return [read, field]() -> absl::StatusOr<std::vector<common::Sample>> {
+      std::vector<common::Sample> samples;
+      for (const ReplicaState& r : read().replicas) {
+        samples.push_back({{r.job_id, absl::StrCat(r.replica)}, field(r)});
+      }
+      return samples;
+    };
+  };
+  ASSIGN_OR_RETURN(auto in_flight,
+                   registry->AddCollector(
+                       common::MetricType::kGauge, "bertshard_coordinator_replica_forwards_in_flight",
+                       "Forwards running on the replica now (0 or 1: one at a time), per replica "
+                       "of each job that has not ended.",
+                       {"job", "replica"}, per_replica([](const ReplicaState& r) { return r.forwards_in_flight; })));
+  handles.push_back(std::move(in_flight));
+  ASSIGN_OR_RETURN(
+      auto forwards,
+      registry->AddCollector(common::MetricType::kCounter, "bertshard_coordinator_replica_forwards_total",
+                             "Forwards the replica ran since it was last placed (a new placement starts "
+                             "again at 0, as a counter reset), per replica of each job that has not ended.",
+                             {"job", "replica"},
+                             per_replica([](const ReplicaState& r) { return static_cast<double>(r.forwards); })));
+  handles.push_back(std::move(forwards));
   auto wanted = [read]() -> absl::StatusOr<std::vector<common::Sample>> {
     return std::vector<common::Sample>{{{}, static_cast<double>(read().workers_wanted)}};
   };

@@ -36,12 +36,21 @@ struct JobRecoveryState {
   int replicas_ready = 0;  // serving now
 };
 
+// One replica of a job that has not ended.
+struct ReplicaState {
+  std::string job_id;
+  int32_t replica = 0;
+  int forwards_in_flight = 0;  // 0 or 1
+  int64_t forwards = 0;        // run since it was placed
+};
+
 struct RecoveryMetrics {
   std::vector<JobRecoveryState> jobs;  // every job that has not ended
   int64_t groups_lost = 0;             // groups lost since the coordinator started (give-ups included)
   // The workers every job's replicas need: those placed (or being taken back) and the world size
   // of each replica waiting for workers; what a worker autoscaler aims the pool at.
   int64_t workers_wanted = 0;
+  std::vector<ReplicaState> replicas;  // every replica of the jobs that have not ended
 };
 
 absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRecoveryMetrics(

@@ -321,6 +321,7 @@ RecoveryMetrics Scheduler::Recovery() {
     metrics.jobs.push_back(job);
     // What the HPA scales the workers by: those placed, and those the waiting replicas need.
     for (const auto& [replica, group] : runtime->groups) {
+      metrics.replicas.push_back({id, replica, group->forwarding ? 1 : 0, group->forwards});
       metrics.workers_wanted +=
           group->phase == GroupRuntime::Phase::kPending
               ? runtime->plan.world_size()
