@@ -4,6 +4,7 @@
 // at all), and the lost replica is READY again on a spare. Scale 1 -> 3 -> 1 under the same load:
 // the new replicas take forwards once READY, the ones taken away finish theirs, no request fails.
 // Prints the failover and scaling times (a loaded, shared machine: no bound asserted on speed).
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -24,6 +25,7 @@ using testing::ClosedLoopClients;
 using testing::Cluster;
 using testing::Context;
 using testing::kModel;
+using testing::ReadAll;
 
 class Replicas : public Cluster {
  protected:
@@ -159,6 +161,41 @@ TEST_F(Replicas, ScalingOneToThreeToOneUnderLoadFailsNoRequest) {
       "scaling: TP 1 job, %d clients: 1 -> 3 replicas READY in %.2f s, 3 -> 1 and workers idle in %.2f s, "
       "%zu client errors\n",
       kClients, absl::ToDoubleSeconds(up_took), absl::ToDoubleSeconds(down_took), clients->failures().size());
+}
+
+// Item 5: a coordinator SIGKILLed under a 2-replica job, with one replica's worker killed while it
+// is away, takes back the replica whose worker comes back with its shard (numbered on: the worker
+// refuses a forward out of order) and places the other again on a spare; no FAILED in between.
+TEST_F(Replicas, ACoordinatorKilledTakesBackOneReplicaAndPlacesTheOtherAgain) {
+  const v1::Job job = SubmitReplicas(2);
+  ASSERT_EQ(ReadyReplicas(WatchAllReplicas(job.id())), 2);
+  for (int i = 0; i < 3; ++i) EXPECT_LE(InferDiff(job.id()), 1e-5f);
+  // Where each replica's worker listens (a worker registering again keeps its address, not its id).
+  const v1::Job before = GetJob(job.id());
+  ASSERT_EQ(before.replica_status_size(), 2);
+  const std::string kept_address = before.replica_status(0).ranks(0).worker_address();
+  const std::string lost_address = before.replica_status(1).ranks(0).worker_address();
+  std::string lost_id;
+  const int lost = WorkerServing(job.id() + "/replica-1", 0, &lost_id);
+  ASSERT_GE(lost, 0);
+  stub_.reset();
+  kill(coordinator_, SIGKILL);
+  testing::WaitExit(coordinator_);
+  coordinator_ = -1;
+  KillWorker(lost);
+  StartCoordinator();
+  const v1::Job back = WatchAllReplicas(job.id());  // the grace period for replica 1, then placed again
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  ASSERT_EQ(ReadyReplicas(back), 2) << back.DebugString();
+  for (const auto& change : back.history()) EXPECT_NE(change.state(), v1::FAILED) << change.reason();
+  // Replica 0 taken back where it was, never lost; replica 1 placed again elsewhere.
+  EXPECT_EQ(back.replica_status(0).ranks(0).worker_address(), kept_address) << back.DebugString();
+  EXPECT_EQ(back.replica_status(0).restarts(), 0) << back.DebugString();
+  EXPECT_NE(back.replica_status(1).ranks(0).worker_address(), lost_address) << back.DebugString();
+  EXPECT_EQ(back.replica_status(1).restarts(), 1) << back.DebugString();
+  for (int i = 0; i < 4; ++i) EXPECT_LE(InferDiff(job.id()), 1e-5f);  // both replicas answer, in order
+  const v1::Job served = GetJob(job.id());
+  for (const v1::ReplicaStatus& r : served.replica_status()) EXPECT_GT(r.forwards(), 0) << served.DebugString();
 }
 
 }  // namespace
