@@ -22,6 +22,23 @@ namespace {
 
 std::string JobId(const CommandLine& cl) { return cl.positional.size() > 1 ? cl.positional[1] : ""; }
 
+// "READY/WANTED" replicas, e.g. 2/3 (jobs stored before replicas ran one).
+std::string Replicas(const v1::Job& job) {
+  int ready = 0;
+  for (const v1::ReplicaStatus& r : job.replica_status()) ready += r.state() == v1::READY ? 1 : 0;
+  return absl::StrCat(ready, "/", std::max(1, job.replicas()));
+}
+
+// --replicas N: 1 or more.
+absl::StatusOr<int32_t> ReplicasFlag(const CommandLine& cl) {
+  int32_t n = 0;
+  if (!absl::SimpleAtoi(cl.values.at("replicas"), &n) || n < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--replicas must be a whole number of 1 or more, not '", cl.values.at("replicas"), "'"));
+  }
+  return n;
+}
+
 std::string Age(int64_t unix_millis) {
   const absl::Duration age = absl::Now() - absl::FromUnixMillis(unix_millis);
   if (age < absl::Minutes(1)) return absl::StrCat(absl::ToInt64Seconds(age), "s");
@@ -41,6 +58,8 @@ void PrintEvent(const v1::JobEvent& e, const LoadReading& progress, std::FILE* o
                  std::string(static_cast<size_t>(width - filled), '.').c_str(), progress.percent,
                  planner::HumanBytes(progress.loaded).c_str(), planner::HumanBytes(progress.total).c_str(),
                  e.ranks_size(), tty ? "" : "\n");
+  } else if (e.job().state() == v1::READY && e.job().replicas() > 1) {
+    std::fprintf(out, "%sREADY (%s replicas)\n", tty ? "\n" : "", Replicas(e.job()).c_str());
   } else {
     std::fprintf(out, "%s%s%s%s\n", tty ? "\n" : "", state.c_str(),
                  e.job().failure_cause().empty() ? "" : (": " + e.job().failure_cause()).c_str(),
@@ -59,13 +78,16 @@ int64_t JobBytes(const CoordinatorConnection& c, const v1::Job& job) {
   return PlanBytes(plan);
 }
 
-absl::Status Watch(const CoordinatorConnection& c, const std::string& id, std::FILE* out) {
+// Until the job settles; with `all_replicas`, until every replica it wants is READY too.
+absl::Status Watch(const CoordinatorConnection& c, const std::string& id, std::FILE* out, bool all_replicas = false) {
   v1::GetJobRequest request;
   request.set_job_id(id);
+  request.set_all_replicas(all_replicas);
   auto context = c.Context(3600);
   auto reader = c.stub()->WatchJob(context.get(), request);
   v1::JobEvent event, last;
   v1::JobState printed = v1::JOB_STATE_UNSPECIFIED;
+  std::string printed_replicas;
   int64_t printed_percent = -1;
   std::unique_ptr<JobLoadProgress> progress;  // made at the first event of a job not yet READY
   const bool tty = isatty(fileno(out));
@@ -77,9 +99,11 @@ absl::Status Watch(const CoordinatorConnection& c, const std::string& id, std::F
     const LoadReading reading = progress != nullptr ? progress->Update(event) : LoadReading{};
     // A log gets a line per state and per quarter loaded; a terminal gets the bar redrawn.
     const bool progressed = state == v1::LOADING && (tty || reading.percent / 25 != printed_percent / 25);
-    if (state != printed || progressed) {
+    const std::string replicas = Replicas(event.job());
+    if (state != printed || progressed || (state == v1::READY && replicas != printed_replicas)) {
       PrintEvent(event, reading, out);
       printed_percent = reading.percent;
+      printed_replicas = replicas;
     }
     printed = state;
     last = event;
@@ -103,12 +127,33 @@ absl::Status SubmitCommand(const CommandLine& cl, std::FILE* out) {
   if (cl.values.count("backend")) submit.set_backend(cl.values.at("backend"));
   // Checked by the coordinator too (INVALID_ARGUMENT, ALREADY_EXISTS while a live job has it).
   if (cl.values.count("name")) submit.set_name(cl.values.at("name"));
+  if (cl.values.count("replicas")) {
+    ASSIGN_OR_RETURN(const int32_t replicas, ReplicasFlag(cl));
+    submit.set_replicas(replicas);
+  }
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
   v1::Job job;
   RETURN_IF_ERROR(c.Check(c.stub()->SubmitJob(c.Context(60).get(), submit, &job)));
   std::fprintf(out, "%s\n", job.id().c_str());
   std::fflush(out);
-  if (cl.switches.count("watch")) return Watch(c, job.id(), out);
+  if (cl.switches.count("watch")) return Watch(c, job.id(), out, /*all_replicas=*/true);
+  return absl::OkStatus();
+}
+
+absl::Status ScaleCommand(const CommandLine& cl, std::FILE* out) {
+  v1::ScaleJobRequest scale;
+  scale.set_job_id(JobId(cl));
+  if (scale.job_id().empty()) return absl::InvalidArgumentError("scale needs a job id (or name)");
+  if (!cl.values.count("replicas")) return absl::InvalidArgumentError("scale needs --replicas N");
+  ASSIGN_OR_RETURN(const int32_t replicas, ReplicasFlag(cl));
+  scale.set_replicas(replicas);
+  ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
+  v1::Job job;
+  RETURN_IF_ERROR(c.Check(c.stub()->ScaleJob(c.Context(30).get(), scale, &job)));
+  std::fprintf(out, "%s %s, %s replicas\n", job.id().c_str(), v1::JobState_Name(job.state()).c_str(),
+               Replicas(job).c_str());
+  std::fflush(out);
+  if (cl.switches.count("watch")) return Watch(c, job.id(), out, /*all_replicas=*/true);
   return absl::OkStatus();
 }
 
@@ -124,9 +169,10 @@ absl::Status JobsCommand(const CommandLine& cl, std::FILE* out) {
     if (page.next_page_token().empty() || page.next_page_token() == request.page_token()) break;
     request.set_page_token(page.next_page_token());
   }
-  std::fputs(
-      absl::StrFormat("%-26s %-10s %-32s %-8s %-5s %s\n", "JOB", "STATE", "VARIANT", "TPxPP", "AGE", "DETAIL").c_str(),
-      out);
+  std::fputs(absl::StrFormat("%-26s %-10s %-32s %-8s %-8s %-5s %s\n", "JOB", "STATE", "VARIANT", "TPxPP", "REPLICAS",
+                             "AGE", "DETAIL")
+                 .c_str(),
+             out);
   for (const v1::Job& j : jobs.jobs()) {
     const auto& p = j.request().parallel();
     // Jobs submitted before the coordinator stored the resolved class have none.
@@ -134,9 +180,11 @@ absl::Status JobsCommand(const CommandLine& cl, std::FILE* out) {
                                     ? "(from checkpoint)"
                                     : std::string(planner::HfClassName(j.request().variant()));
     std::fputs(
-        absl::StrFormat("%-26s %-10s %-32s %-8s %-5s %s\n", j.id(), v1::JobState_Name(j.state()), variant,
+        absl::StrFormat("%-26s %-10s %-32s %-8s %-8s %-5s %s\n", j.id(), v1::JobState_Name(j.state()), variant,
                         absl::StrCat(std::max<int64_t>(1, p.tp_size()), "x", std::max<int64_t>(1, p.pp_size())),
-                        Age(j.created_unix_millis()), j.state() == v1::FAILED ? j.failure_cause() : j.pending_reason())
+                        Replicas(j), Age(j.created_unix_millis()),
+                        j.state() == v1::FAILED ? j.failure_cause()
+                                                : (!j.pending_reason().empty() ? j.pending_reason() : j.degraded()))
             .c_str(),
         out);
   }
@@ -194,11 +242,26 @@ const std::vector<Flag>& SubmitFlags() {
                      {"name", "NAME",
                       "a name to find the job by beside its id (HTTP's `model`, docs/http.md): letters,\n"
                       "digits and ._-/: (e.g. minilm), unique among the jobs that have not ended"},
-                     {"watch", "", "then print its states until it settles: READY exits 0, FAILED 1 with the cause"},
+                     {"replicas", "N",
+                      "independent replicas of the plan, each on its own tp x pp workers, behind the one\n"
+                      "job (default 1; the coordinator's --max_replicas bounds it)"},
+                     {"watch", "",
+                      "then print its states until it settles (every replica READY): exits 0; FAILED 1\n"
+                      "with the cause"},
                      {"no-wait", "",
                       "refuse the job (FAILED_PRECONDITION, exit 1) instead of queueing it PENDING when\n"
                       "too few workers are idle; submit never waits for loading without --watch"},
                  }}));
+  return *flags;
+}
+
+const std::vector<Flag>& ScaleFlags() {
+  static const auto* flags =
+      new std::vector<Flag>(JoinFlags({ConnectionFlags(),
+                                       {
+                                           {"replicas", "N", "the job's new replica count (1 or more)"},
+                                           {"watch", "", "then wait until every replica is READY"},
+                                       }}));
   return *flags;
 }
 

@@ -101,7 +101,8 @@ const std::vector<Subcommand>& Subcommands() {
        "A randomly initialised HF model directory (config.json + model.safetensors). Weights as HF's "
        "_init_weights draws them.",
        &InitCheckpointFlags(), &RunInitCheckpointCommand},
-      {"submit", "submit --checkpoint DIR [--tp N --pp N ...] [--name NAME] [--backend gloo|nccl] [--watch]",
+      {"submit",
+       "submit --checkpoint DIR [--tp N --pp N ...] [--replicas N] [--name NAME] [--watch] [flags]",
        absl::StrCat("Submit a job: its plan placed on idle workers, which load their shards. Prints the job "
                     "id; the checkpoint is a directory as the workers see it.",
                     kCoordinatorNote),
@@ -117,6 +118,11 @@ const std::vector<Subcommand>& Subcommands() {
        &ConnectionFlags(), &OnCoordinator<WatchCommand>},
       {"cancel", "cancel ID [flags]", absl::StrCat("Cancel a job. Its workers become idle.", kCoordinatorNote),
        &ConnectionFlags(), &OnCoordinator<CancelCommand>},
+      {"scale", "scale ID --replicas N [--watch] [flags]",
+       absl::StrCat("Grow or shrink a READY job to N replicas: new ones serve once READY, a replica taken "
+                    "away finishes its forward first, so no request fails.",
+                    kCoordinatorNote),
+       &ScaleFlags(), &OnCoordinator<ScaleCommand>},
       {"workers", "workers [flags]",
        absl::StrCat("List the workers: address, device, health, free memory, job and rank.", kCoordinatorNote),
        &ConnectionFlags(), &OnCoordinator<WorkersCommand>},

@@ -29,7 +29,7 @@ TEST(Shardctl, TheSubcommandsAreAllThere) {
   std::vector<std::string> names;
   for (const Subcommand& c : Subcommands()) names.push_back(c.name);
   EXPECT_EQ(names, (std::vector<std::string>{"plan", "run", "init-checkpoint", "submit", "jobs", "job", "watch",
-                                             "cancel", "workers", "infer", "embed"}));
+                                             "cancel", "scale", "workers", "infer", "embed"}));
 }
 
 TEST(Shardctl, SubcommandHelpIsThatCommandsUsageAndFlagsOnly) {
@@ -90,7 +90,7 @@ TEST(Shardctl, AnUnknownCommandListsTheRealOnes) {
     EXPECT_TRUE(r.out.empty());
     EXPECT_EQ(r.err,
               "shardctl: unknown command 'frobnicate'; commands: plan, run, init-checkpoint, submit, jobs, job, "
-              "watch, cancel, workers, infer, embed (see shardctl --help)\n");
+              "watch, cancel, scale, workers, infer, embed (see shardctl --help)\n");
   }
 }
 
@@ -124,4 +124,21 @@ TEST(Shardctl, TheServersTlsSpellingsWork) {
 }
 
 }  // namespace
+// A replica count that is not 1 or more is the caller's mistake: exit 2 with the rule, before any
+// coordinator is asked (none listens on the port given).
+TEST(Shardctl, ABadReplicaCountIsRefusedBeforeAnyCall) {
+  for (const char* bad : {"0", "-2", "two", "1.5", ""}) {
+    for (const std::vector<std::string>& args :
+         {std::vector<std::string>{"submit", "--checkpoint", "/m", "--server", "127.0.0.1:1", "--replicas", bad},
+          {"scale", "job-1", "--server", "127.0.0.1:1", "--replicas", bad}}) {
+      const CapturedRun r = Shardctl(args);
+      EXPECT_EQ(r.exit_code, 2) << args[0] << " " << bad << ": " << r.err;
+      EXPECT_TRUE(absl::StrContains(r.err, "--replicas must be a whole number of 1 or more")) << r.err;
+    }
+  }
+  const CapturedRun missing = Shardctl({"scale", "job-1", "--server", "127.0.0.1:1"});
+  EXPECT_EQ(missing.exit_code, 2) << missing.err;
+  EXPECT_TRUE(absl::StrContains(missing.err, "scale needs --replicas N")) << missing.err;
+}
+
 }  // namespace bertshard::client
