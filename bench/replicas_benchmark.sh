@@ -73,15 +73,17 @@ start_bench_workers() {
 # Submits the model with REPLICAS replicas and waits until every one is READY; prints the job id.
 submit() {
   local job
-  job=$($shardctl submit --checkpoint "$model" --tp 1 --pp 1 --replicas "$1" --wait | sed -n 's/^job \(job-[^ ]*\).*/\1/p' | head -n 1)
+  job=$($shardctl submit --checkpoint "$model" --tp 1 --pp 1 --replicas "$1" --watch | head -n 1)
   [ -n "$job" ] || { echo "replicas_benchmark: submit failed" >&2; return 1; }
-  for _ in $(seq 600); do
-    [ "$($shardctl job "$job" | grep -c '^  replica [0-9]* *READY')" -ge "$1" ] && { echo "$job"; return 0; }
-    sleep 0.1
-  done
-  echo "replicas_benchmark: job $job did not get $1 READY replicas" >&2
-  $shardctl job "$job" >&2
-  return 1
+  echo "$job"
+}
+
+# "RESTARTS READY" of job JOB: its losses in a row and its replicas READY now.
+replica_state() {
+  $shardctl job "$1" | /usr/bin/python3 -c '
+import json, sys
+j = json.load(sys.stdin)
+print(j.get("restarts", 0), sum(1 for r in j.get("replicaStatus", []) if r.get("state") == "READY"))'
 }
 
 run_load() {  # JOB -> embed_load's JSON line
@@ -106,7 +108,7 @@ done
 start_coordinator
 start_bench_workers 3 failover
 job=$(submit 2)
-victim_addr=$($shardctl workers | awk -v key="$job/replica-1" '$0 ~ key {print $2; exit}')
+victim_addr=$($shardctl workers | grep -F " $job/replica-1 " | awk '{print $2; exit}')
 # The worker process whose log names the victim's port.
 victim_pid=
 for i in 1 2 3; do
@@ -119,10 +121,10 @@ load_pid=$!
 sleep "$(( DURATION / 3 + 1 ))"
 killed=$(date +%s.%N)
 kill -KILL "$victim_pid"
+# Lost once (its count stays) and both replicas READY: the lost one is back on the spare.
 back=
 for _ in $(seq 600); do
-  if [ "$($shardctl job "$job" | grep -c '^  replica [0-9]* *READY')" -ge 2 ] &&
-    ! $shardctl workers | grep -q "$victim_addr.* yes"; then
+  if [ "$(replica_state "$job")" = "1 2" ]; then
     back=$(date +%s.%N)
     break
   fi
