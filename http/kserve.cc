@@ -299,6 +299,19 @@ absl::StatusOr<InferResult> Infer(InferenceBackend* backend, const InferRequest&
   if (!model.ok()) return model.status();
   absl::StatusOr<v1::InferRequest> infer = ToInferRequest(request, model->job_id, call.max_padded_ids);
   if (!infer.ok()) return infer.status();
+  // An output the architecture has not is refused before the forward runs for it.
+  const std::vector<TensorMetadata> known = OutputsOfVariant(*model);
+  for (const std::string& name : request.outputs) {
+    bool found = IsIdInput(name);
+    for (const TensorMetadata& t : known) found = found || t.name == name;
+    if (!found) {
+      std::vector<std::string> names;
+      for (const TensorMetadata& t : known) names.push_back(t.name);
+      return absl::InvalidArgumentError(absl::StrCat("unknown output '", name, "': the model returns ",
+                                                     absl::StrJoin(names, ", "),
+                                                     " (and input_ids, attention_mask, token_type_ids)"));
+    }
+  }
   absl::StatusOr<v1::InferResponse> response = backend->Infer(*infer, call);
   if (!response.ok()) return response.status();
   absl::StatusOr<std::vector<Tensor>> outputs = OutputsOf(*response, request.outputs);
