@@ -48,6 +48,8 @@ HttpResponse HttpApi::Handle(const HttpRequest& request) {
   const bool openai = IsOpenAiPath(path);
   const bool post = request.method == "POST";
   const bool get = request.method == "GET";
+  // KServe v2's routes answer in KServe's shapes, their own access check and errors included.
+  if (path == "/v2" || absl::StartsWith(path, "/v2/")) return KServe(request);
   // The probes stay open, as gRPC's health service is (TEI's public routes: /health, /ping, /).
   if (path == "/health" || path == "/ping" || (path == "/" && get)) return get ? TeiHealth() : MethodNotAllowed("GET");
   if (!Authorized(request.authorization)) {

@@ -8,6 +8,9 @@
 //     and POST / (the serving model's own task, where Hugging Face's InferenceClient posts).
 //   - OpenAI's POST /v1/embeddings (also TEI's alias /embeddings) and GET /v1/models[/ID], with
 //     OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}).
+//   - KServe v2's inference protocol under /v2 (http/kserve.h): GET /v2/health/live, /v2/health/ready,
+//     /v2, /v2/models/NAME[/versions/V][/ready], POST /v2/models/NAME[/versions/V]/infer, with JSON
+//     tensors and the binary tensor extension, and KServe's error JSON ({"error": ...}).
 // docs/http.md lists every route, field and error, and where bertshard differs from TEI.
 //
 // Jobs: OpenAI's `model` (and, as an extension, a `model` field in TEI's bodies) names a job by
@@ -89,6 +92,10 @@ class HttpApi {
   // OpenAI's (openai_routes.cc).
   HttpResponse OpenAiEmbeddings(const Struct& body, const CallContext& call);
   HttpResponse OpenAiModels(const std::string& model);
+  // KServe v2's (kserve_routes.cc): every /v2 route, its access check included (the health
+  // routes are open), and infer on `model` at `version`.
+  HttpResponse KServe(const HttpRequest& request);
+  HttpResponse KServeInfer(const HttpRequest& request, const std::string& model, const std::string& version);
 
   // Whether the Authorization header carries a token that may read (or none is needed).
   bool Authorized(const std::string& authorization) const;

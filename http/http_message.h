@@ -28,7 +28,24 @@ struct HttpRequest {
   // verified client certificate, else "host:<address>"; and the connection ("<address>:<port>").
   std::string client;
   std::string connection;
+  // Every request header as sent (names in the client's case), for protocols that read more than
+  // Authorization (KServe's Inference-Header-Content-Length).
+  std::vector<std::pair<std::string, std::string>> headers;
 };
+
+// The value of header `name` (matched ignoring ASCII case), or null when it is absent.
+inline const std::string* FindHeader(const HttpRequest& request, const std::string& name) {
+  for (const auto& [key, value] : request.headers) {
+    if (key.size() != name.size()) continue;
+    bool same = true;
+    for (size_t i = 0; i < key.size() && same; ++i) {
+      const auto lower = [](char c) { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; };
+      same = lower(key[i]) == lower(name[i]);
+    }
+    if (same) return &value;
+  }
+  return nullptr;
+}
 
 struct HttpResponse {
   int status = 200;

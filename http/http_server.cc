@@ -143,6 +143,10 @@ int HttpServer::HandleRequest(mg_connection* connection, void* data) {
   if (const char* authorization = mg_get_header(connection, "Authorization"); authorization != nullptr) {
     request.authorization = authorization;
   }
+  for (int i = 0; i < info->num_headers; ++i) {
+    const mg_header& header = info->http_headers[i];
+    if (header.name != nullptr && header.value != nullptr) request.headers.emplace_back(header.name, header.value);
+  }
   request.connection = absl::StrCat(info->remote_addr, ":", info->remote_port);
   request.client = absl::StrCat("host:", info->remote_addr);
   HttpResponse response;

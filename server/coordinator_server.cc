@@ -290,18 +290,28 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(cons
                                                    " bytes) must be at least twice the largest request received (",
                                                    received, " bytes), or -1 for none"));
   }
-  ASSIGN_OR_RETURN(common::StartedServer started,
-                   common::StartServer(options.listen_address, {service.get()}, options.max_message_bytes,
-                                       options.metrics, options.server_credentials, transport));
+  // KServe v2 beside bertshard.v1, on the request path the HTTP routes take (ClusterHttpBackend).
+  auto http_backend = std::make_unique<ClusterHttpBackend>(cluster.get());
+  auto kserve_service = std::make_unique<KServeService>(
+      http_backend.get(), KServeOptions{.default_job = options.http_api.default_job,
+                                        .auth = options.auth,
+                                        .version = options.http_api.version,
+                                        .max_padded_ids = options.cluster.batching.max_batch_tokens,
+                                        .client_of = [](const grpc::ServerContext& c) { return ClientOf(c); }});
+  ASSIGN_OR_RETURN(
+      common::StartedServer started,
+      common::StartServer(options.listen_address, {service.get(), kserve_service.get()}, options.max_message_bytes,
+                          options.metrics, options.server_credentials, transport));
   std::unique_ptr<CoordinatorServer> server(
       new CoordinatorServer(std::move(cluster), std::move(service), std::move(started.server), started.port));
   server->collectors_ = std::move(collectors);
+  server->http_backend_ = std::move(http_backend);
+  server->kserve_service_ = std::move(kserve_service);
   if (!options.http.listen.empty()) {
     // The same tokens as the RPCs: inference needs the read token (or the cluster's) when one is set.
     http::HttpApiOptions api_options = options.http_api;
     api_options.admin_token = options.auth.admin_token;
     api_options.read_token = options.auth.read_token;
-    server->http_backend_ = std::make_unique<ClusterHttpBackend>(server->cluster_.get());
     server->http_api_ = std::make_unique<http::HttpApi>(server->http_backend_.get(), api_options);
     http::HttpApi* api = server->http_api_.get();
     absl::StatusOr<std::unique_ptr<http::HttpServer>> listener =

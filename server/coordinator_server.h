@@ -1,7 +1,8 @@
 // File: server/coordinator_server.h
 // -----------------------------------------------------------------------------
 // The coordinator's gRPC server: the Coordinator service (a thin layer over the planner and the
-// Cluster), the standard grpc.health.v1 health service and server reflection, so that
+// Cluster), KServe v2's inference.GRPCInferenceService (server/kserve_service.h, over the same
+// request path), the standard grpc.health.v1 health service and server reflection, so that
 // grpcurl-style clients can list and describe everything.
 //
 // Example:
@@ -30,6 +31,7 @@
 #include "http/http_server.h"
 #include "server/cluster.h"
 #include "server/http_backend.h"
+#include "server/kserve_service.h"
 
 namespace bertshard::server {
 
@@ -101,11 +103,12 @@ class CoordinatorServer {
 
   std::unique_ptr<Cluster> cluster_;
   std::unique_ptr<Service> service_;
+  std::unique_ptr<KServeService> kserve_service_;  // registered on server_ beside service_
   std::unique_ptr<grpc::Server> server_;
   const int port_;
   // After cluster_, so that they go first; the server is stopped by Shutdown (its requests in
   // flight finish on the cluster), the api and backend with the object.
-  std::unique_ptr<ClusterHttpBackend> http_backend_;
+  std::unique_ptr<ClusterHttpBackend> http_backend_;  // the HTTP protocols' and KServe's gRPC
   std::unique_ptr<http::HttpApi> http_api_;
   std::unique_ptr<http::HttpServer> http_server_ ABSL_GUARDED_BY(mu_);
   int http_port_ = 0;
