@@ -73,7 +73,9 @@ start_bench_workers() {
 # Submits the model with REPLICAS replicas and waits until every one is READY; prints the job id.
 submit() {
   local job
-  job=$($shardctl submit --checkpoint "$model" --tp 1 --pp 1 --replicas "$1" --watch | head -n 1)
+  # The whole output first: closing the pipe after the id would end the watch.
+  $shardctl submit --checkpoint "$model" --tp 1 --pp 1 --replicas "$1" --watch > "$WORK/submit.txt"
+  job=$(head -n 1 "$WORK/submit.txt")
   [ -n "$job" ] || { echo "replicas_benchmark: submit failed" >&2; return 1; }
   echo "$job"
 }
@@ -83,12 +85,12 @@ replica_state() {
   $shardctl job "$1" | /usr/bin/python3 -c '
 import json, sys
 j = json.load(sys.stdin)
-print(j.get("restarts", 0), sum(1 for r in j.get("replicaStatus", []) if r.get("state") == "READY"))'
+print(j.get("restarts", 0), sum(1 for r in j.get("replica_status", []) if r.get("state") == "READY"))'
 }
 
 run_load() {  # JOB -> embed_load's JSON line
   $load --job="$1" --clients="$CLIENTS" --sentences="$WORK/sentences.txt" --duration_s="$DURATION" --warmup=3 \
-    --json > "$WORK/load.txt" || true
+    --json > "$WORK/load.txt" || grep -m1 "first error" "$WORK/load.txt" >&2
   tail -n 1 "$WORK/load.txt"
 }
 
@@ -124,12 +126,14 @@ kill -KILL "$victim_pid"
 # Lost once (its count stays) and both replicas READY: the lost one is back on the spare.
 back=
 for _ in $(seq 600); do
-  if [ "$(replica_state "$job")" = "1 2" ]; then
+  state=$(replica_state "$job")
+  if [ "$state" = "1 2" ]; then
     back=$(date +%s.%N)
     break
   fi
   sleep 0.05
 done
+[ -n "$back" ] || { echo "replicas_benchmark: the lost replica did not come back (restarts, READY: $state)" >&2; $shardctl job "$job" >&2; }
 wait "$load_pid" || true
 failover=$(tail -n 1 "$WORK/failover.txt")
 stop_cluster >/dev/null 2>&1 || true
