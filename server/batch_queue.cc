@@ -498,13 +498,21 @@ std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
   auto work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || (!forming_ && running_ < concurrency_ && !waiting_.empty());
   };
+  // Whether this thread holds forming_: only the holder gives it up (a thread arriving here must
+  // not take it from one waiting with a batch formed, or two would form the same batch).
+  bool forming = false;
+  const auto give_up_forming = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (forming) forming_ = false;
+    forming = false;
+  };
   while (true) {
     // Every pass starts here, giving up the forming; the Await returns at once (mu_ still held,
     // so no other thread takes it meanwhile) while this lane is still free and there is work.
-    forming_ = false;
+    give_up_forming();
     mu_.Await(absl::Condition(&work));
     if (stopping_) return {};
     forming_ = true;
+    forming = true;
     bool full = false;
     std::vector<Request*> batch = FormBatchLocked(&full);
     const Request* oldest = batch.front();
@@ -566,7 +574,7 @@ std::vector<std::shared_ptr<BatchQueue::Request>> BatchQueue::NextBatch() {
     // Every client served now has had its turn (those still waiting go to the back).
     ++batches_;
     ++running_;
-    forming_ = false;
+    give_up_forming();
     std::vector<std::shared_ptr<Request>> taken;
     for (Request* r : batch) {
       r->running = true;
