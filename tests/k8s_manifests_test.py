@@ -1,6 +1,6 @@
 """Checks the Kubernetes manifests in deploy/k8s (run by tests/k8s_manifests_test.sh).
 
-For each kubectl given and each overlay (cpu, gpu):
+For each kubectl given and each overlay (cpu, gpu, autoscale):
   1. `kubectl kustomize` renders it (every kubectl given renders the same documents, up to the
      order of the documents and the hash suffix of generated ConfigMap names);
   2. every document validates against the Kubernetes OpenAPI schemas, strictly (unknown fields are
@@ -11,7 +11,9 @@ For each kubectl given and each overlay (cpu, gpu):
      binaries parse; probe, container and Service ports match --listen and --metrics_listen; the
      StatefulSet's serviceName is the headless Service; --advertise is the pod's stable DNS name;
      terminationGracePeriodSeconds exceeds --drain_timeout; the gpu overlay sets GPU limits and
-     the cpu overlay none; and the rest listed in check_overlay().
+     the cpu overlay none; the autoscale overlay's HPA sizes the worker StatefulSet by the external
+     metric its prometheus-adapter rule makes of the coordinator's workers-wanted gauge
+     (check_autoscale); and the rest listed in check_overlay().
 Runs with the project venv's python (PyYAML comes with checkov).
 """
 
@@ -29,7 +31,7 @@ import yaml
 # Kubernetes version whose OpenAPI schemas the documents are validated against: the newest that the
 # pinned kubernetes-validate (1.31.0) bundles. Native gRPC probes need >= 1.24 (GA in 1.27).
 KUBERNETES_VERSION = "1.31.0"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "autoscale")
 BINARY_FOR_COMMAND = {  # container command -> the flag used to pass the built binary to this test
     "/usr/local/bin/bertshard-coordinator": "coordinator",
     "/usr/local/bin/shard-worker": "worker",
@@ -353,7 +355,58 @@ def target_port(port, container):
     return t
 
 
+# The gauge the coordinator exports for a worker autoscaler (server/recovery_metrics.cc).
+WORKERS_WANTED = "bertshard_coordinator_workers_wanted"
+
+
+def check_autoscale(overlay, docs):
+    """The autoscale overlay: one HPA on the rendered worker StatefulSet, whose external metric is the
+    one the prometheus-adapter rule makes of the coordinator's workers-wanted gauge; none elsewhere."""
+    hpas = by_kind(docs, "HorizontalPodAutoscaler")
+    if overlay != "autoscale":
+        check(not hpas, f"{overlay}: a HorizontalPodAutoscaler outside the autoscale overlay")
+        return
+    if not check(len(hpas) == 1, f"{overlay}: expected one HorizontalPodAutoscaler, found {len(hpas)}"):
+        return
+    hpa = hpas[0]
+    workers = [d for d in by_kind(docs, "StatefulSet")]
+    ref = hpa["spec"].get("scaleTargetRef", {})
+    check(len(workers) == 1 and ref.get("kind") == "StatefulSet" and ref.get("apiVersion") == "apps/v1"
+          and ref.get("name") == workers[0]["metadata"]["name"],
+          f"{overlay}: the HPA's scaleTargetRef {ref} is not the worker StatefulSet")
+    check(hpa["metadata"].get("namespace") == workers[0]["metadata"].get("namespace"),
+          f"{overlay}: the HPA is not in the workers' namespace")
+    spec = hpa["spec"]
+    check(1 <= spec.get("minReplicas", 1) <= spec.get("maxReplicas", 0), f"{overlay}: HPA min/max replicas out of order")
+    down = spec.get("behavior", {}).get("scaleDown", {})
+    check(down.get("stabilizationWindowSeconds", 0) >= 300,
+          f"{overlay}: the HPA scales down within 5 minutes of a dip (a replica being placed again)")
+    metrics = spec.get("metrics", [])
+    names = [m["external"]["metric"]["name"] for m in metrics if m.get("type") == "External"]
+    targets = [m["external"]["target"] for m in metrics if m.get("type") == "External"]
+    check(len(names) == 1 and len(metrics) == 1, f"{overlay}: the HPA should have one External metric, has {metrics}")
+    check(all(t.get("type") == "AverageValue" and str(t.get("averageValue")) == "1" for t in targets),
+          f"{overlay}: the HPA target is not AverageValue 1 per pod (the pool would not track the want)")
+    rules = []
+    for cm in by_kind(docs, "ConfigMap"):
+        config = cm.get("data", {}).get("config.yaml")
+        if config:
+            rules += (yaml.safe_load(config) or {}).get("externalRules", [])
+    if not check(rules, f"{overlay}: no prometheus-adapter externalRules ConfigMap"):
+        return
+    made = {}
+    for r in rules:
+        name = r.get("name", {})
+        made[name.get("as") or WORKERS_WANTED] = r
+    for n in names:
+        rule = made.get(n)
+        if check(rule is not None, f"{overlay}: the HPA's metric {n} is no prometheus-adapter rule's name ({sorted(made)})"):
+            check(WORKERS_WANTED in rule.get("seriesQuery", "") and WORKERS_WANTED in rule.get("name", {}).get("matches", ""),
+                  f"{overlay}: the adapter rule for {n} does not read {WORKERS_WANTED}")
+
+
 def check_overlay(overlay, docs, binaries, known_flags, tmp):
+    check_autoscale(overlay, docs)
     workloads = by_kind(docs, "Deployment") + by_kind(docs, "StatefulSet")
     roles = {}
     for w in workloads:
