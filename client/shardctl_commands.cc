@@ -101,8 +101,7 @@ const std::vector<Subcommand>& Subcommands() {
        "A randomly initialised HF model directory (config.json + model.safetensors). Weights as HF's "
        "_init_weights draws them.",
        &InitCheckpointFlags(), &RunInitCheckpointCommand},
-      {"submit",
-       "submit --checkpoint DIR [--tp N --pp N ...] [--replicas N] [--name NAME] [--watch] [flags]",
+      {"submit", "submit --checkpoint DIR [--tp N --pp N ...] [--replicas N] [--name NAME] [--watch] [flags]",
        absl::StrCat("Submit a job: its plan placed on idle workers, which load their shards. Prints the job "
                     "id; the checkpoint is a directory as the workers see it.",
                     kCoordinatorNote),
