@@ -36,24 +36,8 @@ COORDINATOR_BIN=$WORK/bin/bertshard-coordinator
 WORKER_BIN=$WORK/bin/shard-worker
 model=$(bash tools/fetch_model.sh all-MiniLM-L6-v2)
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
-cat > "$WORK/sentences.txt" <<'EOF'
-The train to the airport leaves every twenty minutes from the second platform.
-She finished reading the novel on the flight home and immediately recommended it to her sister.
-Our team will review the quarterly budget on Thursday afternoon before the board meeting.
-Please remember to water the tomato plants while I am away.
-A sudden storm knocked out power across the northern half of the city last night.
-The museum's new exhibit traces three centuries of maritime trade between Europe and Asia.
-He fixed the leaking kitchen faucet with a wrench borrowed from his neighbour.
-Scientists have found that regular walking can improve sleep quality in older adults.
-Can you send me the updated slides before lunch?
-The bakery on the corner sells out of its sourdough bread by nine o'clock every Saturday morning.
-After months of negotiation, the two companies finally agreed on the terms of the merger.
-My laptop battery drains much faster since the latest operating system update was installed.
-Children at the local school planted over two hundred trees along the river this spring.
-The restaurant was fully booked, so we ordered pizza and watched a movie at home instead.
-Heavy traffic on the bridge delayed thousands of commuters for more than an hour this morning.
-The orchestra rehearsed the symphony for weeks before its sold-out premiere at the concert hall.
-EOF
+# The serving benchmark's sixteen everyday sentences.
+cp bench/sentences-16.txt "$WORK/sentences.txt"
 
 # Workers with THREADS threads each (and their BLAS pools sized alike, as serving_benchmark does).
 start_bench_workers() {
