@@ -374,6 +374,8 @@ def check_autoscale(overlay, docs):
     check(len(workers) == 1 and ref.get("kind") == "StatefulSet" and ref.get("apiVersion") == "apps/v1"
           and ref.get("name") == workers[0]["metadata"]["name"],
           f"{overlay}: the HPA's scaleTargetRef {ref} is not the worker StatefulSet")
+    check(len(workers) == 1 and "replicas" not in workers[0]["spec"],
+          f"{overlay}: the worker StatefulSet sets spec.replicas beside its HPA (each apply resets the pool)")
     check(hpa["metadata"].get("namespace") == workers[0]["metadata"].get("namespace"),
           f"{overlay}: the HPA is not in the workers' namespace")
     spec = hpa["spec"]
