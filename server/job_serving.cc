@@ -104,8 +104,12 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
     forward.set_micro_batches(std::max(1, micro_batches));
     *forward.mutable_want() = want;
     outcome = ForwardOnAllRanks(target.ranks, forward, deadline, target.abort.get());
-    // The replica takes its next forward now; a loss below is reported for this placement.
-    targets_->EndForward(job_id_, target.replica, target.generation);
+    // The replica takes its next forward once this one is settled: at once when it answered or
+    // refused the request, only after the loss is reported when it failed (else another lane
+    // could lease the failing replica while its cause is looked for, and spend its retry on it).
+    if (outcome.refused || (!outcome.aborted && outcome.failed_rank < 0)) {
+      targets_->EndForward(job_id_, target.replica, target.generation);
+    }
     if (outcome.refused) {
       // The workers refused the request itself before any collective, each taking its number: the
       // group serves on (losing it would spend a restart per bad request, and the retry would be
@@ -131,6 +135,8 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
       targets_->LoseGroup(job_id_, target.replica, target.generation, cause,
                           down.rank >= 0 ? target.ranks[static_cast<size_t>(down.rank)].worker_id : "");
     }
+    // Lost now (or already, when aborted): the end of a placement that no longer serves.
+    targets_->EndForward(job_id_, target.replica, target.generation);
     // Inference is idempotent: the batch is sent once more, on the group that replaces the lost
     // one, before its callers hear of the loss.
     if (attempt >= 1) return absl::UnavailableError(absl::StrCat("inference failed: ", cause));

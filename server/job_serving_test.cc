@@ -37,7 +37,8 @@ class Targets : public ForwardTargets {
   }
   void EndForward(const std::string& /*job_id*/, int32_t replica, int64_t generation) override {
     absl::MutexLock lock(&mu_);
-    ends_.push_back(absl::StrCat(replica, "/", generation));
+    // With the losses reported so far: a failed forward's replica is given back only once lost.
+    ends_.push_back(absl::StrCat(replica, "/", generation, " after ", losses_.size(), " losses"));
     --leased_;
   }
   void LoseGroup(const std::string& job_id, int32_t /*replica*/, int64_t generation, const std::string& cause,
@@ -232,8 +233,9 @@ TEST_F(JobServingTest, AFailedForwardIsSentOnceMoreOnTheGroupThatReplacesIt) {
   ASSERT_EQ(last_.requests().size(), 1u);
   EXPECT_EQ(last_.requests()[0].sequence(), 0);  // the new group's first forward
   EXPECT_EQ(last_.requests()[0].inputs().input_ids_size(), 6);
-  // Each attempt gave its replica back, the failed one included (another forward may take it).
-  EXPECT_EQ(targets_->ends(), (std::vector<std::string>{"0/0", "0/1"}));
+  // Each attempt gave its replica back, the failed one only once its loss was reported (another
+  // lane must not lease it meanwhile).
+  EXPECT_EQ(targets_->ends(), (std::vector<std::string>{"0/0 after 1 losses", "0/1 after 1 losses"}));
   EXPECT_EQ(targets_->leased(), 0);
 }
 

@@ -16,15 +16,18 @@ namespace bertshard::server {
 namespace {
 
 // How far a replica has come: the job's state is its most advanced replica's.
-int Advance(GroupRuntime::Phase phase) {
-  switch (phase) {
+int Advance(const GroupRuntime& group) {
+  switch (group.phase) {
     case GroupRuntime::Phase::kPending:
       return 0;
     case GroupRuntime::Phase::kPlanned:
       return 1;
     case GroupRuntime::Phase::kLoading:
-    case GroupRuntime::Phase::kReadopting:  // its ranks loaded once; they may come back
       return 2;
+    case GroupRuntime::Phase::kReadopting:
+      // What it was when the coordinator stopped, until its ranks come back or it is given up: a
+      // READY job taken back is not rewritten LOADING meanwhile (nor taken for one at a second restart).
+      return group.recovery != nullptr && !group.recovery->was_loading ? 3 : 2;
     case GroupRuntime::Phase::kServing:
       return 3;
   }
@@ -110,7 +113,7 @@ absl::Status Scheduler::RecordJobLocked(const std::string& job_id, const JobRunt
   std::vector<v1::RankAssignment> ranks;
   std::string pending_reason;
   for (const auto& [replica, group] : runtime.groups) {
-    advance = std::max(advance, Advance(group->phase));
+    advance = std::max(advance, Advance(*group));
     if (group->phase == GroupRuntime::Phase::kReadopting && group->recovery != nullptr) {
       // Still where they were before the restart, until they come back or are given up: a second
       // restart meanwhile must find them too.
@@ -346,7 +349,7 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
   for (const auto& [replica, group] : runtime.groups) {
     v1::ReplicaStatus* status = job.add_replica_status();
     status->set_replica(replica);
-    status->set_state(StateOf(Advance(group->phase)));
+    status->set_state(group->phase == GroupRuntime::Phase::kReadopting ? v1::LOADING : StateOf(Advance(*group)));
     if (group->phase == GroupRuntime::Phase::kReadopting && group->recovery != nullptr) {
       const std::string waiting = group->recovery->Describe(runtime.plan.world_size());
       recovering.push_back(named(replica, waiting));

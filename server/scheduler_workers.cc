@@ -249,6 +249,12 @@ void Scheduler::LoseWorkersGroupLocked(const v1::WorkerInfo& worker, const std::
   if (worker.job_id().empty()) return;
   const FoundGroup found = FindGroupLocked(worker.job_id());
   if (found.group == nullptr) return;
+  // Only the placement it is in: a second silent worker of a replica already placed again (on
+  // spares) must not lose the new placement too.
+  const auto& ranks = found.group->ranks;
+  const bool in_it = std::any_of(ranks.begin(), ranks.end(),
+                                 [&](const v1::RankAssignment& a) { return a.worker_id() == worker.worker_id(); });
+  if (!in_it && found.group->phase != GroupRuntime::Phase::kReadopting) return;
   LoseGroupLocked(
       found.job_id, found.group->replica, found.group->generation,
       absl::StrCat("worker ", worker.worker_id(), " (rank ", worker.rank(), ") at ", worker.address(), " ", why));
