@@ -195,23 +195,39 @@ absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t repli
   // Stored first: a restart keeps what was asked for.
   RETURN_IF_ERROR(store_->SetReplicas(id, replicas).status());
   runtime.replicas = replicas;
-  for (int32_t r = 0; r < replicas; ++r) {
-    GroupRuntime* group = runtime.Group(r);
-    if (group == nullptr) {
-      AddGroupLocked(id, runtime, r).reason = "placing its ranks";
-    } else {
-      group->retiring = false;  // scaled away and back before its forward ended
+  int32_t live = 0;
+  for (const auto& [replica, group] : runtime.groups) live += group->retiring ? 0 : 1;
+  // Growing: those scaled away that still finish a forward come back first, then new replicas
+  // take the lowest free indices.
+  for (auto& [replica, group] : runtime.groups) {
+    if (live < replicas && group->retiring) {
+      group->retiring = false;
+      ++live;
+    }
+  }
+  for (int32_t r = 0; live < replicas; ++r) {
+    if (runtime.Group(r) != nullptr) continue;
+    AddGroupLocked(id, runtime, r).reason = "placing its ranks";
+    ++live;
+  }
+  // Shrinking: those that do not serve go first (the highest index first), then serving ones, so
+  // that what serves keeps serving; one running a forward finishes it first (EndForward drops it).
+  std::vector<int32_t> order;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (auto it = runtime.groups.rbegin(); it != runtime.groups.rend(); ++it) {
+      if (!it->second->retiring && it->second->serving() == (pass == 1)) order.push_back(it->first);
     }
   }
   std::vector<int32_t> drop;
-  for (auto& [replica, group] : runtime.groups) {
-    if (replica < replicas) continue;
-    // One running a forward finishes it first (EndForward drops it): no request fails.
-    if (group->forwarding) {
-      group->retiring = true;
+  for (int32_t replica : order) {
+    if (live <= replicas) break;
+    GroupRuntime& group = *runtime.Group(replica);
+    if (group.forwarding) {
+      group.retiring = true;
     } else {
       drop.push_back(replica);
     }
+    --live;
   }
   for (int32_t replica : drop) DropGroupLocked(id, runtime, replica);
   RecordLocked(RecordJobLocked(id, runtime, ""), absl::StrCat("recording job ", id, "'s replicas"));

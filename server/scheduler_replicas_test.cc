@@ -198,6 +198,37 @@ TEST_F(ReplicasTest, ScalingUpAndDownDrainsTheForwardInFlight) {
   EXPECT_EQ(unloaded, 2);
 }
 
+// Shrinking keeps what serves: with replica 0 waiting for a worker after a loss and replica 1
+// serving, scaling to 1 takes replica 0 away, and the job serves on, on replica 1 (its index kept).
+TEST_F(ReplicasTest, ScalingDownTakesAwayAReplicaThatDoesNotServeFirst) {
+  FakeWorker a, b;
+  Register(a);
+  Register(b);
+  const v1::Job ready = Settled(Submit(1, 2).id(), true);
+  ASSERT_EQ(ready.state(), v1::READY);
+  ASSERT_TRUE(Leave(ready.replica_status(0).ranks(0).worker_id()));
+  ASSERT_EQ(scheduler_->GetJob(ready.id())->replica_status(0).state(), v1::PENDING);
+  const absl::StatusOr<v1::Job> one = scheduler_->ScaleJob(ready.id(), 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ(one->replica_status_size(), 1) << one->DebugString();
+  EXPECT_EQ(one->replica_status(0).replica(), 1);
+  EXPECT_EQ(one->replica_status(0).state(), v1::READY);
+  EXPECT_EQ(one->state(), v1::READY);
+  EXPECT_EQ(one->degraded(), "");  // the lost one is gone, not recovering
+  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), absl::Now());
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->replica, 1);
+  scheduler_->EndForward(ready.id(), next->replica, next->generation);
+  // Growing again takes the lowest free index.
+  FakeWorker c;
+  Register(c);
+  ASSERT_TRUE(scheduler_->ScaleJob(ready.id(), 2).ok());
+  const v1::Job two = Settled(ready.id(), true);
+  ASSERT_EQ(two.replica_status_size(), 2) << two.DebugString();
+  EXPECT_EQ(two.replica_status(0).replica(), 0);
+  EXPECT_EQ(two.replica_status(0).state(), v1::READY) << two.DebugString();
+}
+
 // Counts outside 1..--max_replicas, and scaling a job that is not READY or has ended, are refused
 // with the rule; nothing changes.
 TEST_F(ReplicasTest, BadCountsAndJobsThatCannotScaleAreRefused) {

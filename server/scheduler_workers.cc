@@ -33,16 +33,17 @@ absl::Status Scheduler::RecoverJobsLocked() {
     // Jobs stored before replicas ran one.
     runtime->replicas = std::max(1, job.job.replicas());
     const std::string& id = job.job.id();
-    for (int32_t r = 0; r < runtime->replicas; ++r) {
-      auto recovery = job.recoveries.find(r);
-      if (recovery != job.recoveries.end()) {
-        // Its ranks were loading or serving: they may come back (readoption).
-        auto& group = runtime->groups[r];
-        group = std::make_unique<GroupRuntime>(r, runtime->policy);
-        group->phase = GroupRuntime::Phase::kReadopting;
-        group->recovery = std::move(recovery->second);
-        continue;
-      }
+    // The replicas whose ranks were loading or serving may come back (readoption), under the
+    // indices they had (a job scaled down may have gaps); the others are placed again, at the
+    // lowest free indices.
+    for (auto& [r, recovery] : job.recoveries) {
+      auto& group = runtime->groups[r];
+      group = std::make_unique<GroupRuntime>(r, runtime->policy);
+      group->phase = GroupRuntime::Phase::kReadopting;
+      group->recovery = std::move(recovery);
+    }
+    for (int32_t r = 0; static_cast<int32_t>(runtime->groups.size()) < runtime->replicas; ++r) {
+      if (runtime->Group(r) != nullptr) continue;
       GroupRuntime& group = AddGroupLocked(id, *runtime, r);
       group.pending_note = job.pending_note;
       group.reason = job.job.pending_reason();
