@@ -49,8 +49,17 @@ void GroupRestarts::Served(absl::Time now) {
   recovering_ = false;
 }
 
+void GroupRestarts::KeepTrying(absl::Time now) {
+  recovering_ = true;
+  not_before_ = now + policy_.backoff_max;
+}
+
 std::string GroupRestarts::Describe() const {
   if (!recovering_) return "";
+  if (restarts() > policy_.max_restarts) {
+    return absl::StrCat("lost ", last_cause(), " (restart ", restarts(), ", past --max_restarts=", policy_.max_restarts,
+                        "; again every ", absl::FormatDuration(policy_.backoff_max), " while other replicas serve)");
+  }
   return absl::StrCat("lost ", last_cause(), " (restart ", restarts(), " of at most ", policy_.max_restarts, ")");
 }
 

@@ -56,6 +56,9 @@ class GroupRestarts {
   Decision Lost(const std::string& cause, absl::Time now);
   // The group is loaded and serving again (or for the first time) at `now`.
   void Served(absl::Time now);
+  // After a give-up (Lost said give_up) that the caller does not act on, because the job serves on
+  // other replicas: the group keeps recovering, placed again every backoff_max from `now`.
+  void KeepTrying(absl::Time now);
 
   // Losses in the current run (0 once served long enough, or never lost).
   int restarts() const { return losses_; }
@@ -64,7 +67,8 @@ class GroupRestarts {
   // Whether the group is being placed and loaded again (lost, not served since).
   bool recovering() const { return recovering_; }
   absl::Time not_before() const { return not_before_; }
-  // While recovering: "lost worker ... (restart 2 of at most 10)"; empty otherwise.
+  // While recovering: "lost worker ... (restart 2 of at most 10)" (past the limit: "restart 12,
+  // past --max_restarts=10; again every 60s while other replicas serve"); empty otherwise.
   std::string Describe() const;
 
   // The wait before restart `k` (1-based) under `policy`.

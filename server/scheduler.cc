@@ -355,7 +355,11 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
         // Late news of an older group: its placement is long gone, and the job may serve again.
         const bool lost_by_this_load =
             group->lost_from == load.generation && group->phase == GroupRuntime::Phase::kPending;
-        if (LoadCanNeverSucceed(failure) && (group->generation == load.generation || lost_by_this_load)) {
+        // With another replica serving, the job goes on; this replica is lost like any (a spare
+        // without the checkpoint mounted says NOT_FOUND, another worker may have it).
+        const bool others_serve = load.runtime->ServingGroups() > 0;
+        if (LoadCanNeverSucceed(failure) && !others_serve &&
+            (group->generation == load.generation || lost_by_this_load)) {
           // The checkpoint or the request is wrong: loading it again would meet the same refusal. So
           // even when another rank's failure of this load lost the group first (it is not placed
           // again yet), the job ends here.

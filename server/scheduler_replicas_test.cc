@@ -229,6 +229,30 @@ TEST_F(ReplicasTest, ScalingDownTakesAwayAReplicaThatDoesNotServeFirst) {
   EXPECT_EQ(two.replica_status(0).state(), v1::READY) << two.DebugString();
 }
 
+// A replica past --max_restarts (its worker fails every load) does not end a job that serves on
+// another replica: it keeps trying, every --restart_backoff_max, and Job.degraded says so.
+TEST_F(ReplicasTest, AReplicaPastMaxRestartsKeepsTryingWhileAnotherServes) {
+  FakeWorker good, bad(grpc::Status(grpc::StatusCode::INTERNAL, "the disk is on fire"));
+  Register(good);
+  Register(bad);
+  const v1::Job job = Submit(1, 2);
+  // Both replicas take turns on `bad` until one is on `good`; the other then fails on `bad` 3 times
+  // in a row (max_restarts 2, no backoff here) and waits backoff_max.
+  v1::Job seen;
+  for (int i = 0; i < 10000; ++i) {
+    seen = *scheduler_->GetJob(job.id());
+    if (seen.degraded().find("past --max_restarts=2") != std::string::npos || seen.state() == v1::FAILED) break;
+    absl::SleepFor(absl::Milliseconds(1));  // polling for the state, bounded: 10 s
+  }
+  EXPECT_EQ(seen.state(), v1::READY) << seen.DebugString();
+  EXPECT_NE(seen.degraded().find("the disk is on fire (restart 3, past --max_restarts=2; again every 1m"),
+            std::string::npos)
+      << seen.DebugString();
+  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(job.id(), absl::Now());
+  ASSERT_TRUE(next.ok()) << next.status();  // the good replica serves
+  EXPECT_EQ(next->ranks[0].address, good.Address());
+}
+
 // Counts outside 1..--max_replicas, and scaling a job that is not READY or has ended, are refused
 // with the rule; nothing changes.
 TEST_F(ReplicasTest, BadCountsAndJobsThatCannotScaleAreRefused) {

@@ -283,10 +283,15 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
     return;
   }
   const GroupRestarts::Decision decision = group->restarts.Lost(cause, absl::Now());
-  if (decision.give_up) {
+  // Past --max_restarts the job ends, unless other replicas serve: one replica's bad luck (a
+  // worker that dies at every load) does not take down a job that answers; that replica keeps
+  // trying, every --restart_backoff_max, and Job.degraded says so.
+  const bool others_serve = runtime->ServingGroups() - (group->serving() ? 1 : 0) > 0;
+  if (decision.give_up && !others_serve) {
     FailJobLocked(job_id, decision.cause);
     return;
   }
+  if (decision.give_up) group->restarts.KeepTrying(absl::Now());
   const std::string what = runtime->replicas == 1
                                ? absl::StrCat("job ", job_id, " lost its group")
                                : absl::StrCat("replica ", replica, " of job ", job_id, " lost a worker");
