@@ -277,8 +277,9 @@ absl::StatusOr<std::vector<Tensor>> OutputsOf(const v1::InferResponse& response,
       bool found = false;
       for (const Tensor& t : all) {
         if (t.name == name) {
-          chosen.push_back(t);
+          chosen.push_back(t);  // once: the routes pair each chosen output with its own flags
           found = true;
+          break;
         }
       }
       if (!found) {

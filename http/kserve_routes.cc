@@ -187,13 +187,15 @@ absl::StatusOr<kserve::InferRequest> ReadInferBody(const Struct& body, absl::str
     if (!name.ok() || name->empty()) return absl::InvalidArgumentError(absl::StrCat("`", what, "` needs a `name`"));
     absl::StatusOr<const Struct*> params = ObjectField(output.struct_value(), "parameters", what + ".");
     if (!params.ok()) return params.status();
-    bool binary_output = false;
+    // The request's binary_data_output is the default; an output's own binary_data overrides it
+    // (as Triton's server reads them).
+    bool binary_output = *all_binary;
     if (*params != nullptr) {
       if (Field(**params, "classification") != nullptr || Field(**params, "shared_memory_region") != nullptr) {
         return absl::InvalidArgumentError(
             absl::StrCat("`", what, "`: the classification and shared memory extensions are not supported"));
       }
-      absl::StatusOr<bool> b = BoolField(**params, "binary_data", false);
+      absl::StatusOr<bool> b = BoolField(**params, "binary_data", binary_output);
       if (!b.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ".parameters: ", b.status().message()));
       binary_output = *b;
     }

@@ -91,8 +91,12 @@ grpc::Status KServeService::ModelReady(grpc::ServerContext* context, const infer
   RETURN_IF_DENIED(context);
   const absl::Status serving =
       kserve::ServingModel(backend_, request->name(), request->version(), options_.default_job).status();
-  // Known but not serving is "not ready", not an error; an unknown model is NOT_FOUND.
-  if (!serving.ok() && serving.code() != absl::StatusCode::kUnavailable) return common::ToGrpcStatus(serving);
+  // Not serving, or unknown (yet: a client polls before the job is submitted), is "not ready", as
+  // Triton answers and as the HTTP route says; other failures are errors.
+  if (!serving.ok() && serving.code() != absl::StatusCode::kUnavailable &&
+      serving.code() != absl::StatusCode::kNotFound) {
+    return common::ToGrpcStatus(serving);
+  }
   response->set_ready(serving.ok());
   return grpc::Status::OK;
 }
