@@ -334,6 +334,7 @@ class Scheduler final : public ForwardTargets {
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t groups_lost_ ABSL_GUARDED_BY(mu_) = 0;  // LoseGroupLocked's losses (not the late reports)
   int64_t generations_ ABSL_GUARDED_BY(mu_) = 0;  // the last GroupRuntime::generation given
+  int forward_waiters_ ABSL_GUARDED_BY(mu_) = 0;  // NextForward calls waiting for a free replica
   // A planning the job database refused: the monitor schedules again until it is taken.
   bool schedule_retry_ ABSL_GUARDED_BY(mu_) = false;
   // The earliest end of a restart's backoff among the waiting replicas (set by ScheduleLocked): the

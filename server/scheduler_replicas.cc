@@ -290,7 +290,9 @@ absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, 
                                                  ") and none came back before the requests' deadline; retry"));
     }
     // A replica comes back (FinishLoad) or ends its forward (EndForward): both signal.
+    ++forward_waiters_;
     changed_.WaitWithDeadline(&mu_, wait_until);
+    --forward_waiters_;
   }
 }
 
@@ -304,8 +306,13 @@ void Scheduler::EndForward(const std::string& job_id, int32_t replica, int64_t g
   group->forwarding = false;
   ++group->forwards;
   group->idle_since = absl::Now();
-  if (group->retiring) DropGroupLocked(job_id, *it->second, replica);
-  changed_.SignalAll();
+  if (group->retiring) {
+    DropGroupLocked(job_id, *it->second, replica);  // signals: the job's replicas changed
+  } else if (forward_waiters_ > 0) {
+    // Only a forward waiting for a free replica cares: every watcher woken at every forward would
+    // read its job from the store under this lock, on the request path.
+    changed_.SignalAll();
+  }
 }
 
 void Scheduler::LoseGroup(const std::string& job_id, int32_t replica, int64_t generation, const std::string& cause,

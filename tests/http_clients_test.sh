@@ -21,10 +21,7 @@ source tests/skip_or_fail.sh
 require_venv http_clients_test
 "$venv/bin/python" -c "import openai, requests" 2>/dev/null ||
   skip http_clients_test "openai or requests is not in $venv (tools/requirements-test.txt)"
-model="${BERTSHARD_MODEL_DIR:-}"
-if [ -z "$model" ] || [ ! -f "$model/config.json" ]; then
-  skip http_clients_test "no real checkpoint (BERTSHARD_MODEL_DIR='$model'; tools/fetch_model.sh makes it)"
-fi
+require_model http_clients_test
 
 WORK="$TEST_TMPDIR"
 SHARDCTL=client/shardctl

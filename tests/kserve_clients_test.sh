@@ -13,10 +13,7 @@ source tests/skip_or_fail.sh
 require_venv kserve_clients_test
 "$venv/bin/python" -c "import tritonclient.http, tritonclient.grpc" 2>/dev/null ||
   skip kserve_clients_test "tritonclient is not in $venv (tools/requirements-test.txt)"
-model="${BERTSHARD_MODEL_DIR:-}"
-if [ -z "$model" ] || [ ! -f "$model/config.json" ]; then
-  skip kserve_clients_test "no real checkpoint (BERTSHARD_MODEL_DIR='$model'; tools/fetch_model.sh makes it)"
-fi
+require_model kserve_clients_test
 
 WORK="$TEST_TMPDIR"
 SHARDCTL=client/shardctl
