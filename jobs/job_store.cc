@@ -147,10 +147,12 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& path
 absl::Status JobStore::PutLocked(const v1::Job& job, bool insert, const v1::ShardPlan* plan) {
   Statement stmt(
       db_, insert ? "INSERT INTO jobs (id, state, created_ms, updated_ms, job, plan) VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
-                  : "UPDATE jobs SET state = ?2, created_ms = ?3, updated_ms = ?4, job = ?5 WHERE id = ?1");
+           : plan != nullptr
+               ? "UPDATE jobs SET state = ?2, created_ms = ?3, updated_ms = ?4, job = ?5, plan = ?6 WHERE id = ?1"
+               : "UPDATE jobs SET state = ?2, created_ms = ?3, updated_ms = ?4, job = ?5 WHERE id = ?1");
   RETURN_IF_ERROR(stmt.status());
   const std::string plan_blob = plan != nullptr ? plan->SerializeAsString() : "";
-  if (insert && plan != nullptr) {
+  if (plan != nullptr) {
     sqlite3_bind_blob(stmt.get(), 6, plan_blob.data(), static_cast<int>(plan_blob.size()), SQLITE_TRANSIENT);
   }
   const std::string blob = job.SerializeAsString();
@@ -259,6 +261,41 @@ absl::StatusOr<v1::Job> JobStore::SetReplicas(const std::string& id, int32_t rep
   job.set_replicas(replicas);
   job.set_updated_unix_millis(options_.now_millis());
   RETURN_IF_ERROR(PutLocked(job, /*insert=*/false));
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobStore::SetUpdate(const std::string& id, const v1::JobUpdate* update,
+                                            const std::string& note) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
+  if (Terminal(job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state())));
+  }
+  if (update != nullptr) {
+    *job.mutable_update() = *update;
+    job.mutable_update()->clear_progress();  // said at read time, never stored
+  } else {
+    job.clear_update();
+  }
+  if (!note.empty()) job.set_last_update(note);
+  job.set_updated_unix_millis(options_.now_millis());
+  RETURN_IF_ERROR(PutLocked(job, /*insert=*/false));
+  return job;
+}
+
+absl::StatusOr<v1::Job> JobStore::SwitchShape(const std::string& id, const v1::PlanRequest& request, int32_t version,
+                                              const v1::ShardPlan& plan, const std::string& note) {
+  absl::MutexLock lock(&mu_);
+  ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
+  if (Terminal(job.state())) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state())));
+  }
+  *job.mutable_request() = request;
+  job.set_version(version);
+  job.clear_update();
+  job.set_last_update(note);
+  job.set_updated_unix_millis(options_.now_millis());
+  RETURN_IF_ERROR(PutLocked(job, /*insert=*/false, &plan));
   return job;
 }
 

@@ -136,6 +136,53 @@ TEST(JobStore, StoresTheReplicasOfAJobThatHasNotEnded) {
   EXPECT_EQ((*store)->Get("j")->replicas(), 3);
 }
 
+// A live update is stored while it runs, and switches the job's request, version and plan in one
+// write (a restart finds either the old shape with its update, or the new one).
+TEST(JobStore, StoresALiveUpdateAndSwitchesTheShapeInOneWrite) {
+  const std::string path = DbPath("updates.db");
+  v1::ShardPlan old_plan, new_plan;
+  old_plan.set_world_size(2);
+  new_plan.set_world_size(1);
+  {
+    auto store = JobStore::Open(path);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Create(NewJob("j"), &old_plan).ok());
+    v1::JobUpdate update;
+    *update.mutable_request() = NewJob("j").request();
+    update.mutable_request()->mutable_parallel()->set_tp_size(1);
+    update.set_version(1);
+    update.set_progress("said at read time");
+    ASSERT_TRUE((*store)->SetUpdate("j", &update, "").ok());
+    const v1::Job running = *(*store)->Get("j");
+    ASSERT_TRUE(running.has_update());
+    EXPECT_EQ(running.update().version(), 1);
+    EXPECT_EQ(running.update().progress(), "");
+    EXPECT_EQ(running.request().parallel().tp_size(), 2);
+    EXPECT_EQ((*(*store)->GetPlan("j"))->world_size(), 2);
+    ASSERT_TRUE((*store)->SwitchShape("j", update.request(), 1, new_plan, "version 1: switched").ok());
+  }
+  auto store = JobStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const v1::Job switched = *(*store)->Get("j");
+  EXPECT_FALSE(switched.has_update());
+  EXPECT_EQ(switched.version(), 1);
+  EXPECT_EQ(switched.request().parallel().tp_size(), 1);
+  EXPECT_EQ(switched.last_update(), "version 1: switched");
+  EXPECT_EQ((*(*store)->GetPlan("j"))->world_size(), 1);
+  // Aborted: cleared, with why; an ended job takes neither.
+  v1::JobUpdate again;
+  again.set_version(2);
+  ASSERT_TRUE((*store)->SetUpdate("j", &again, "").ok());
+  ASSERT_TRUE((*store)->SetUpdate("j", nullptr, "version 2: aborted").ok());
+  EXPECT_FALSE((*store)->Get("j")->has_update());
+  EXPECT_EQ((*store)->Get("j")->last_update(), "version 2: aborted");
+  ASSERT_TRUE((*store)->Transition("j", v1::CANCELLED, "").ok());
+  EXPECT_EQ((*store)->SetUpdate("j", &again, "").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*store)->SwitchShape("j", again.request(), 2, new_plan, "").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*store)->SetUpdate("nope", nullptr, "").status().code(), absl::StatusCode::kNotFound);
+}
+
 // A lost group's ranks are cleared in the same write that puts the job back to PENDING: both or
 // neither, so a job is never stored PENDING with the ranks of the group it lost (nor READY without
 // them).

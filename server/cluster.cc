@@ -62,6 +62,12 @@ absl::StatusOr<v1::Job> Cluster::ScaleJob(const std::string& job, int32_t replic
   return scheduler_->ScaleJob(id, replicas);
 }
 
+absl::StatusOr<v1::Job> Cluster::UpdateJob(v1::UpdateJobRequest request) {
+  ASSIGN_OR_RETURN(const std::string id, ResolveJob(request.job_id()));
+  request.set_job_id(id);
+  return scheduler_->UpdateJob(request);
+}
+
 absl::Status Cluster::WatchJob(const std::string& id, absl::Time deadline,
                                const std::function<bool(const v1::JobEvent&)>& emit,
                                const std::function<bool()>& cancelled, bool all_replicas) {
@@ -116,12 +122,17 @@ absl::StatusOr<std::shared_ptr<JobServing>> Cluster::ServingFor(const std::strin
           // The assets read when the job was submitted (or taken back), through the checkpoint's
           // descriptors: never looked up by path again, so no later change to the directory can
           // turn a serving job's requests away, and no request waits on a file.
+          // A live update that switched over has its new shape here: its requests are prepared for it
+          // and go to its replicas only (the old path finishes its own).
+          serving_options.version = runtime.shape->version;
           std::shared_ptr<const JobAssets> assets =
-              runtime.assets != nullptr ? runtime.assets
-                                        : RefusedJobAssets(absl::InternalError("the job's assets were not read"));
-          runtime.job_serving =
-              std::make_shared<JobServing>(job_id, runtime.plan, std::move(assets), scheduler_.get(), serving_options);
-          runtime.job_serving->SetConcurrency(std::max(1, runtime.ServingGroups()));  // then the scheduler's
+              runtime.shape->assets != nullptr
+                  ? runtime.shape->assets
+                  : RefusedJobAssets(absl::InternalError("the job's assets were not read"));
+          runtime.job_serving = std::make_shared<JobServing>(job_id, runtime.shape->plan, std::move(assets),
+                                                             scheduler_.get(), serving_options);
+          // Then the scheduler's.
+          runtime.job_serving->SetConcurrency(std::max(1, runtime.ServingGroups(runtime.shape->version)));
         }
         serving = runtime.job_serving;
         return absl::OkStatus();
@@ -181,9 +192,9 @@ std::vector<Cluster::ServingJob> Cluster::ServingJobs() {
   std::vector<ServingJob> jobs;
   scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime& runtime) {
     if (runtime.ServingGroups() == 0 || runtime.ended) return;
-    jobs.push_back({id, runtime.name, runtime.plan,
-                    runtime.assets != nullptr
-                        ? runtime.assets
+    jobs.push_back({id, runtime.name, runtime.shape->plan,
+                    runtime.shape->assets != nullptr
+                        ? runtime.shape->assets
                         : RefusedJobAssets(absl::InternalError("the job's assets were not read"))});
   });
   return jobs;

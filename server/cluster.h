@@ -98,6 +98,12 @@ class Cluster {
   // replica taken away that runs a forward finishes it first, then unloads. FAILED_PRECONDITION
   // for a job that is not READY (or still taking its replicas back after a restart); NOT_FOUND.
   absl::StatusOr<v1::Job> ScaleJob(const std::string& job, int32_t replicas);
+  // A live update of job `request.job_id` (its id or name) to `request.request`, the job's new
+  // request whole (scheduler_updates.cc says how): returns at once, Job.update says where it
+  // stands (WatchJob with all_replicas follows it to its end). INVALID_ARGUMENT for a shape or
+  // checkpoint the planner refuses; FAILED_PRECONDITION for a job that is not READY, runs an
+  // update already, or (with `abort`) runs none; NOT_FOUND.
+  absl::StatusOr<v1::Job> UpdateJob(v1::UpdateJobRequest request);
   // Calls `emit` with the job's state and load progress whenever they change, until the job is
   // READY (and not recovering; with `all_replicas`, every replica it wants READY too), FAILED or
   // CANCELLED, `emit` returns false, `cancelled` turns true (checked at least every half second),

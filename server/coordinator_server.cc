@@ -207,6 +207,11 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
     RETURN_IF_DENIED(context, common::Access::kAdmin);
     return Reply(cluster_->ScaleJob(request->job_id(), request->replicas()), response);
   }
+  grpc::Status UpdateJob(grpc::ServerContext* context, const v1::UpdateJobRequest* request,
+                         v1::Job* response) override {
+    RETURN_IF_DENIED(context, common::Access::kAdmin);
+    return Reply(cluster_->UpdateJob(*request), response);
+  }
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                         grpc::ServerWriter<v1::JobEvent>* writer) override {
     RETURN_IF_DENIED(context, common::Access::kRead);

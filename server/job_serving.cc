@@ -51,6 +51,7 @@ BatchPadding PaddingFor(const v1::ShardPlan& plan) {
 JobServing::JobServing(std::string job_id, v1::ShardPlan plan, std::shared_ptr<const JobAssets> assets,
                        ForwardTargets* targets, const JobServingOptions& options)
     : job_id_(std::move(job_id)),
+      version_(options.version),
       plan_(std::move(plan)),
       assets_(std::move(assets)),
       targets_(targets),
@@ -85,7 +86,7 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
   std::string cause;  // why the last attempt's group was lost
   for (int attempt = 0;; ++attempt) {
     // It may have ended while this batch waited (its queue is closed by now too).
-    absl::StatusOr<ForwardTarget> next = targets_->NextForward(job_id_, wait_until);
+    absl::StatusOr<ForwardTarget> next = targets_->NextForward(job_id_, version_, wait_until);
     if (!next.ok()) {
       // After a loss, the job may have ended of it (past --max_restarts) or been cancelled: the
       // callers hear the loss, not only that the job no longer serves.

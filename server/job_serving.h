@@ -73,7 +73,8 @@ class ForwardTargets {
   // until it calls EndForward (one forward at a time per replica). While no replica is free (all
   // busy, or being placed and loaded again), waits for one until `wait_until`, then UNAVAILABLE
   // saying why. FAILED_PRECONDITION when the job no longer serves (it ended).
-  virtual absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, absl::Time wait_until) = 0;
+  virtual absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, int32_t version,
+                                                    absl::Time wait_until) = 0;
   // The forward sent to `replica`'s placement `generation` has ended (whatever its outcome): the
   // replica takes the next one.
   virtual void EndForward(const std::string& job_id, int32_t replica, int64_t generation) = 0;
@@ -99,6 +100,10 @@ struct JobServingOptions {
   // How long one forward may take on the ranks before the job is failed; the callers' own
   // deadlines end their calls, never the forward (stopping some ranks would desynchronise them).
   absl::Duration forward_timeout = absl::Minutes(10);
+  // Which of the job's shapes (Job.version) this request path is for: its forwards go to that
+  // shape's replicas only (ForwardTargets::NextForward), so that a live update answers each
+  // request wholly with the old shape or the new.
+  int32_t version = 0;
 };
 
 class JobServing {
@@ -140,6 +145,7 @@ class JobServing {
                                        const v1::ForwardWant& want);
 
   const std::string job_id_;
+  const int32_t version_;
   const v1::ShardPlan plan_;
   // Immutable: read without a lock by every request (token ids included), never waiting on I/O.
   const std::shared_ptr<const JobAssets> assets_;

@@ -25,8 +25,9 @@ class Targets : public ForwardTargets {
  public:
   explicit Targets(std::vector<std::vector<RankStub>> groups) : groups_(std::move(groups)) {}
   explicit Targets(std::vector<RankStub> ranks) : Targets(std::vector<std::vector<RankStub>>{std::move(ranks)}) {}
-  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, absl::Time wait_until) override {
+  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, int32_t version, absl::Time wait_until) override {
     absl::MutexLock lock(&mu_);
+    versions_.push_back(version);
     wait_until_ = wait_until;
     if (recovering_) return absl::UnavailableError(absl::StrCat("job ", job_id, " has no replica serving"));
     if (static_cast<size_t>(generation_) >= groups_.size()) {
@@ -74,6 +75,10 @@ class Targets : public ForwardTargets {
     absl::MutexLock lock(&mu_);
     return ends_;
   }
+  std::vector<int32_t> versions() const {
+    absl::MutexLock lock(&mu_);
+    return versions_;
+  }
 
  private:
   const std::vector<std::vector<RankStub>> groups_;
@@ -83,6 +88,7 @@ class Targets : public ForwardTargets {
   int64_t next_ ABSL_GUARDED_BY(mu_) = 0;
   bool recovering_ ABSL_GUARDED_BY(mu_) = false;
   int leased_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int32_t> versions_ ABSL_GUARDED_BY(mu_);  // NextForward's, in order
   std::vector<std::string> ends_ ABSL_GUARDED_BY(mu_);
   absl::Time wait_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::vector<std::string> losses_ ABSL_GUARDED_BY(mu_);
@@ -131,10 +137,11 @@ std::shared_ptr<const JobAssets> TempDirAssets(const v1::ShardPlan& plan) {
 
 class JobServingTest : public ::testing::Test {
  protected:
-  void Serve(v1::ModelVariant variant) {
+  void Serve(v1::ModelVariant variant, int32_t version = 0) {
     targets_ = std::make_unique<Targets>(std::vector<RankStub>{first_.Rank("w0"), last_.Rank("w1")});
     JobServingOptions options;
     options.forward_timeout = absl::Seconds(30);
+    options.version = version;
     // The checkpoint's files are SmallAssets' here: an empty directory gives the defaults.
     serving_ = std::make_unique<JobServing>("job-1", SmallPlan(variant), TempDirAssets(SmallPlan(variant)),
                                             targets_.get(), options);
@@ -177,6 +184,18 @@ TEST_F(JobServingTest, EmbedAsksForThePooledVectorsOnly) {
   last.set_forward_seconds(0.5);
   earlier.set_forward_seconds(0.5);
   EXPECT_EQ(response->batch().response_bytes(), static_cast<int64_t>(last.ByteSizeLong() + earlier.ByteSizeLong()));
+}
+
+// A request path is for one shape of the job (a live update makes one per shape): every forward,
+// a retry too, asks for that shape's replicas.
+TEST_F(JobServingTest, ForwardsAskForTheReplicasOfItsOwnShape) {
+  Serve(v1::BERT_MODEL, /*version=*/3);
+  v1::EmbedRequest request;
+  request.set_job_id("job-1");
+  *request.mutable_tokens() = TwoRows();
+  ASSERT_TRUE(serving_->Embed(request, Soon(), nullptr).ok());
+  ASSERT_TRUE(serving_->Embed(request, Soon(), nullptr).ok());
+  EXPECT_EQ(targets_->versions(), (std::vector<int32_t>{3, 3}));
 }
 
 TEST_F(JobServingTest, InferKeepsTheOutputsByDefaultAndDropsThemForPredictionsOnly) {

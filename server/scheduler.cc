@@ -46,6 +46,11 @@ void Scheduler::Stop() {
       if (auto serving = CloseServingLocked(*runtime, "the coordinator is shutting down")) {
         servings.push_back(std::move(serving));
       }
+      for (auto& [version, draining] : runtime->draining) {
+        if (draining != nullptr) draining->Close("the coordinator is shutting down");
+        servings.push_back(std::move(draining));
+      }
+      runtime->draining.clear();
     }
     changed_.SignalAll();
   }
@@ -71,11 +76,8 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
     return absl::InvalidArgumentError(
         absl::StrCat("replicas must be 1..", options_.max_replicas, " (--max_replicas), not ", replicas));
   }
-  // The checkpoint opened once under the model root: config.json for the plan and the serving
-  // assets are read through its descriptors, here, off the lock.
-  ASSIGN_OR_RETURN(const LocalCheckpoint local, OpenLocalCheckpoint(options_.model_root, request.request()));
-  ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(local.request));
-  std::shared_ptr<const JobAssets> assets = LoadJobAssets(plan, *local.dir);
+  ASSIGN_OR_RETURN(std::shared_ptr<const JobShape> shape, ReadShape(request.request(), backend, 0));
+  const v1::ShardPlan& plan = shape->plan;
   absl::MutexLock lock(&mu_);
   if (options_.max_jobs_per_client > 0) {
     // Every job that has not ended has a runtime here (taken back at start, or submitted since),
@@ -124,10 +126,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   // store's code (RESOURCE_EXHAUSTED, FAILED_PRECONDITION), and nothing has started yet.
   RETURN_IF_ERROR(store_->Create(job, &plan));
   auto runtime = std::make_shared<JobRuntime>(options_.restarts);
-  runtime->plan = std::move(plan);
-  runtime->checkpoint = request.request().checkpoint();
-  runtime->assets = std::move(assets);
-  runtime->backend = backend;
+  runtime->shape = std::move(shape);
   runtime->submitted_by = client;
   runtime->name = request.name();
   runtime->replicas = replicas;
@@ -162,7 +161,7 @@ void Scheduler::ScheduleLocked() {
       continue;
     }
     const std::vector<IdleWorker> free_workers = pool_->Idle();
-    const Placement placement = PlaceRanks(runtime->second->backend, runtime->second->plan.world_size(), free_workers);
+    const Placement placement = PlaceRanks(group->shape->backend, group->shape->plan.world_size(), free_workers);
     if (placement.ranks.empty()) {
       waiting.push_back(still_pending.size());
       still_pending.push_back(std::move(pending));
@@ -191,7 +190,7 @@ void Scheduler::ScheduleLocked() {
             ? absl::StrCat("placing it again from ",
                            absl::FormatTime("%H:%M:%E3S UTC", group.restarts.not_before(), absl::UTCTimeZone()),
                            " (backoff: ", group.restarts.restarts(), " losses in a row)")
-            : PlaceRanks(runtime.backend, runtime.plan.world_size(), free_workers).waiting_for;
+            : PlaceRanks(group.shape->backend, group.shape->plan.world_size(), free_workers).waiting_for;
     const std::string reason = group.pending_note.empty() ? why : absl::StrCat(group.pending_note, "; ", why);
     if (group.reason == reason) continue;
     group.reason = reason;
@@ -249,6 +248,7 @@ struct Scheduler::Load {
   std::string key;         // ReplicaKey(job_id, replica): what its workers know it by
   int64_t generation = 0;  // the replica's placement this load is for
   std::shared_ptr<JobRuntime> runtime;
+  std::shared_ptr<const JobShape> shape;  // what the replica loads
   std::vector<RankStub> ranks;  // copied: a worker registering again may change the group's ranks
 };
 
@@ -285,7 +285,7 @@ std::optional<Scheduler::Load> Scheduler::BeginLoad(const std::string& job_id, i
   if (group == nullptr || group->generation != generation || group->phase != GroupRuntime::Phase::kPlanned) {
     return std::nullopt;
   }
-  Load load{job_id, replica, ReplicaKey(job_id, replica), generation, found->second, {}};
+  Load load{job_id, replica, ReplicaKey(job_id, replica), generation, found->second, group->shape, {}};
   absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs(group->WorkerIds());
   if (!stubs.ok()) {
     LoseGroupLocked(job_id, replica, generation,
@@ -330,9 +330,9 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
                            const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts) {
   v1::LoadShardRequest request;
   request.set_job_id(load.key);
-  *request.mutable_plan() = load.runtime->plan;
-  request.set_checkpoint(load.runtime->checkpoint);
-  request.set_backend(load.runtime->backend);
+  *request.mutable_plan() = load.shape->plan;
+  request.set_checkpoint(load.shape->checkpoint);
+  request.set_backend(load.shape->backend);
   request.set_master_addr(HostOf(load.ranks[0].address));
   request.set_master_port(port);
   request.set_rendezvous_secret(secret);
@@ -358,6 +358,13 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
         // With another replica serving, the job goes on; this replica is lost like any (a spare
         // without the checkpoint mounted says NOT_FOUND, another worker may have it).
         const bool others_serve = load.runtime->ServingGroups() > 0;
+        if (LoadCanNeverSucceed(failure) && load.shape == load.runtime->next &&
+            (group->generation == load.generation || lost_by_this_load)) {
+          // An update to files or a shape the workers refuse: it ends, and the old shape serves on.
+          AbortUpdateLocked(load.job_id, *load.runtime, absl::StrCat("its new replica ", load.replica,
+                                                                     " could not load: ", failure.message()));
+          return;
+        }
         if (LoadCanNeverSucceed(failure) && !others_serve &&
             (group->generation == load.generation || lost_by_this_load)) {
           // The checkpoint or the request is wrong: loading it again would meet the same refusal. So
@@ -390,6 +397,7 @@ void Scheduler::FinishLoad(const Load& load, bool all_loaded) {
   group->reason.clear();
   group->idle_since = absl::Now();
   UpdateLanesLocked(*load.runtime);
+  if (load.runtime->next != nullptr) AdvanceUpdateLocked(load.job_id, *load.runtime);  // may switch now
   changed_.SignalAll();  // batches waiting for a replica (NextForward) go on
 }
 
@@ -422,6 +430,12 @@ void Scheduler::FailJobLocked(const std::string& job_id, const std::string& caus
       // (No JobServing exists once stopping_ is set: see WithServingRuntime.)
       threads_.Start([serving = std::move(serving)]() mutable { serving.reset(); });
     }
+    for (auto& [version, draining] : runtime->second->draining) {
+      if (draining == nullptr) continue;
+      draining->Close(why);
+      threads_.Start([serving = std::move(draining)]() mutable { serving.reset(); });
+    }
+    runtime->second->draining.clear();
     // An ended job keeps nothing here: what it was is in the store, and a load still running holds
     // the runtime (Load) only until it sees `ended`. Kept, 2,500 submit-and-cancel cycles grew the
     // coordinator by 200 MiB and its /metrics by a line per ended job.
@@ -492,6 +506,7 @@ void Scheduler::MonitorLoop() {
     }
     for (const std::string& key : overdue) DecideRecoveryLocked(key);
     if (now >= next_backoff_end_) ScheduleLocked();  // a restart's backoff is over
+    AdvanceUpdatesLocked();
     SweepEndedJobsLocked(now);
   }
 }
@@ -575,8 +590,8 @@ absl::Status Scheduler::WatchJob(const std::string& id, absl::Time deadline,
     }
     if (!emit(event)) return absl::CancelledError("watcher went away");
     const v1::JobState s = event.job().state();
-    if (TerminalState(s) ||
-        (s == v1::READY && event.job().recovering().empty() && (!all_replicas || every_replica(event.job())))) {
+    if (TerminalState(s) || (s == v1::READY && event.job().recovering().empty() &&
+                             (!all_replicas || (every_replica(event.job()) && !event.job().has_update())))) {
       return absl::OkStatus();
     }
   }

@@ -59,11 +59,26 @@
 
 namespace bertshard::server {
 
+// One shape of a job: what its replicas load and what its requests are prepared for (plan,
+// checkpoint, serving assets). A job has one; while a live update runs, also the one it moves to
+// (JobRuntime::next). Shared, never changed once made.
+struct JobShape {
+  int32_t version = 0;      // Job.version: 0 as submitted, one more per update that switched over
+  v1::PlanRequest request;  // Job.request: what the plan was made from
+  v1::ShardPlan plan;
+  std::string checkpoint;
+  // Read through the checkpoint's descriptors, off the lock, before the shape serves: what its
+  // requests are served with, whatever becomes of the files' names later.
+  std::shared_ptr<const JobAssets> assets;
+  std::string backend = "gloo";  // "gloo" (CPU workers) or "nccl" (one rank per GPU)
+};
+
 // One replica of a job: a TP x PP group of workers with the job's plan, placed, loaded and lost
 // on its own (its workers know it by ReplicaKey(job id, replica): replica_keys.h). Fields are
 // guarded by the Scheduler's lock.
 struct GroupRuntime {
-  GroupRuntime(int32_t replica, const RestartPolicy& policy) : replica(replica), restarts(policy) {}
+  GroupRuntime(int32_t replica, std::shared_ptr<const JobShape> shape, const RestartPolicy& policy)
+      : replica(replica), shape(std::move(shape)), restarts(policy) {}
   enum class Phase {
     kPending,     // waiting for idle workers (first placement, or after a loss: restarts says)
     kPlanned,     // workers assigned; its load starts
@@ -72,6 +87,7 @@ struct GroupRuntime {
     kServing,     // loaded and answering
   };
   const int32_t replica;
+  const std::shared_ptr<const JobShape> shape;  // what it loads: the job's shape, or an update's
   Phase phase = Phase::kPending;
   // While pending: what it waits for (ReplicaStatus.reason); `pending_note` is said before it
   // (why it is pending again: "recovering: lost ...", "the coordinator restarted before loading").
@@ -116,12 +132,15 @@ struct GroupRuntime {
 struct JobRuntime {
   explicit JobRuntime(const RestartPolicy& policy) : policy(policy) {}
   const RestartPolicy policy;  // each replica's restarts
-  v1::ShardPlan plan;
-  std::string checkpoint;
-  // Read at submit (or when taken back after a restart) through the checkpoint's descriptors, off
-  // the lock; what the job serves with, whatever becomes of the files' names later.
-  std::shared_ptr<const JobAssets> assets;
-  std::string backend = "gloo";  // "gloo" (CPU workers) or "nccl" (one rank per GPU)
+  // The shape the job serves (Job.request, Job.version), and while a live update runs the shape
+  // it moves to (Job.update): its replicas load beside the old ones, and it becomes `shape` when
+  // they serve (scheduler_updates.cc).
+  std::shared_ptr<const JobShape> shape;
+  std::shared_ptr<const JobShape> next;
+  int64_t update_started_unix_millis = 0;
+  // An update short of workers takes one old replica away at a time to make room: the new
+  // replicas placed when it last did (another goes only once one more is placed).
+  int room_made_at = -1;
   std::string submitted_by;      // counted against ClusterOptions::max_jobs_per_client until ended
   std::string name;              // SubmitJobRequest.name (job_names.h), unique among the live jobs; may be empty
   // FAILED or CANCELLED here (FailJobLocked), whether or not the store took the write: no load
@@ -135,13 +154,23 @@ struct JobRuntime {
   // (while a replica serves or one is being placed again), closed (and released off the lock) when
   // the job ends.
   std::shared_ptr<JobServing> job_serving;
+  // The request paths of shapes an update switched away from, by version (null: none was made),
+  // with that shape's replicas still there: they finish the requests those paths hold, and unload
+  // once nothing else holds the path (scheduler_updates.cc).
+  std::map<int32_t, std::shared_ptr<JobServing>> draining;
 
   GroupRuntime* Group(int32_t replica);  // null when there is none
-  int ServingGroups() const;             // replicas that answer now (retiring ones excluded)
-  // Whether a replica serves or is being placed again after a loss or a restart (requests then
-  // wait for it rather than fail).
+  // Replicas that answer now (retiring ones excluded): of every shape, or of one version.
+  int ServingGroups() const;
+  int ServingGroups(int32_t version) const;
+  // Whether a replica of the job's shape serves or is being placed again after a loss or a
+  // restart (requests then wait for it rather than fail).
   bool Serving() const;
-  bool Recovering() const;
+  bool Recovering(int32_t version) const;
+  bool Recovering() const { return Recovering(shape->version); }
+  bool Current(const GroupRuntime& group) const { return group.shape == shape; }
+  // The lowest replica index no group holds.
+  int32_t FreeReplicaIndex() const;
 };
 
 // The jobs' JobServings reach their ranks through it (ForwardTargets, job_serving.h).
@@ -176,22 +205,24 @@ class Scheduler final : public ForwardTargets {
   absl::StatusOr<v1::Job> CancelJob(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
   // See Cluster::ScaleJob (scheduler_replicas.cc).
   absl::StatusOr<v1::Job> ScaleJob(const std::string& id, int32_t replicas) ABSL_LOCKS_EXCLUDED(mu_);
+  // See Cluster::UpdateJob (scheduler_updates.cc).
+  absl::StatusOr<v1::Job> UpdateJob(const v1::UpdateJobRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // See Cluster::WatchJob.
   absl::Status WatchJob(const std::string& id, absl::Time deadline,
                         const std::function<bool(const v1::JobEvent&)>& emit, const std::function<bool()>& cancelled,
                         bool all_replicas = false) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // For serving. The ranks, sequence number and abort of the next forward of job `job_id` on the
-  // replica idle the longest, which it holds until EndForward (one forward at a time per replica);
+  // For serving. The ranks, sequence number and abort of the next forward of job `job_id`'s shape
+  // `version` on its replica idle the longest, which it holds until EndForward (one forward at a time per replica);
   // waits until `wait_until` while every replica is busy or being placed again (then UNAVAILABLE,
   // saying why); FAILED_PRECONDITION when the job no longer serves, UNAVAILABLE once stopping.
-  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, absl::Time wait_until) override
+  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, int32_t version, absl::Time wait_until) override
       ABSL_LOCKS_EXCLUDED(mu_);
   void EndForward(const std::string& job_id, int32_t replica, int64_t generation) override ABSL_LOCKS_EXCLUDED(mu_);
   // A forward failed on placement `generation` of the job's replica: LoseGroupLocked.
   void LoseGroup(const std::string& job_id, int32_t replica, int64_t generation, const std::string& cause,
                  const std::string& unreachable_worker) override ABSL_LOCKS_EXCLUDED(mu_);
-  // Calls `use` under the lock with the runtime of `job_id` when it serves or a replica is being
+  // Calls `use` under the lock with the runtime of `job_id` when its shape serves or a replica is being
   // placed again (requests then wait for it), else with null and the stored job (recovering filled
   // in) to say why not; returns what `use` returns. UNAVAILABLE, without calling it, once stopping
   // (no batch queue may be made then).
@@ -223,10 +254,9 @@ class Scheduler final : public ForwardTargets {
   Scheduler(const ClusterOptions& options, std::unique_ptr<jobs::JobStore> store, WorkerPool* pool);
 
   FoundGroup FindGroupLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds replica `replica` of the job, PENDING, to be placed (ahead of the other waiting replicas
-  // when `first`: a loss has callers waiting).
-  GroupRuntime& AddGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds replica `replica` of the job, PENDING, to be placed with `shape` (null: the job's).
+  GroupRuntime& AddGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica,
+                               std::shared_ptr<const JobShape> shape = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void QueueForPlacementLocked(const std::string& job_id, int32_t replica, bool first)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnqueueLocked(const std::string& job_id, int32_t replica) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -243,6 +273,26 @@ class Scheduler final : public ForwardTargets {
   // The replica's workers go back to the pool after they unload (WorkerPool::SetUnloading: a load
   // of the same key on one of them would race the unload).
   void UnloadGroupLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Live updates (scheduler_updates.cc). The shape a request asks for, read and planned off the
+  // lock: INVALID_ARGUMENT for what the planner or the checkpoint refuses.
+  // Reads files only (under the lock only in Create, before anything is served).
+  absl::StatusOr<std::shared_ptr<const JobShape>> ReadShape(const v1::PlanRequest& request, std::string backend,
+                                                             int32_t version) const;
+  // The update to `next` begins: stored, and its replicas added to be placed.
+  absl::Status StartUpdateLocked(const std::string& job_id, JobRuntime& runtime,
+                                 std::shared_ptr<const JobShape> next, int64_t started_unix_millis)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What each update can do now: make room (an old replica taken away when the new ones cannot be
+  // placed), switch over, and unload the shapes switched away from once drained. Called by the
+  // monitor and when a replica comes to serve.
+  void AdvanceUpdatesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AdvanceUpdateLocked(const std::string& job_id, JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool SwitchShapeLocked(const std::string& job_id, JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the running update without switching: its replicas go, the old shape serves on.
+  void AbortUpdateLocked(const std::string& job_id, JobRuntime& runtime, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string UpdateProgressLocked(const JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Builds the runtimes of the stored jobs (RecoverStoredJobs). Called once, before any worker
   // registers.

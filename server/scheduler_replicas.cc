@@ -67,14 +67,28 @@ int JobRuntime::ServingGroups() const {
   return serving;
 }
 
-bool JobRuntime::Recovering() const {
+int JobRuntime::ServingGroups(int32_t version) const {
+  int serving = 0;
   for (const auto& [replica, group] : groups) {
-    if (group->restarts.recovering()) return true;
+    serving += (group->serving() && !group->retiring && group->shape->version == version) ? 1 : 0;
+  }
+  return serving;
+}
+
+bool JobRuntime::Recovering(int32_t version) const {
+  for (const auto& [replica, group] : groups) {
+    if (group->shape->version == version && group->restarts.recovering()) return true;
   }
   return false;
 }
 
-bool JobRuntime::Serving() const { return ServingGroups() > 0 || Recovering(); }
+bool JobRuntime::Serving() const { return ServingGroups(shape->version) > 0 || Recovering(); }
+
+int32_t JobRuntime::FreeReplicaIndex() const {
+  int32_t r = 0;
+  while (groups.count(r) > 0) ++r;
+  return r;
+}
 
 Scheduler::FoundGroup Scheduler::FindGroupLocked(const std::string& key) {
   ReplicaOf of = ParseReplicaKey(key);
@@ -85,9 +99,10 @@ Scheduler::FoundGroup Scheduler::FindGroupLocked(const std::string& key) {
   return {it->second, group, std::move(of.job_id)};
 }
 
-GroupRuntime& Scheduler::AddGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica) {
+GroupRuntime& Scheduler::AddGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica,
+                                        std::shared_ptr<const JobShape> shape) {
   auto& slot = runtime.groups[replica];
-  slot = std::make_unique<GroupRuntime>(replica, runtime.policy);
+  slot = std::make_unique<GroupRuntime>(replica, shape != nullptr ? std::move(shape) : runtime.shape, runtime.policy);
   QueueForPlacementLocked(job_id, replica, /*first=*/false);
   return *slot;
 }
@@ -113,6 +128,9 @@ absl::Status Scheduler::RecordJobLocked(const std::string& job_id, const JobRunt
   std::vector<v1::RankAssignment> ranks;
   std::string pending_reason;
   for (const auto& [replica, group] : runtime.groups) {
+    // Only the shape the store holds the plan of: an update's new replicas, or the old ones still
+    // draining after it switched, are not taken back after a restart (the update starts again).
+    if (!runtime.Current(*group)) continue;
     advance = std::max(advance, Advance(*group));
     if (group->phase == GroupRuntime::Phase::kReadopting && group->recovery != nullptr) {
       // Still where they were before the restart, until they come back or are given up: a second
@@ -136,7 +154,12 @@ absl::Status Scheduler::RecordJobLocked(const std::string& job_id, const JobRunt
 }
 
 void Scheduler::UpdateLanesLocked(JobRuntime& runtime) {
-  if (runtime.job_serving != nullptr) runtime.job_serving->SetConcurrency(std::max(1, runtime.ServingGroups()));
+  if (runtime.job_serving != nullptr) {
+    runtime.job_serving->SetConcurrency(std::max(1, runtime.ServingGroups(runtime.shape->version)));
+  }
+  for (const auto& [version, serving] : runtime.draining) {
+    if (serving != nullptr) serving->SetConcurrency(std::max(1, runtime.ServingGroups(version)));
+  }
 }
 
 void Scheduler::UnloadGroupLocked(const std::string& key) {
@@ -187,6 +210,10 @@ absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t repli
   for (const auto& [replica, group] : runtime.groups) {
     readopting |= group->phase == GroupRuntime::Phase::kReadopting;
   }
+  if (runtime.next != nullptr || !runtime.draining.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " runs a live update (",
+                                                      UpdateProgressLocked(runtime), "); scale it once it is done"));
+  }
   if (job.state() != v1::READY || readopting) {
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state()),
                                                       readopting ? " and taking its replicas back after a restart" : "",
@@ -205,9 +232,8 @@ absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t repli
       ++live;
     }
   }
-  for (int32_t r = 0; live < replicas; ++r) {
-    if (runtime.Group(r) != nullptr) continue;
-    AddGroupLocked(id, runtime, r).reason = "placing its ranks";
+  while (live < replicas) {
+    AddGroupLocked(id, runtime, runtime.FreeReplicaIndex()).reason = "placing its ranks";
     ++live;
   }
   // Shrinking: those that do not serve go first (the highest index first), then serving ones, so
@@ -236,7 +262,8 @@ absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t repli
   return GetJobLocked(id);
 }
 
-absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, absl::Time wait_until) {
+absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, int32_t version,
+                                                     absl::Time wait_until) {
   absl::MutexLock lock(&mu_);
   while (true) {
     if (stopping_) return absl::UnavailableError("the coordinator is shutting down");
@@ -251,7 +278,9 @@ absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, 
     GroupRuntime* chosen = nullptr;
     bool busy = false;
     for (auto& [replica, group] : runtime.groups) {
-      if (!group->serving() || group->retiring) continue;
+      // A request is answered wholly by the shape it was prepared for (a live update moves new
+      // requests to the new shape; those already queued finish on the old).
+      if (!group->serving() || group->retiring || group->shape->version != version) continue;
       if (group->forwarding) {
         busy = true;
         continue;
@@ -274,7 +303,7 @@ absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, 
       target.shard_key = ReplicaKey(job_id, chosen->replica);
       return target;
     }
-    if (!busy && !runtime.Recovering()) {
+    if (!busy && !runtime.Recovering(version)) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " does not serve now"));
     }
     if (absl::Now() >= wait_until) {
@@ -284,7 +313,9 @@ absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, 
       }
       std::vector<std::string> why;
       for (const auto& [replica, group] : runtime.groups) {
-        if (group->restarts.recovering()) why.push_back(group->restarts.Describe());
+        if (group->shape->version == version && group->restarts.recovering()) {
+          why.push_back(group->restarts.Describe());
+        }
       }
       return absl::UnavailableError(absl::StrCat("job ", job_id, " has no replica serving (", absl::StrJoin(why, "; "),
                                                  ") and none came back before the requests' deadline; retry"));
@@ -343,14 +374,14 @@ RecoveryMetrics Scheduler::Recovery() {
     for (const auto& [replica, group] : runtime->groups)
       job.restarts = std::max(job.restarts, group->restarts.restarts());
     job.replicas = runtime->replicas;
-    job.replicas_ready = runtime->ServingGroups();
+    job.replicas_ready = runtime->ServingGroups(runtime->shape->version);
     metrics.jobs.push_back(job);
     // What the HPA scales the workers by: those placed, and those the waiting replicas need.
     for (const auto& [replica, group] : runtime->groups) {
       metrics.replicas.push_back({id, replica, group->forwarding ? 1 : 0, group->forwards});
       metrics.workers_wanted +=
           group->phase == GroupRuntime::Phase::kPending
-              ? runtime->plan.world_size()
+              ? group->shape->plan.world_size()
               : static_cast<int64_t>(std::max<size_t>(
                     group->ranks.size(), group->recovery != nullptr ? group->recovery->previous.size() : 0));
     }
@@ -362,7 +393,7 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
   auto found = runtimes_.find(job.id());
   if (found == runtimes_.end()) return;
   const JobRuntime& runtime = *found->second;
-  const bool one = runtime.groups.size() == 1;
+  const bool one = runtime.groups.size() == 1 && runtime.next == nullptr;
   const auto named = [one](int32_t replica, const std::string& what) {
     return one ? what : absl::StrCat("replica ", replica, ": ", what);
   };
@@ -374,8 +405,8 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
     status->set_replica(replica);
     status->set_state(group->phase == GroupRuntime::Phase::kReadopting ? v1::LOADING : StateOf(Advance(*group)));
     if (group->phase == GroupRuntime::Phase::kReadopting && group->recovery != nullptr) {
-      const std::string waiting = group->recovery->Describe(runtime.plan.world_size());
-      recovering.push_back(named(replica, waiting));
+      const std::string waiting = group->recovery->Describe(group->shape->plan.world_size());
+      if (runtime.Current(*group)) recovering.push_back(named(replica, waiting));
       status->set_reason(waiting);
       for (const v1::RankAssignment& a : group->recovery->previous) *status->add_ranks() = a;
     } else {
@@ -383,7 +414,15 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
       if (group->phase == GroupRuntime::Phase::kPending) status->set_reason(group->reason);
     }
     if (group->retiring) status->set_reason("scaled away: unloads once its forward ends");
-    if (group->restarts.recovering()) degraded.push_back(named(replica, group->restarts.Describe()));
+    if (!runtime.Current(*group) && group->shape != runtime.next) {
+      status->set_reason(absl::StrCat("version ", group->shape->version,
+                                      ", switched away from: finishes the requests queued for it, then unloads"));
+    }
+    // Only the serving shape's losses degrade the job; an update's show in Job.update.progress.
+    if (group->restarts.recovering() && runtime.Current(*group)) {
+      degraded.push_back(named(replica, group->restarts.Describe()));
+    }
+    status->set_version(group->shape->version);
     status->set_restarts(group->restarts.restarts());
     status->set_forwards_in_flight(group->forwarding ? 1 : 0);
     status->set_forwards(group->forwards);
@@ -392,6 +431,7 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
   job.set_recovering(absl::StrJoin(recovering, "; "));
   job.set_degraded(absl::StrJoin(degraded, "; "));
   job.set_restarts(restarts);
+  if (runtime.next != nullptr && job.has_update()) job.mutable_update()->set_progress(UpdateProgressLocked(runtime));
 }
 
 v1::JobEvent Scheduler::EventLocked(const v1::Job& job) {

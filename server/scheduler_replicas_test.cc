@@ -80,8 +80,8 @@ TEST_F(ReplicasTest, ForwardsTakeTheFreeReplicaIdleTheLongest) {
   Register(b);
   const v1::Job ready = Settled(Submit(1, 2).id(), true);
   ASSERT_EQ(ready.state(), v1::READY);
-  const absl::StatusOr<ForwardTarget> first = scheduler_->NextForward(ready.id(), absl::Now());
-  const absl::StatusOr<ForwardTarget> second = scheduler_->NextForward(ready.id(), absl::Now());
+  const absl::StatusOr<ForwardTarget> first = scheduler_->NextForward(ready.id(), 0, absl::Now());
+  const absl::StatusOr<ForwardTarget> second = scheduler_->NextForward(ready.id(), 0, absl::Now());
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_NE(first->replica, second->replica);
@@ -91,12 +91,12 @@ TEST_F(ReplicasTest, ForwardsTakeTheFreeReplicaIdleTheLongest) {
   // Each sent under its replica's key on the workers.
   EXPECT_EQ((std::set<std::string>{first->shard_key, second->shard_key}),
             (std::set<std::string>{ready.id(), ReplicaKey(ready.id(), 1)}));
-  const absl::StatusOr<ForwardTarget> busy = scheduler_->NextForward(ready.id(), absl::Now());
+  const absl::StatusOr<ForwardTarget> busy = scheduler_->NextForward(ready.id(), 0, absl::Now());
   EXPECT_EQ(busy.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(busy.status().message().find("busy"), std::string::npos) << busy.status();
   // A third forward waiting for a replica goes on when one ends.
   absl::StatusOr<ForwardTarget> waited = absl::UnknownError("not returned");
-  std::thread batch([&] { waited = scheduler_->NextForward(ready.id(), absl::Now() + absl::Seconds(60)); });
+  std::thread batch([&] { waited = scheduler_->NextForward(ready.id(), 0, absl::Now() + absl::Seconds(60)); });
   scheduler_->EndForward(ready.id(), second->replica, second->generation);
   batch.join();
   ASSERT_TRUE(waited.ok()) << waited.status();
@@ -105,7 +105,7 @@ TEST_F(ReplicasTest, ForwardsTakeTheFreeReplicaIdleTheLongest) {
   scheduler_->EndForward(ready.id(), first->replica, first->generation);
   scheduler_->EndForward(ready.id(), waited->replica, waited->generation);
   // Both free: the one idle the longest (first's) goes next.
-  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), absl::Now());
+  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), 0, absl::Now());
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->replica, first->replica);
   const v1::Job counted = *scheduler_->GetJob(ready.id());
@@ -134,7 +134,7 @@ TEST_F(ReplicasTest, LosingAReplicaLeavesTheJobReadyOnTheOthers) {
   EXPECT_EQ(degraded.replica_status(lost).state(), v1::PENDING);
   EXPECT_EQ(degraded.restarts(), 1);
   for (int i = 0; i < 3; ++i) {
-    const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), absl::Now());
+    const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), 0, absl::Now());
     ASSERT_TRUE(next.ok()) << next.status();
     EXPECT_NE(next->replica, lost);
     scheduler_->EndForward(ready.id(), next->replica, next->generation);
@@ -164,7 +164,7 @@ TEST_F(ReplicasTest, ScalingUpAndDownDrainsTheForwardInFlight) {
   EXPECT_TRUE(pool_->Idle().empty());
   // Hold replica 2 with a forward, then scale to 1.
   std::vector<ForwardTarget> held;
-  for (int i = 0; i < 3; ++i) held.push_back(*scheduler_->NextForward(ready.id(), absl::Now()));
+  for (int i = 0; i < 3; ++i) held.push_back(*scheduler_->NextForward(ready.id(), 0, absl::Now()));
   for (const ForwardTarget& t : held) {
     if (t.replica != 2) scheduler_->EndForward(ready.id(), t.replica, t.generation);
   }
@@ -178,7 +178,7 @@ TEST_F(ReplicasTest, ScalingUpAndDownDrainsTheForwardInFlight) {
   EXPECT_NE(down->replica_status(1).reason().find("scaled away"), std::string::npos);
   // Nothing new goes to replica 2 while it finishes.
   for (int i = 0; i < 2; ++i) {
-    const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), absl::Now());
+    const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), 0, absl::Now());
     ASSERT_TRUE(next.ok()) << next.status();
     EXPECT_EQ(next->replica, 0);
     scheduler_->EndForward(ready.id(), next->replica, next->generation);
@@ -215,7 +215,7 @@ TEST_F(ReplicasTest, ScalingDownTakesAwayAReplicaThatDoesNotServeFirst) {
   EXPECT_EQ(one->replica_status(0).state(), v1::READY);
   EXPECT_EQ(one->state(), v1::READY);
   EXPECT_EQ(one->degraded(), "");  // the lost one is gone, not recovering
-  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), absl::Now());
+  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), 0, absl::Now());
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->replica, 1);
   scheduler_->EndForward(ready.id(), next->replica, next->generation);
@@ -248,7 +248,7 @@ TEST_F(ReplicasTest, AReplicaPastMaxRestartsKeepsTryingWhileAnotherServes) {
   EXPECT_NE(seen.degraded().find("the disk is on fire (restart 3, past --max_restarts=2; again every 1m"),
             std::string::npos)
       << seen.DebugString();
-  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(job.id(), absl::Now());
+  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(job.id(), 0, absl::Now());
   ASSERT_TRUE(next.ok()) << next.status();  // the good replica serves
   EXPECT_EQ(next->ranks[0].address, good.Address());
 }
@@ -327,7 +327,7 @@ TEST_F(ReplicasTest, ARestartTakesBackEachReplicaOnItsOwn) {
   const ReplicaOf adopted = ParseReplicaKey(a_key);
   bool numbered_on = false;
   for (int i = 0; i < 2; ++i) {
-    const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), absl::Now());
+    const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), 0, absl::Now());
     ASSERT_TRUE(next.ok()) << next.status();
     if (next->replica == adopted.replica) {
       EXPECT_EQ(next->sequence, 5);

@@ -45,7 +45,7 @@ TEST_F(SchedulerTest, PlacesAWaitingJobWhenWorkersComeAndNumbersItsForwards) {
   EXPECT_EQ(b.Loads()[0].rendezvous_secret(), secret);
   EXPECT_TRUE(pool_->Idle().empty());
   for (int64_t sequence = 0; sequence < 3; ++sequence) {
-    auto next = scheduler_->NextForward(submitted.id(), absl::Now());
+    auto next = scheduler_->NextForward(submitted.id(), 0, absl::Now());
     ASSERT_TRUE(next.ok()) << next.status();
     EXPECT_EQ(next->sequence, sequence);
     ASSERT_EQ(next->ranks.size(), 2u);
@@ -53,7 +53,7 @@ TEST_F(SchedulerTest, PlacesAWaitingJobWhenWorkersComeAndNumbersItsForwards) {
     EXPECT_EQ(next->ranks[1].address, b.Address());
     EXPECT_NE(next->abort, nullptr);
     // One forward at a time on the replica: the next waits for this one's end.
-    EXPECT_EQ(scheduler_->NextForward(submitted.id(), absl::Now()).status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(scheduler_->NextForward(submitted.id(), 0, absl::Now()).status().code(), absl::StatusCode::kUnavailable);
     scheduler_->EndForward(submitted.id(), next->replica, next->generation);
   }
 }
@@ -75,7 +75,7 @@ TEST_F(SchedulerTest, ARankThatKeepsFailingToLoadIsPlacedAgainUntilMaxRestarts) 
   EXPECT_TRUE(good.WaitForUnload(failed.id(), 3));
   EXPECT_TRUE(bad.WaitForUnload(failed.id(), 3));
   EXPECT_EQ(pool_->Idle().size(), 2u);  // both free again
-  EXPECT_EQ(scheduler_->NextForward(failed.id(), absl::Now()).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(scheduler_->NextForward(failed.id(), 0, absl::Now()).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 // A load refused for what it asks (here the checkpoint's files) would fail on any workers: FAILED
@@ -103,11 +103,11 @@ TEST_F(SchedulerTest, ALostGroupIsPlacedAgainAheadOfWaitingJobs) {
   const v1::Job second = Submit(2);
   EXPECT_EQ(second.state(), v1::PENDING);
   for (int i = 0; i < 2; ++i) {
-    const absl::StatusOr<ForwardTarget> served = scheduler_->NextForward(first.id(), absl::Now());
+    const absl::StatusOr<ForwardTarget> served = scheduler_->NextForward(first.id(), 0, absl::Now());
     ASSERT_TRUE(served.ok()) << served.status();
     scheduler_->EndForward(first.id(), served->replica, served->generation);
   }
-  const absl::StatusOr<ForwardTarget> lost_target = scheduler_->NextForward(first.id(), absl::Now());
+  const absl::StatusOr<ForwardTarget> lost_target = scheduler_->NextForward(first.id(), 0, absl::Now());
   ASSERT_TRUE(lost_target.ok());
   scheduler_->EndForward(first.id(), lost_target->replica, lost_target->generation);
   scheduler_->LoseGroup(first.id(), lost_target->replica, lost_target->generation,
@@ -143,7 +143,7 @@ TEST_F(SchedulerTest, ALostGroupIsPlacedAgainAheadOfWaitingJobs) {
   EXPECT_EQ(scheduler_->GetJob(second.id())->state(), v1::PENDING);  // the recovering job went first
   scheduler_->LoseGroup(first.id(), lost_target->replica, lost_target->generation, "late news of the lost group", "");
   EXPECT_EQ(scheduler_->GetJob(first.id())->state(), v1::READY);
-  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(first.id(), absl::Now());
+  const absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(first.id(), 0, absl::Now());
   ASSERT_TRUE(next.ok()) << next.status();
   EXPECT_EQ(next->sequence, 0);  // the new group's first forward
   EXPECT_NE(next->generation, lost_target->generation);
@@ -174,7 +174,7 @@ TEST_F(SchedulerTest, ALeavingWorkersJobIsPlacedAgainOnASpareAndUnknownOnesRegis
                                        })
                   .ok());
   EXPECT_TRUE(given_runtime);
-  EXPECT_EQ(scheduler_->NextForward(ready.id(), absl::Now()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(scheduler_->NextForward(ready.id(), 0, absl::Now()).status().code(), absl::StatusCode::kUnavailable);
   const std::string spare_id = Register(spare);
   const v1::Job back = Settled(ready.id());
   ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
@@ -199,7 +199,7 @@ TEST_F(SchedulerTest, ABatchWaitingForTheGroupGoesOnWhenItIsBack) {
   absl::Duration took;
   std::thread batch([&] {
     const absl::Time start = absl::Now();
-    waited = scheduler_->NextForward(ready.id(), start + absl::Seconds(60));
+    waited = scheduler_->NextForward(ready.id(), 0, start + absl::Seconds(60));
     took = absl::Now() - start;
   });
   const std::string spare_id = Register(spare);
@@ -255,7 +255,7 @@ TEST_F(SchedulerTest, CancelledWhileBackingOffItEndsAndReleasesTheBatchesWaiting
   absl::Duration took;
   std::thread batch([&] {
     const absl::Time start = absl::Now();
-    waited = scheduler_->NextForward(ready.id(), start + absl::Seconds(60));
+    waited = scheduler_->NextForward(ready.id(), 0, start + absl::Seconds(60));
     took = absl::Now() - start;
   });
   const absl::StatusOr<v1::Job> cancelled = scheduler_->CancelJob(ready.id());

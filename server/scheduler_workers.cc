@@ -24,10 +24,14 @@ absl::Status Scheduler::RecoverJobsLocked() {
                                      }));
   for (RecoveredJob& job : jobs) {
     auto runtime = std::make_shared<JobRuntime>(options_.restarts);
-    runtime->plan = std::move(job.plan);
-    runtime->checkpoint = job.job.request().checkpoint();
-    runtime->assets = std::move(job.assets);
-    runtime->backend = std::move(job.backend);
+    auto shape = std::make_shared<JobShape>();
+    shape->version = job.job.version();
+    shape->request = job.job.request();
+    shape->plan = std::move(job.plan);
+    shape->checkpoint = job.job.request().checkpoint();
+    shape->assets = std::move(job.assets);
+    shape->backend = std::move(job.backend);
+    runtime->shape = std::move(shape);
     runtime->submitted_by = job.job.submitted_by();
     runtime->name = job.job.name();
     // Jobs stored before replicas ran one.
@@ -38,13 +42,12 @@ absl::Status Scheduler::RecoverJobsLocked() {
     // lowest free indices.
     for (auto& [r, recovery] : job.recoveries) {
       auto& group = runtime->groups[r];
-      group = std::make_unique<GroupRuntime>(r, runtime->policy);
+      group = std::make_unique<GroupRuntime>(r, runtime->shape, runtime->policy);
       group->phase = GroupRuntime::Phase::kReadopting;
       group->recovery = std::move(recovery);
     }
-    for (int32_t r = 0; static_cast<int32_t>(runtime->groups.size()) < runtime->replicas; ++r) {
-      if (runtime->Group(r) != nullptr) continue;
-      GroupRuntime& group = AddGroupLocked(id, *runtime, r);
+    while (static_cast<int32_t>(runtime->groups.size()) < runtime->replicas) {
+      GroupRuntime& group = AddGroupLocked(id, *runtime, runtime->FreeReplicaIndex());
       group.pending_note = job.pending_note;
       group.reason = job.job.pending_reason();
       if (job.job.state() == v1::PENDING) {
@@ -53,7 +56,24 @@ absl::Status Scheduler::RecoverJobsLocked() {
         }
       }
     }
-    runtimes_[id] = std::move(runtime);
+    runtimes_[id] = runtime;
+    if (job.job.has_update()) {
+      // An update that was running goes on: its new shape read and planned again (here, before
+      // anything is served, as the jobs' assets are), its replicas placed anew (those loaded before
+      // the restart were not taken back: their workers unload them).
+      const v1::JobUpdate& update = job.job.update();
+      absl::StatusOr<std::shared_ptr<const JobShape>> next =
+          ReadShape(update.request(), runtime->shape->backend, update.version());
+      absl::Status started = next.status();
+      if (next.ok()) started = StartUpdateLocked(id, *runtime, *std::move(next), update.started_unix_millis());
+      if (!started.ok()) {
+        RecordLocked(store_->SetUpdate(id, nullptr,
+                                       absl::StrCat("version ", update.version(),
+                                                    ": given up at a coordinator restart: ", started.message()))
+                         .status(),
+                     "giving up the update of " + id);
+      }
+    }
   }
   // Recovering under a --max_restarts that no longer allows it (0): ended, as a loss would be.
   for (const auto& [job_id, cause] : given_up) FailJobLocked(job_id, cause);
@@ -190,7 +210,7 @@ void Scheduler::DecideRecoveryLocked(const std::string& key) {
   if (found.group == nullptr || found.group->recovery == nullptr) return;
   GroupRuntime& group = *found.group;
   const ReadoptionDecision decision =
-      group.recovery->Decide(found.runtime->plan.world_size(), absl::Now(), options_.readopt_grace);
+      group.recovery->Decide(group.shape->plan.world_size(), absl::Now(), options_.readopt_grace);
   switch (decision.outcome) {
     case ReadoptionDecision::Outcome::kWait:
       changed_.SignalAll();  // Job.recovering changed
@@ -283,6 +303,11 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
     return;
   }
   const GroupRestarts::Decision decision = group->restarts.Lost(cause, absl::Now());
+  if (decision.give_up && group->shape == runtime->next) {
+    // An update's replica that keeps losing workers: the update ends, the old shape serves on.
+    AbortUpdateLocked(job_id, *runtime, absl::StrCat("its new replica ", replica, ": ", decision.cause));
+    return;
+  }
   // Past --max_restarts the job ends, unless other replicas serve: one replica's bad luck (a
   // worker that dies at every load) does not take down a job that answers; that replica keeps
   // trying, every --restart_backoff_max, and Job.degraded says so.
@@ -292,7 +317,7 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
     return;
   }
   if (decision.give_up) group->restarts.KeepTrying(absl::Now());
-  const std::string what = runtime->replicas == 1
+  const std::string what = runtime->groups.size() == 1
                                ? absl::StrCat("job ", job_id, " lost its group")
                                : absl::StrCat("replica ", replica, " of job ", job_id, " lost a worker");
   // The replica is cut off: nothing of this placement loads, finishes or answers after.

@@ -1,0 +1,314 @@
+// The Scheduler's live updates (scheduler.h, UpdateJob): a READY job moves to a new shape (TP, PP,
+// pipeline style, SP mode, dtype) or a new checkpoint while it serves, and no request fails for it.
+//
+// How: the new shape (JobRuntime::next) gets as many replicas as the job runs, placed and loaded
+// beside the old ones on idle workers by the code that places any replica (they take the lowest
+// free replica indices, so the workers tell them apart by key: replica_keys.h). Requests keep
+// going to the old shape meanwhile. When every new replica serves, the job switches over: the
+// store takes the new request, version and plan in one write, new requests go to a new request
+// path (JobServing) made for the new shape (its tokenizer and assets, its plan's padding), and the
+// old path, with the requests it holds, keeps the old replicas until nothing holds it any more;
+// then they unload. A request is prepared for one shape and every forward of it (a retry after a
+// loss too) goes to that shape's replicas (NextForward by version): it is answered wholly by the
+// old shape or by the new.
+//
+// Short of workers, an update of a job with several replicas takes one old replica away at a time
+// (the next only once the room made was taken), and switches over once the old shape is down to
+// one replica and at least one new one serves; the rest of the new replicas take the old one's
+// workers once it has drained. A job with one replica and no idle workers for the new one waits,
+// and Job.update.progress says for what. A new replica whose load is refused for what it asks, or
+// that loses workers past --max_restarts, ends the update (aborted, the old shape serving on); so
+// does UpdateJobRequest.abort. A restarted coordinator finds the update in the store and starts
+// its replicas again.
+//
+// One class split over four files to keep each readable; the lock and its rules are scheduler.h's.
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "planner/planner.h"
+#include "server/placement.h"
+#include "server/scheduler.h"
+
+namespace bertshard::server {
+
+namespace {
+
+// "TP 2 x PP 1, fp32, /models/minilm": what a user changes with shardctl update.
+std::string ShapeText(const v1::PlanRequest& request) {
+  const v1::ParallelConfig& p = request.parallel();
+  std::string text = absl::StrCat("TP ", std::max<int64_t>(1, p.tp_size()), " x PP ", std::max<int64_t>(1, p.pp_size()));
+  if (p.pp_size() > 1) absl::StrAppend(&text, " ", v1::PipelineStyle_Name(p.pp_style()));
+  if (p.sp_mode() != v1::SequenceParallelMode{}) absl::StrAppend(&text, ", SP ", v1::SequenceParallelMode_Name(p.sp_mode()));
+  absl::StrAppend(&text, ", ", request.dtype() == v1::Dtype{} ? "FP32" : v1::Dtype_Name(request.dtype()), ", ",
+                  request.checkpoint());
+  return text;
+}
+
+std::string UtcNow() { return absl::FormatTime("%Y-%m-%d %H:%M:%E3S UTC", absl::Now(), absl::UTCTimeZone()); }
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const JobShape>> Scheduler::ReadShape(const v1::PlanRequest& request,
+                                                                      std::string backend, int32_t version) const {
+  // The checkpoint opened once under the model root: config.json for the plan and the serving
+  // assets are read through its descriptors.
+  ASSIGN_OR_RETURN(const LocalCheckpoint local, OpenLocalCheckpoint(options_.model_root, request));
+  ASSIGN_OR_RETURN(v1::ShardPlan plan, planner::Plan(local.request));
+  auto shape = std::make_shared<JobShape>();
+  shape->version = version;
+  shape->request = request;
+  // The class the plan resolved (from the checkpoint's config.json when the request named none),
+  // so that listings say what runs.
+  shape->request.set_variant(plan.variant());
+  shape->checkpoint = request.checkpoint();
+  shape->assets = LoadJobAssets(plan, *local.dir);
+  shape->plan = std::move(plan);
+  shape->backend = std::move(backend);
+  return shape;
+}
+
+namespace {
+
+// Why job `id` cannot take an update now, if it cannot.
+absl::Status CheckUpdatable(const std::string& id, const v1::Job& job, const JobRuntime* runtime) {
+  if (TerminalState(job.state()) || runtime == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state())));
+  }
+  if (runtime->next != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " runs an update to version ",
+                                                      runtime->next->version, " already (",
+                                                      job.update().progress(), "): wait for it, or abort it"));
+  }
+  if (!runtime->draining.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", id, " has just switched to version ", runtime->shape->version,
+        " and its old shape still finishes the requests queued for it: retry in a moment"));
+  }
+  bool readopting = false;
+  for (const auto& [replica, group] : runtime->groups) readopting |= group->phase == GroupRuntime::Phase::kReadopting;
+  if (job.state() != v1::READY || readopting) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state()),
+                                                      readopting ? " and taking its replicas back after a restart" : "",
+                                                      "; update it once it is READY"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Job> Scheduler::UpdateJob(const v1::UpdateJobRequest& request) {
+  const std::string& id = request.job_id();
+  if (request.abort()) {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(const v1::Job job, GetJobLocked(id));
+    auto found = runtimes_.find(id);
+    if (found == runtimes_.end() || found->second->next == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", id, " runs no update to abort"));
+    }
+    AbortUpdateLocked(id, *found->second, "aborted by request");
+    return GetJobLocked(id);
+  }
+  if (request.request().checkpoint().empty()) {
+    return absl::InvalidArgumentError(
+        "UpdateJob needs request.checkpoint: the model directory the new shape loads (the job's own, or a new one)");
+  }
+  std::string backend;
+  int32_t version = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(const v1::Job job, GetJobLocked(id));
+    auto found = runtimes_.find(id);
+    RETURN_IF_ERROR(CheckUpdatable(id, job, found == runtimes_.end() ? nullptr : found->second.get()));
+    backend = found->second->shape->backend;
+    version = found->second->shape->version + 1;
+  }
+  // Read and planned off the lock; refused here (INVALID_ARGUMENT), nothing has changed.
+  ASSIGN_OR_RETURN(std::shared_ptr<const JobShape> next, ReadShape(request.request(), backend, version));
+  absl::MutexLock lock(&mu_);
+  // Checked again: the job may have ended, or taken another update, while its files were read.
+  ASSIGN_OR_RETURN(const v1::Job job, GetJobLocked(id));
+  auto found = runtimes_.find(id);
+  RETURN_IF_ERROR(CheckUpdatable(id, job, found == runtimes_.end() ? nullptr : found->second.get()));
+  if (found->second->shape->version + 1 != version) {
+    return absl::AbortedError(absl::StrCat("job ", id, " changed while the update was read; retry"));
+  }
+  RETURN_IF_ERROR(StartUpdateLocked(id, *found->second, std::move(next), absl::ToUnixMillis(absl::Now())));
+  ScheduleLocked();
+  return GetJobLocked(id);
+}
+
+absl::Status Scheduler::StartUpdateLocked(const std::string& job_id, JobRuntime& runtime,
+                                          std::shared_ptr<const JobShape> next, int64_t started_unix_millis) {
+  v1::JobUpdate update;
+  *update.mutable_request() = next->request;
+  update.set_version(next->version);
+  update.set_started_unix_millis(started_unix_millis);
+  // Stored first: a restart goes on with it.
+  RETURN_IF_ERROR(store_->SetUpdate(job_id, &update, "").status());
+  runtime.next = std::move(next);
+  runtime.update_started_unix_millis = started_unix_millis;
+  runtime.room_made_at = -1;
+  for (int32_t k = 0; k < runtime.replicas; ++k) {
+    AddGroupLocked(job_id, runtime, runtime.FreeReplicaIndex(), runtime.next).reason = "placing its ranks";
+  }
+  changed_.SignalAll();
+  return absl::OkStatus();
+}
+
+void Scheduler::AdvanceUpdatesLocked() {
+  std::vector<std::pair<std::string, std::shared_ptr<JobRuntime>>> updating;
+  for (const auto& [id, runtime] : runtimes_) {
+    if (runtime->next != nullptr || !runtime->draining.empty()) updating.emplace_back(id, runtime);
+  }
+  for (auto& [id, runtime] : updating) AdvanceUpdateLocked(id, *runtime);
+}
+
+void Scheduler::AdvanceUpdateLocked(const std::string& job_id, JobRuntime& runtime) {
+  if (runtime.ended || stopping_) return;
+  // The shapes switched away from unload once nothing holds their request path: the scheduler's
+  // is the only reference left when no call is inside it, and none can enter it now (ServingFor
+  // hands out the job's shape's only).
+  for (auto it = runtime.draining.begin(); it != runtime.draining.end();) {
+    if (it->second != nullptr && it->second.use_count() > 1) {
+      ++it;
+      continue;
+    }
+    const int32_t version = it->first;
+    if (std::shared_ptr<JobServing> drained = std::move(it->second)) {
+      drained->Close(absl::StrCat("job ", job_id, " switched to version ", runtime.shape->version));
+      threads_.Start([drained = std::move(drained)]() mutable { drained.reset(); });
+    }
+    it = runtime.draining.erase(it);
+    std::vector<int32_t> old;
+    for (const auto& [replica, group] : runtime.groups) {
+      if (group->shape->version == version) old.push_back(replica);
+    }
+    for (int32_t replica : old) {
+      GroupRuntime& group = *runtime.Group(replica);
+      if (group.forwarding) {
+        group.retiring = true;  // EndForward drops it
+      } else {
+        DropGroupLocked(job_id, runtime, replica);
+      }
+    }
+    ScheduleLocked();
+  }
+  if (runtime.next == nullptr) return;
+  const int32_t version = runtime.next->version;
+  int placed = 0;   // new replicas past PENDING
+  bool short_of_workers = false;
+  const std::vector<IdleWorker> idle = pool_->Idle();
+  for (const auto& [replica, group] : runtime.groups) {
+    if (group->shape != runtime.next) continue;
+    if (group->phase != GroupRuntime::Phase::kPending) {
+      ++placed;
+    } else if (PlaceRanks(group->shape->backend, group->shape->plan.world_size(), idle).ranks.empty()) {
+      short_of_workers = true;
+    }
+  }
+  const int serving_new = runtime.ServingGroups(version);
+  const int serving_old = runtime.ServingGroups(runtime.shape->version);
+  if (serving_new >= runtime.replicas || (serving_new > 0 && serving_old == 0)) {
+    SwitchShapeLocked(job_id, runtime);
+    return;
+  }
+  if (!short_of_workers) return;
+  if (serving_old >= 2 && placed > runtime.room_made_at) {
+    // Room for one more new replica: the old one idle the longest goes (one running a forward
+    // finishes it first); its workers unload, then take the waiting new replica.
+    GroupRuntime* chosen = nullptr;
+    for (auto& [replica, group] : runtime.groups) {
+      if (!runtime.Current(*group) || !group->serving() || group->retiring) continue;
+      if (chosen == nullptr || (chosen->forwarding && !group->forwarding) ||
+          (chosen->forwarding == group->forwarding && group->idle_since < chosen->idle_since)) {
+        chosen = group.get();
+      }
+    }
+    runtime.room_made_at = placed;
+    if (chosen->forwarding) {
+      chosen->retiring = true;
+    } else {
+      DropGroupLocked(job_id, runtime, chosen->replica);
+    }
+    return;
+  }
+  // Down to one old replica, and the new ones placed serve: requests move to them, and the old
+  // replica's workers take the rest once it has drained.
+  if (serving_old <= 1 && serving_new > 0 && placed == serving_new) SwitchShapeLocked(job_id, runtime);
+}
+
+bool Scheduler::SwitchShapeLocked(const std::string& job_id, JobRuntime& runtime) {
+  const std::shared_ptr<const JobShape> next = runtime.next;
+  const std::string note = absl::StrCat("version ", next->version, ": ", ShapeText(runtime.shape->request), " -> ",
+                                        ShapeText(next->request), ", switched over at ", UtcNow());
+  if (absl::Status s = store_->SwitchShape(job_id, next->request, next->version, next->plan, note).status(); !s.ok()) {
+    // The old shape serves on; the monitor tries again.
+    StoreErrorLocked(absl::StrCat("switching job ", job_id, " to version ", next->version), s);
+    return false;
+  }
+  const int32_t old_version = runtime.shape->version;
+  runtime.draining[old_version] = std::move(runtime.job_serving);  // null when no request came
+  runtime.job_serving = nullptr;  // made for the new shape by the next request (Cluster::ServingFor)
+  runtime.shape = next;
+  runtime.next = nullptr;
+  runtime.room_made_at = -1;
+  RecordLocked(RecordJobLocked(job_id, runtime, note), absl::StrCat("recording job ", job_id, "'s new shape"));
+  UpdateLanesLocked(runtime);
+  AdvanceUpdateLocked(job_id, runtime);  // nothing may hold the old path: it unloads now
+  changed_.SignalAll();
+  return true;
+}
+
+void Scheduler::AbortUpdateLocked(const std::string& job_id, JobRuntime& runtime, const std::string& why) {
+  if (runtime.next == nullptr) return;
+  const std::shared_ptr<const JobShape> next = std::move(runtime.next);
+  runtime.next = nullptr;
+  runtime.room_made_at = -1;
+  RecordLocked(store_->SetUpdate(job_id, nullptr, absl::StrCat("version ", next->version, ": ", why, " at ", UtcNow()))
+                   .status(),
+               absl::StrCat("ending the update of job ", job_id));
+  std::vector<int32_t> dropped;
+  for (const auto& [replica, group] : runtime.groups) {
+    if (group->shape == next) dropped.push_back(replica);
+  }
+  // Not one has served a request (none goes to a shape before it is switched to).
+  for (int32_t replica : dropped) DropGroupLocked(job_id, runtime, replica);
+  // Old replicas taken away to make room come back.
+  int live = 0;
+  for (const auto& [replica, group] : runtime.groups) live += group->retiring ? 0 : 1;
+  for (; live < runtime.replicas; ++live) {
+    AddGroupLocked(job_id, runtime, runtime.FreeReplicaIndex()).reason = "placing its ranks";
+  }
+  ScheduleLocked();
+}
+
+std::string Scheduler::UpdateProgressLocked(const JobRuntime& runtime) {
+  if (runtime.next == nullptr) return "";
+  const int32_t version = runtime.next->version;
+  std::string progress = absl::StrCat("version ", version, ": ", runtime.ServingGroups(version), " of ",
+                                      runtime.replicas, " new replicas READY");
+  std::vector<std::string> waiting;
+  for (const auto& [replica, group] : runtime.groups) {
+    if (group->shape != runtime.next || group->serving()) continue;
+    waiting.push_back(absl::StrCat(
+        "replica ", replica, " ",
+        group->phase == GroupRuntime::Phase::kPending ? absl::StrCat("waits: ", group->reason)
+                                                       : std::string(group->phase == GroupRuntime::Phase::kLoading
+                                                                         ? "loads"
+                                                                         : "is placed")));
+  }
+  if (!waiting.empty()) absl::StrAppend(&progress, "; ", absl::StrJoin(waiting, "; "));
+  int old = 0;
+  for (const auto& [replica, group] : runtime.groups) old += runtime.Current(*group) && !group->retiring ? 1 : 0;
+  if (old < runtime.replicas) {
+    absl::StrAppend(&progress, "; the old shape runs ", old, " of its ", runtime.replicas,
+                    " replicas (the others' workers were given to the new shape)");
+  }
+  return progress;
+}
+
+}  // namespace bertshard::server
