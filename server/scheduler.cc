@@ -478,7 +478,13 @@ void Scheduler::MonitorLoop() {
     // Sooner when a restart's backoff ends first.
     // Not while draining: nothing is scheduled then, so a backoff that has ended stays in
     // next_backoff_end_ and would make this wait return at once, again and again.
-    const absl::Time wake = absl::Now() + options_.heartbeat_interval / 4;
+    absl::Duration pass = options_.heartbeat_interval / 4;
+    // A shape switched away from unloads once nothing holds its request path: looked for often
+    // while one drains (its workers are wanted by the new shape's replicas), not only each pass.
+    for (const auto& [id, runtime] : runtimes_) {
+      if (!runtime->draining.empty()) pass = std::min(pass, absl::Milliseconds(50));
+    }
+    const absl::Time wake = absl::Now() + pass;
     changed_.WaitWithDeadline(&mu_, draining_ ? wake : std::min(wake, next_backoff_end_));
     if (stopping_) break;
     // A draining server takes no heartbeats: silence then says nothing about the workers.
