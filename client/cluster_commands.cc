@@ -88,6 +88,7 @@ absl::Status Watch(const CoordinatorConnection& c, const std::string& id, std::F
   v1::JobEvent event, last;
   v1::JobState printed = v1::JOB_STATE_UNSPECIFIED;
   std::string printed_replicas;
+  std::string printed_update;
   int64_t printed_percent = -1;
   std::unique_ptr<JobLoadProgress> progress;  // made at the first event of a job not yet READY
   const bool tty = isatty(fileno(out));
@@ -104,6 +105,12 @@ absl::Status Watch(const CoordinatorConnection& c, const std::string& id, std::F
       PrintEvent(event, reading, out);
       printed_percent = reading.percent;
       printed_replicas = replicas;
+    }
+    // A live update keeps the job READY: what it does is its progress.
+    if (const std::string& now = event.job().update().progress(); !now.empty() && now != printed_update) {
+      std::fprintf(out, "update: %s\n", now.c_str());
+      std::fflush(out);
+      printed_update = now;
     }
     printed = state;
     last = event;
@@ -154,6 +161,59 @@ absl::Status ScaleCommand(const CommandLine& cl, std::FILE* out) {
                Replicas(job).c_str());
   std::fflush(out);
   if (cl.switches.count("watch")) return Watch(c, job.id(), out, /*all_replicas=*/true);
+  return absl::OkStatus();
+}
+
+absl::Status UpdateCommand(const CommandLine& cl, std::FILE* out) {
+  v1::UpdateJobRequest update;
+  update.set_job_id(JobId(cl));
+  if (update.job_id().empty()) return absl::InvalidArgumentError("update needs a job id (or name)");
+  update.set_abort(cl.switches.count("abort") > 0);
+  ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
+  if (!update.abort()) {
+    // The job's request, changed where the flags say: what is not named stays as it runs.
+    v1::GetJobRequest get;
+    get.set_job_id(update.job_id());
+    v1::Job job;
+    RETURN_IF_ERROR(c.Check(c.stub()->GetJob(c.Context(30).get(), get, &job)));
+    v1::PlanRequest request = job.request();
+    const auto& v = cl.values;
+    if (v.count("checkpoint") && !v.count("variant") && !v.count("config")) {
+      // A new model version: its own config.json says its class and sizes.
+      request.clear_variant();
+      request.clear_config();
+    }
+    // Explicit layer counts fit the old pipeline only.
+    if ((v.count("pp") || v.count("chunks") || v.count("pp-style")) && !v.count("layers-per-stage")) {
+      request.mutable_parallel()->clear_num_layers_per_stage();
+    }
+    RETURN_IF_ERROR(ApplyPlanFlags(cl, &request));
+    if (request.SerializeAsString() == job.request().SerializeAsString() && !v.count("checkpoint")) {
+      return absl::InvalidArgumentError(
+          "update changes nothing: name a new --tp, --pp, --pp-style, --sp-mode, --dtype or --checkpoint");
+    }
+    *update.mutable_request() = std::move(request);
+  }
+  v1::Job job;
+  RETURN_IF_ERROR(c.Check(c.stub()->UpdateJob(c.Context(60).get(), update, &job)));
+  if (update.abort()) {
+    std::fprintf(out, "%s: %s\n", job.id().c_str(), job.last_update().c_str());
+    return absl::OkStatus();
+  }
+  std::fprintf(out, "%s updating to version %d: %s\n", job.id().c_str(), job.update().version(),
+               job.update().progress().c_str());
+  std::fflush(out);
+  if (!cl.switches.count("watch")) return absl::OkStatus();
+  const int32_t target = job.update().version();
+  RETURN_IF_ERROR(Watch(c, job.id(), out, /*all_replicas=*/true));
+  v1::GetJobRequest get;
+  get.set_job_id(job.id());
+  RETURN_IF_ERROR(c.Check(c.stub()->GetJob(c.Context(30).get(), get, &job)));
+  // Ended without switching (aborted, or its new shape refused): the old shape serves on, exit 1.
+  if (job.version() < target) {
+    return absl::AbortedError(absl::StrCat("job ", job.id(), " did not switch over: ", job.last_update()));
+  }
+  std::fprintf(out, "%s\n", job.last_update().c_str());
   return absl::OkStatus();
 }
 
@@ -251,6 +311,17 @@ const std::vector<Flag>& SubmitFlags() {
                      {"no-wait", "",
                       "refuse the job (FAILED_PRECONDITION, exit 1) instead of queueing it PENDING when\n"
                       "too few workers are idle; submit never waits for loading without --watch"},
+                 }}));
+  return *flags;
+}
+
+const std::vector<Flag>& UpdateFlags() {
+  static const auto* flags = new std::vector<Flag>(
+      JoinFlags({PlanRequestFlags(),
+                 ConnectionFlags(),
+                 {
+                     {"watch", "", "then follow it until it has switched over (or ended) and say how"},
+                     {"abort", "", "end the update that runs instead: its new replicas unload"},
                  }}));
   return *flags;
 }

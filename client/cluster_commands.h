@@ -25,7 +25,8 @@ namespace bertshard::client {
 // submit's flags: the request flags, the connection flags, --backend, --watch and --no-wait. The
 // other job commands take ConnectionFlags().
 const std::vector<Flag>& SubmitFlags();
-const std::vector<Flag>& ScaleFlags();  // --replicas, --watch and the connection's
+const std::vector<Flag>& ScaleFlags();   // --replicas, --watch and the connection's
+const std::vector<Flag>& UpdateFlags();  // the request flags, --watch, --abort and the connection's
 
 absl::Status SubmitCommand(const CommandLine& command_line, std::FILE* out);   // prints the job id
 absl::Status JobsCommand(const CommandLine& command_line, std::FILE* out);     // a table of jobs
@@ -33,6 +34,7 @@ absl::Status JobCommand(const CommandLine& command_line, std::FILE* out);      /
 absl::Status WatchCommand(const CommandLine& command_line, std::FILE* out);    // states until settled
 absl::Status CancelCommand(const CommandLine& command_line, std::FILE* out);   // cancels a job
 absl::Status ScaleCommand(const CommandLine& command_line, std::FILE* out);    // a job's replica count
+absl::Status UpdateCommand(const CommandLine& command_line, std::FILE* out);   // a live update of its shape
 absl::Status WorkersCommand(const CommandLine& command_line, std::FILE* out);  // a table of workers
 
 // Checks the token and TLS files (INVALID_ARGUMENT, exit 2, before any call), runs `command` and

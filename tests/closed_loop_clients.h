@@ -24,6 +24,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -93,6 +94,20 @@ class ClosedLoopClients {
     absl::MutexLock lock(&mu_);
     return wrong_;
   }
+  // The `q` quantile (0..1) of the latencies of the requests answered that were sent in
+  // [from, to); zero when there is none.
+  absl::Duration Latency(double q, absl::Time from, absl::Time to = absl::InfiniteFuture()) const {
+    std::vector<absl::Duration> took;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [sent, d] : latencies_) {
+        if (sent >= from && sent < to) took.push_back(d);
+      }
+    }
+    if (took.empty()) return absl::ZeroDuration();
+    std::sort(took.begin(), took.end());
+    return took[std::min(took.size() - 1, static_cast<size_t>(q * static_cast<double>(took.size())))];
+  }
 
  private:
   void Loop() {
@@ -106,6 +121,7 @@ class ClosedLoopClients {
       }
       ++answered_;
       wrong_ += outcome.right ? 0 : 1;
+      latencies_.emplace_back(sent, absl::Now() - sent);
       if (sent > mark_) first_after_mark_ = std::min(first_after_mark_, absl::Now());
     }
   }
@@ -116,6 +132,7 @@ class ClosedLoopClients {
   int64_t answered_ ABSL_GUARDED_BY(mu_) = 0;
   int wrong_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Failure> failures_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<absl::Time, absl::Duration>> latencies_ ABSL_GUARDED_BY(mu_);  // sent, took
   absl::Time mark_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   absl::Time first_after_mark_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   std::vector<std::thread> threads_;  // last: started once the rest is built

@@ -264,6 +264,20 @@ class LocalCluster {
     return "";
   }
 
+  // The job once every replica it wants is READY and no live update runs (or it ended, or 60 s passed).
+  v1::Job WatchAllReplicas(const std::string& id) {
+    v1::GetJobRequest request;
+    request.set_job_id(id);
+    request.set_all_replicas(true);
+    auto context = Context(60);
+    auto reader = stub_->WatchJob(context.get(), request);
+    v1::JobEvent event;
+    v1::Job last;
+    while (reader->Read(&event)) last = event.job();
+    const grpc::Status finished = reader->Finish();
+    EXPECT_TRUE(finished.ok()) << finished.error_message() << " " << last.DebugString();
+    return last;
+  }
   v1::Job GetJob(const std::string& id) {
     v1::GetJobRequest get;
     get.set_job_id(id);

@@ -38,20 +38,6 @@ class Replicas : public Cluster {
     EXPECT_TRUE(s.ok()) << s.error_message();
     return job;
   }
-  // The job once every replica it wants is READY (or it ended, or 60 s passed).
-  v1::Job WatchAllReplicas(const std::string& id) {
-    v1::GetJobRequest request;
-    request.set_job_id(id);
-    request.set_all_replicas(true);
-    auto context = Context(60);
-    auto reader = stub_->WatchJob(context.get(), request);
-    v1::JobEvent event;
-    v1::Job last;
-    while (reader->Read(&event)) last = event.job();
-    const grpc::Status finished = reader->Finish();
-    EXPECT_TRUE(finished.ok()) << finished.error_message() << " " << last.DebugString();
-    return last;
-  }
   static int ReadyReplicas(const v1::Job& job) {
     int ready = 0;
     for (const v1::ReplicaStatus& r : job.replica_status()) ready += r.state() == v1::READY ? 1 : 0;
