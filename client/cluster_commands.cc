@@ -200,8 +200,7 @@ absl::Status UpdateCommand(const CommandLine& cl, std::FILE* out) {
     std::fprintf(out, "%s: %s\n", job.id().c_str(), job.last_update().c_str());
     return absl::OkStatus();
   }
-  std::fprintf(out, "%s updating to version %d: %s\n", job.id().c_str(), job.update().version(),
-               job.update().progress().c_str());
+  std::fprintf(out, "%s updating: %s\n", job.id().c_str(), job.update().progress().c_str());
   std::fflush(out);
   if (!cl.switches.count("watch")) return absl::OkStatus();
   const int32_t target = job.update().version();

@@ -2,7 +2,7 @@
 // tests/cluster_fixture.h), run as a user runs it: `submit --watch` (to READY, and to FAILED for a
 // checkpoint whose index names a missing shard), `submit --no-wait` (refused instead of queued
 // when no worker is idle), `infer --text` and `--text-pair` on a checkpoint with a vocab.txt, `plan
-// --batch -` reading requests from stdin, $BERTSHARD_SERVER standing in for --server, and bad
+// --batch -` reading requests from stdin, `update` (waiting for a worker, refused while one runs, aborted), $BERTSHARD_SERVER standing in for --server, and bad
 // input, each with its message and non-zero exit status. One cluster start-up for all of it: each
 // costs seconds on a 2-core machine.
 #include <fcntl.h>
@@ -182,6 +182,26 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
   EXPECT_EQ(unreachable.exit_code, 0) << unreachable.output;
   EXPECT_EQ(json::parse(unreachable.output, nullptr, false)["error"]["code"], "UNAVAILABLE") << unreachable.output;
 
+  // update: every worker serves the job, so a new shape of one replica waits for one, says so,
+  // and can be aborted; a second update meanwhile is refused.
+  Cli update = Shardctl({"update", id, server, "--tp", "1", "--pp", "1"});
+  ASSERT_EQ(update.exit_code, 0) << update.output;
+  EXPECT_TRUE(absl::StrContains(update.output, id + " updating: version 1: 0 of 1 new replicas READY; replica "))
+      << update.output;
+  EXPECT_TRUE(absl::StrContains(update.output, "waits")) << update.output;
+  Cli again = Shardctl({"update", id, server, "--dtype", "bf16"});
+  EXPECT_EQ(again.exit_code, 1) << again.output;
+  EXPECT_TRUE(absl::StrContains(again.output, "FAILED_PRECONDITION: job " + id + " runs an update to version 1"))
+      << again.output;
+  Cli updating = Shardctl({"job", id, server});
+  EXPECT_TRUE(absl::StrContains(updating.output, "\"update\"")) << updating.output;
+  Cli aborted = Shardctl({"update", id, server, "--abort"});
+  EXPECT_EQ(aborted.exit_code, 0) << aborted.output;
+  EXPECT_TRUE(absl::StrContains(aborted.output, "version 1: aborted by request")) << aborted.output;
+  Cli none = Shardctl({"update", id, server, "--abort"});
+  EXPECT_EQ(none.exit_code, 1) << none.output;
+  EXPECT_TRUE(absl::StrContains(none.output, "runs no update to abort")) << none.output;
+
   // Bad input: a message naming the problem and a non-zero exit status (2 invalid, 3 unknown job).
   const std::string tokens = std::string(kModel) + "/input.json";
   struct Case {
@@ -219,6 +239,10 @@ TEST_F(Cluster, ShardctlSubmitsInfersAndRefusesBadInput) {
       {{"submit", server, "--checkpoint", checkpoint, "--backend", "mpi"},
        2,
        "shardctl: INVALID_ARGUMENT: unknown backend 'mpi'; valid: gloo (CPU workers, the default), nccl"},
+      {{"update", id, server, "--tp", "5"}, 2, "shardctl: INVALID_ARGUMENT: "},
+      {{"update", id, server}, 2, "update changes nothing: name a new --tp"},
+      {{"update", server, "--tp", "1"}, 2, "update needs a job id"},
+      {{"update", "job-that-does-not-exist", server, "--tp", "1"}, 3, "shardctl: NOT_FOUND: "},
       {{"plan", server, "--batch", "-"}, 2, "--batch writes JSON lines: use it with --output json"},
       {{"plan", server, "--output", "json", "--batch", "-", "--tp", "2"},
        2,
