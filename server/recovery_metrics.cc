@@ -52,6 +52,18 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRe
                                           "Replicas of the job that serve now, per job that has not ended.", {"job"},
                                           per_job([](const JobRecoveryState& j) { return j.replicas_ready; })));
   handles.push_back(std::move(ready));
+  ASSIGN_OR_RETURN(auto version,
+                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_version",
+                                          "The shape the job serves (Job.version: 0 as submitted, one more per live "
+                                          "update that switched over), per job that has not ended.",
+                                          {"job"}, per_job([](const JobRecoveryState& j) { return j.version; })));
+  handles.push_back(std::move(version));
+  ASSIGN_OR_RETURN(auto updating,
+                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_updating",
+                                          "1 while a live update of the job runs or its old shape drains, per job "
+                                          "that has not ended.",
+                                          {"job"}, per_job([](const JobRecoveryState& j) { return j.updating ? 1 : 0; })));
+  handles.push_back(std::move(updating));
   using ReplicaField = std::function<double(const ReplicaState&)>;
   auto per_replica = [read](ReplicaField field) {
     return [read, field]() -> absl::StatusOr<std::vector<common::Sample>> {

@@ -4,7 +4,8 @@
 // times in a row its group was lost (`bertshard_coordinator_job_restarts`) and whether it is being
 // placed and loaded again after a loss (`bertshard_coordinator_job_degraded`, 0 or 1); and how many
 // groups this coordinator has lost since it started (`bertshard_coordinator_groups_lost_total`), so
-// that operators can alert on a job that recovers, or on one that keeps losing its workers. Read
+// that operators can alert on a job that recovers, or on one that keeps losing its workers; and
+// its live updates (`bertshard_coordinator_job_version`, `_job_updating`). Read
 // from the scheduler at each scrape (nothing to keep in step); a job's series go when it ends.
 //
 // Example:
@@ -33,7 +34,9 @@ struct JobRecoveryState {
   int restarts = 0;        // Job.restarts: losses in a row of its group
   bool degraded = false;   // Job.degraded set: a replica is being placed and loaded again
   int replicas = 1;        // Job.replicas: wanted
-  int replicas_ready = 0;  // serving now
+  int replicas_ready = 0;  // serving now, of its shape
+  int version = 0;         // Job.version: the shape it serves
+  bool updating = false;   // a live update runs (Job.update set) or the old shape still drains
 };
 
 // One replica of a job that has not ended.

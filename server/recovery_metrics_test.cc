@@ -57,13 +57,13 @@ TEST(RecoveryMetrics, ExportsEachLiveJobsRecoveryAndTheGroupsLost) {
   EXPECT_FALSE(absl::StrContains(registry.Render(), "bertshard_coordinator_job_restarts"));
 }
 
-// Each job's replicas wanted and ready, each replica's forwards, and the workers wanted (what a
+// Each job's replicas wanted and ready, its shape's version and whether it is being updated, each replica's forwards, and the workers wanted (what a
 // worker autoscaler aims at).
 TEST(RecoveryMetrics, ExportsReplicasAndTheWorkersTheyNeed) {
   common::MetricsRegistry registry;
   FakeRecovery recovery;
   RecoveryMetrics metrics;
-  metrics.jobs.push_back({"job-1", 1, true, 3, 2});
+  metrics.jobs.push_back({"job-1", 1, true, 3, 2, 4, true});
   metrics.replicas = {{"job-1", 0, 1, 40}, {"job-1", 1, 0, 38}, {"job-1", 2, 0, 0}};
   metrics.workers_wanted = 12;
   recovery.Set(metrics);
@@ -74,6 +74,8 @@ TEST(RecoveryMetrics, ExportsReplicasAndTheWorkersTheyNeed) {
            "# TYPE bertshard_coordinator_job_replicas gauge\n",
            "bertshard_coordinator_job_replicas{job=\"job-1\"} 3\n",
            "bertshard_coordinator_job_replicas_ready{job=\"job-1\"} 2\n",
+           "bertshard_coordinator_job_version{job=\"job-1\"} 4\n",
+           "bertshard_coordinator_job_updating{job=\"job-1\"} 1\n",
            "bertshard_coordinator_replica_forwards_in_flight{job=\"job-1\",replica=\"0\"} 1\n",
            "bertshard_coordinator_replica_forwards_in_flight{job=\"job-1\",replica=\"2\"} 0\n",
            "# TYPE bertshard_coordinator_replica_forwards_total counter\n",

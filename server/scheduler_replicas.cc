@@ -375,6 +375,8 @@ RecoveryMetrics Scheduler::Recovery() {
       job.restarts = std::max(job.restarts, group->restarts.restarts());
     job.replicas = runtime->replicas;
     job.replicas_ready = runtime->ServingGroups(runtime->shape->version);
+    job.version = runtime->shape->version;
+    job.updating = runtime->next != nullptr || !runtime->draining.empty();
     metrics.jobs.push_back(job);
     // What the HPA scales the workers by: those placed, and those the waiting replicas need.
     for (const auto& [replica, group] : runtime->groups) {
