@@ -4,7 +4,10 @@
 # under CLIENTS concurrent one-sentence Embed clients (//bench:embed_load) for DURATION seconds;
 # then failover: the 2-replica job with a spare worker, SIGKILL of one replica's worker DURATION/3
 # seconds into a run of the same clients: the errors the clients saw (target 0) and how long
-# until the lost replica was READY again. Writes bench/results/replicas-<date>.md and prints it.
+# until the lost replica was READY again; then a live update: the 2-replica job on four workers
+# moved from TP 1 to TP 2 a third of the way into a run (two spares hold one TP 2 replica, so it goes
+# replica by replica): the errors, latency before and during, and the time to switch over and to
+# have every new replica READY. Writes bench/results/replicas-<date>.md and prints it.
 #
 #   bash bench/replicas_benchmark.sh
 #
@@ -121,11 +124,35 @@ done
 wait "$load_pid" || true
 failover=$(tail -n 1 "$WORK/failover.txt")
 stop_cluster >/dev/null 2>&1 || true
+rm -rf "$WORK/coordinator"
 
-/usr/bin/python3 - "$RESULTS" "$cpu" "$CLIENTS" "$DURATION" "$THREADS" "$killed" "${back:-0}" "$failover" "${rows[@]}" <<'PY'
+# Live update: TP 1 -> TP 2 of the 2-replica job under the same clients.
+start_coordinator
+start_bench_workers 4 update
+job=$(submit 2)
+steady=$(run_load "$job")
+$load --job="$job" --clients="$CLIENTS" --sentences="$WORK/sentences.txt" --duration_s="$DURATION" --warmup=3 \
+  --json > "$WORK/update.txt" &
+load_pid=$!
+sleep "$(( DURATION / 3 + 1 ))"
+update_start=$(date +%s.%N)
+$shardctl update "$job" --tp 2 --watch > "$WORK/update-watch.txt" 2>&1 || cat "$WORK/update-watch.txt" >&2
+update_done=$(date +%s.%N)
+switched_at=$($shardctl job "$job" | /usr/bin/python3 -c '
+import datetime, json, re, sys
+m = re.search(r"switched over at (\S+ \S+) UTC", json.load(sys.stdin).get("last_update", ""))
+print(datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc).timestamp() if m else 0)')
+wait "$load_pid" || true
+during=$(tail -n 1 "$WORK/update.txt")
+stop_cluster >/dev/null 2>&1 || true
+
+/usr/bin/python3 - "$RESULTS" "$cpu" "$CLIENTS" "$DURATION" "$THREADS" "$killed" "${back:-0}" "$failover" \
+  "$steady" "$during" "$update_start" "$switched_at" "$update_done" "${rows[@]}" <<'PY'
 import json, sys
 out, cpu, clients, duration, threads, killed, back, failover = sys.argv[1:9]
-rows = [(int(r.split(" ", 1)[0]), json.loads(r.split(" ", 1)[1])) for r in sys.argv[9:]]
+steady, during = json.loads(sys.argv[9]), json.loads(sys.argv[10])
+update_start, switched_at, update_done = (float(x) for x in sys.argv[11:14])
+rows = [(int(r.split(" ", 1)[0]), json.loads(r.split(" ", 1)[1])) for r in sys.argv[14:]]
 f = json.loads(failover)
 lines = [f"# Replicas benchmark ({__import__('datetime').date.today()})", "",
          f"CPU: {cpu}; all-MiniLM-L6-v2, TP 1, {threads} LibTorch thread(s) per worker, {clients} closed-loop "
@@ -139,7 +166,16 @@ lines += ["", f"2 replicas / 1 replica: {rows[1][1]['requests_per_second'] / bas
           f"- client errors over the run: {f['errors']} of {f['requests'] + f['errors']} requests "
           f"({f['requests_per_second']:.1f} requests/s, p99 {f['p99_ms']:.2f} ms)",
           f"- lost replica READY again on the spare: "
-          + (f"{float(back) - float(killed):.2f} s after the kill" if float(back) > 0 else "not within 30 s")]
+          + (f"{float(back) - float(killed):.2f} s after the kill" if float(back) > 0 else "not within 30 s"),
+          "",
+          "Live update TP 1 -> TP 2 of the 2-replica job on four workers (replica by replica), a third of the way in:",
+          f"- client errors over the run: {during['errors']} of {during['requests'] + during['errors']} requests",
+          f"- latency: p50 {steady['p50_ms']:.2f} ms, p99 {steady['p99_ms']:.2f} ms in a run without it; "
+          f"p50 {during['p50_ms']:.2f} ms, p99 {during['p99_ms']:.2f} ms over the run with it "
+          f"({steady['requests_per_second']:.1f} and {during['requests_per_second']:.1f} requests/s)",
+          f"- switched over {switched_at - update_start:.2f} s after the call"
+          if switched_at > 0 else "- did not switch over",
+          f"- every new replica READY (update --watch returned) {update_done - update_start:.2f} s after the call"]
 open(out, "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

@@ -284,7 +284,8 @@ absl::StatusOr<v1::Job> JobStore::SetUpdate(const std::string& id, const v1::Job
 }
 
 absl::StatusOr<v1::Job> JobStore::SwitchShape(const std::string& id, const v1::PlanRequest& request, int32_t version,
-                                              const v1::ShardPlan& plan, const std::string& note) {
+                                              const v1::ShardPlan& plan, const std::vector<v1::RankAssignment>& ranks,
+                                              const std::string& note) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
   if (Terminal(job.state())) {
@@ -292,6 +293,8 @@ absl::StatusOr<v1::Job> JobStore::SwitchShape(const std::string& id, const v1::P
   }
   *job.mutable_request() = request;
   job.set_version(version);
+  job.clear_ranks();
+  for (const v1::RankAssignment& a : ranks) *job.add_ranks() = a;
   job.clear_update();
   job.set_last_update(note);
   job.set_updated_unix_millis(options_.now_millis());

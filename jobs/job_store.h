@@ -86,11 +86,13 @@ class JobStore {
   // without switching over (null: cleared); a non-empty `note` becomes Job.last_update. NOT_FOUND
   // for an unknown id, FAILED_PRECONDITION for a job that has ended.
   absl::StatusOr<v1::Job> SetUpdate(const std::string& id, const v1::JobUpdate* update, const std::string& note);
-  // A live update of job `id` switches over: its request, version and plan become the new shape's
-  // and Job.update is cleared, `note` becoming Job.last_update, all in one write (a restart finds
-  // the old shape with its update, or the new one). Errors as SetUpdate's.
+  // A live update of job `id` switches over: its request, version, plan and ranks become the new
+  // shape's and Job.update is cleared, `note` becoming Job.last_update, all in one write (a restart
+  // finds the old shape with its ranks and update, or the new one with its ranks: never a plan with
+  // another shape's workers). Errors as SetUpdate's.
   absl::StatusOr<v1::Job> SwitchShape(const std::string& id, const v1::PlanRequest& request, int32_t version,
-                                      const v1::ShardPlan& plan, const std::string& note);
+                                      const v1::ShardPlan& plan, const std::vector<v1::RankAssignment>& ranks,
+                                      const std::string& note);
 
   // Rewrites why PENDING job `id` waits (the pool changed under it). FAILED_PRECONDITION for a
   // job in another state, NOT_FOUND for an unknown id.

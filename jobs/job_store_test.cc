@@ -159,7 +159,12 @@ TEST(JobStore, StoresALiveUpdateAndSwitchesTheShapeInOneWrite) {
     EXPECT_EQ(running.update().progress(), "");
     EXPECT_EQ(running.request().parallel().tp_size(), 2);
     EXPECT_EQ((*(*store)->GetPlan("j"))->world_size(), 2);
-    ASSERT_TRUE((*store)->SwitchShape("j", update.request(), 1, new_plan, "version 1: switched").ok());
+    v1::RankAssignment rank;
+    rank.set_worker_id("w-new");
+    rank.set_replica(1);
+    ASSERT_TRUE((*store)->SetRanks("j", {rank, rank}).ok());  // as if the old shape's
+    rank.set_worker_id("w-newer");
+    ASSERT_TRUE((*store)->SwitchShape("j", update.request(), 1, new_plan, {rank}, "version 1: switched").ok());
   }
   auto store = JobStore::Open(path);
   ASSERT_TRUE(store.ok()) << store.status();
@@ -168,6 +173,8 @@ TEST(JobStore, StoresALiveUpdateAndSwitchesTheShapeInOneWrite) {
   EXPECT_EQ(switched.version(), 1);
   EXPECT_EQ(switched.request().parallel().tp_size(), 1);
   EXPECT_EQ(switched.last_update(), "version 1: switched");
+  ASSERT_EQ(switched.ranks_size(), 1);
+  EXPECT_EQ(switched.ranks(0).worker_id(), "w-newer");
   EXPECT_EQ((*(*store)->GetPlan("j"))->world_size(), 1);
   // Aborted: cleared, with why; an ended job takes neither.
   v1::JobUpdate again;
@@ -178,7 +185,7 @@ TEST(JobStore, StoresALiveUpdateAndSwitchesTheShapeInOneWrite) {
   EXPECT_EQ((*store)->Get("j")->last_update(), "version 2: aborted");
   ASSERT_TRUE((*store)->Transition("j", v1::CANCELLED, "").ok());
   EXPECT_EQ((*store)->SetUpdate("j", &again, "").status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ((*store)->SwitchShape("j", again.request(), 2, new_plan, "").status().code(),
+  EXPECT_EQ((*store)->SwitchShape("j", again.request(), 2, new_plan, {}, "").status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*store)->SetUpdate("nope", nullptr, "").status().code(), absl::StatusCode::kNotFound);
 }

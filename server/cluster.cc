@@ -78,6 +78,8 @@ std::map<std::string, int> Cluster::InferQueueDepths() {
   std::map<std::string, int> depths;
   scheduler_->ForEachRuntime([&](const std::string& id, JobRuntime& runtime) {
     depths[id] = runtime.job_serving == nullptr ? 0 : runtime.job_serving->calls();
+    // A live update's old shape still answers what was queued for it.
+    for (const auto& [version, draining] : runtime.draining) depths[id] += draining == nullptr ? 0 : draining->calls();
   });
   return depths;
 }

@@ -25,7 +25,8 @@ class Targets : public ForwardTargets {
  public:
   explicit Targets(std::vector<std::vector<RankStub>> groups) : groups_(std::move(groups)) {}
   explicit Targets(std::vector<RankStub> ranks) : Targets(std::vector<std::vector<RankStub>>{std::move(ranks)}) {}
-  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, int32_t version, absl::Time wait_until) override {
+  absl::StatusOr<ForwardTarget> NextForward(const std::string& job_id, int32_t version,
+                                            absl::Time wait_until) override {
     absl::MutexLock lock(&mu_);
     versions_.push_back(version);
     wait_until_ = wait_until;

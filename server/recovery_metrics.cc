@@ -58,11 +58,11 @@ absl::StatusOr<std::vector<common::MetricsRegistry::CollectorHandle>> RegisterRe
                                           "update that switched over), per job that has not ended.",
                                           {"job"}, per_job([](const JobRecoveryState& j) { return j.version; })));
   handles.push_back(std::move(version));
-  ASSIGN_OR_RETURN(auto updating,
-                   registry->AddCollector(common::MetricType::kGauge, "bertshard_coordinator_job_updating",
-                                          "1 while a live update of the job runs or its old shape drains, per job "
-                                          "that has not ended.",
-                                          {"job"}, per_job([](const JobRecoveryState& j) { return j.updating ? 1 : 0; })));
+  ASSIGN_OR_RETURN(auto updating, registry->AddCollector(
+                                      common::MetricType::kGauge, "bertshard_coordinator_job_updating",
+                                      "1 while a live update of the job runs or its old shape drains, per job "
+                                      "that has not ended.",
+                                      {"job"}, per_job([](const JobRecoveryState& j) { return j.updating ? 1 : 0; })));
   handles.push_back(std::move(updating));
   using ReplicaField = std::function<double(const ReplicaState&)>;
   auto per_replica = [read](ReplicaField field) {

@@ -57,8 +57,8 @@ TEST(RecoveryMetrics, ExportsEachLiveJobsRecoveryAndTheGroupsLost) {
   EXPECT_FALSE(absl::StrContains(registry.Render(), "bertshard_coordinator_job_restarts"));
 }
 
-// Each job's replicas wanted and ready, its shape's version and whether it is being updated, each replica's forwards, and the workers wanted (what a
-// worker autoscaler aims at).
+// Each job's replicas wanted and ready, its shape's version and whether it is being updated, each replica's forwards,
+// and the workers wanted (what a worker autoscaler aims at).
 TEST(RecoveryMetrics, ExportsReplicasAndTheWorkersTheyNeed) {
   common::MetricsRegistry registry;
   FakeRecovery recovery;

@@ -249,7 +249,7 @@ struct Scheduler::Load {
   int64_t generation = 0;  // the replica's placement this load is for
   std::shared_ptr<JobRuntime> runtime;
   std::shared_ptr<const JobShape> shape;  // what the replica loads
-  std::vector<RankStub> ranks;  // copied: a worker registering again may change the group's ranks
+  std::vector<RankStub> ranks;            // copied: a worker registering again may change the group's ranks
 };
 
 void Scheduler::LoadGroup(const std::string& job_id, int32_t replica, int64_t generation) {
@@ -358,11 +358,13 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
         // With another replica serving, the job goes on; this replica is lost like any (a spare
         // without the checkpoint mounted says NOT_FOUND, another worker may have it).
         const bool others_serve = load.runtime->ServingGroups() > 0;
-        if (LoadCanNeverSucceed(failure) && load.shape == load.runtime->next &&
-            (group->generation == load.generation || lost_by_this_load)) {
+        // Not NOT_FOUND: one worker without the new checkpoint mounted is lost like any (another may
+        // have it); past --max_restarts that ends the update too (LoseGroupLocked).
+        if (LoadCanNeverSucceed(failure) && failure.code() != absl::StatusCode::kNotFound &&
+            load.shape == load.runtime->next && (group->generation == load.generation || lost_by_this_load)) {
           // An update to files or a shape the workers refuse: it ends, and the old shape serves on.
-          AbortUpdateLocked(load.job_id, *load.runtime, absl::StrCat("its new replica ", load.replica,
-                                                                     " could not load: ", failure.message()));
+          AbortUpdateLocked(load.job_id, *load.runtime,
+                            absl::StrCat("its new replica ", load.replica, " could not load: ", failure.message()));
           return;
         }
         if (LoadCanNeverSucceed(failure) && !others_serve &&
@@ -404,6 +406,15 @@ void Scheduler::FinishLoad(const Load& load, bool all_loaded) {
 void Scheduler::FailJobLocked(const std::string& job_id, const std::string& cause, v1::JobState state) {
   auto job = store_->Get(job_id);
   if (!job.ok() || TerminalState(job->state())) return;
+  // An update that runs ends with the job (an ended job keeps no update to go on with).
+  if (auto runtime = runtimes_.find(job_id); runtime != runtimes_.end() && runtime->second->next != nullptr) {
+    RecordLocked(store_
+                     ->SetUpdate(job_id, nullptr,
+                                 absl::StrCat("version ", runtime->second->next->version, ": ended with the job (",
+                                              v1::JobState_Name(state), ")"))
+                     .status(),
+                 absl::StrCat("ending the update of job ", job_id));
+  }
   // Unrecorded, the job still ends here (its workers are freed); the database keeps its last
   // recorded state, which a restarted coordinator settles like any job it finds without ranks.
   if (absl::Status s = store_->Transition(job_id, state, cause).status(); !s.ok()) {

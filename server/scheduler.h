@@ -141,8 +141,8 @@ struct JobRuntime {
   // An update short of workers takes one old replica away at a time to make room: the new
   // replicas placed when it last did (another goes only once one more is placed).
   int room_made_at = -1;
-  std::string submitted_by;      // counted against ClusterOptions::max_jobs_per_client until ended
-  std::string name;              // SubmitJobRequest.name (job_names.h), unique among the live jobs; may be empty
+  std::string submitted_by;  // counted against ClusterOptions::max_jobs_per_client until ended
+  std::string name;          // SubmitJobRequest.name (job_names.h), unique among the live jobs; may be empty
   // FAILED or CANCELLED here (FailJobLocked), whether or not the store took the write: no load
   // starts or finishes for it after.
   bool ended = false;
@@ -278,11 +278,10 @@ class Scheduler final : public ForwardTargets {
   // lock: INVALID_ARGUMENT for what the planner or the checkpoint refuses.
   // Reads files only (under the lock only in Create, before anything is served).
   absl::StatusOr<std::shared_ptr<const JobShape>> ReadShape(const v1::PlanRequest& request, std::string backend,
-                                                             int32_t version) const;
+                                                            int32_t version) const;
   // The update to `next` begins: stored, and its replicas added to be placed.
-  absl::Status StartUpdateLocked(const std::string& job_id, JobRuntime& runtime,
-                                 std::shared_ptr<const JobShape> next, int64_t started_unix_millis)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StartUpdateLocked(const std::string& job_id, JobRuntime& runtime, std::shared_ptr<const JobShape> next,
+                                 int64_t started_unix_millis) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What each update can do now: make room (an old replica taken away when the new ones cannot be
   // placed), switch over, and unload the shapes switched away from once drained. Called by the
   // monitor and when a replica comes to serve.

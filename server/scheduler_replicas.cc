@@ -371,8 +371,9 @@ RecoveryMetrics Scheduler::Recovery() {
   for (const auto& [id, runtime] : runtimes_) {
     if (runtime->ended) continue;
     JobRecoveryState job{id, 0, runtime->Recovering()};
-    for (const auto& [replica, group] : runtime->groups)
-      job.restarts = std::max(job.restarts, group->restarts.restarts());
+    for (const auto& [replica, group] : runtime->groups) {
+      if (runtime->Current(*group)) job.restarts = std::max(job.restarts, group->restarts.restarts());
+    }
     job.replicas = runtime->replicas;
     job.replicas_ready = runtime->ServingGroups(runtime->shape->version);
     job.version = runtime->shape->version;
@@ -428,7 +429,7 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
     status->set_restarts(group->restarts.restarts());
     status->set_forwards_in_flight(group->forwarding ? 1 : 0);
     status->set_forwards(group->forwards);
-    restarts = std::max(restarts, status->restarts());
+    if (runtime.Current(*group)) restarts = std::max(restarts, status->restarts());
   }
   job.set_recovering(absl::StrJoin(recovering, "; "));
   job.set_degraded(absl::StrJoin(degraded, "; "));

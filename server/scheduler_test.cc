@@ -75,7 +75,8 @@ TEST_F(SchedulerTest, ARankThatKeepsFailingToLoadIsPlacedAgainUntilMaxRestarts) 
   EXPECT_TRUE(good.WaitForUnload(failed.id(), 3));
   EXPECT_TRUE(bad.WaitForUnload(failed.id(), 3));
   EXPECT_EQ(pool_->Idle().size(), 2u);  // both free again
-  EXPECT_EQ(scheduler_->NextForward(failed.id(), 0, absl::Now()).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(scheduler_->NextForward(failed.id(), 0, absl::Now()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 // A load refused for what it asks (here the checkpoint's files) would fail on any workers: FAILED

@@ -12,14 +12,13 @@
 // loss too) goes to that shape's replicas (NextForward by version): it is answered wholly by the
 // old shape or by the new.
 //
-// Short of workers, an update of a job with several replicas takes one old replica away at a time
-// (the next only once the room made was taken), and switches over once the old shape is down to
-// one replica and at least one new one serves; the rest of the new replicas take the old one's
-// workers once it has drained. A job with one replica and no idle workers for the new one waits,
-// and Job.update.progress says for what. A new replica whose load is refused for what it asks, or
-// that loses workers past --max_restarts, ends the update (aborted, the old shape serving on); so
-// does UpdateJobRequest.abort. A restarted coordinator finds the update in the store and starts
-// its replicas again.
+// Short of workers, an update of a job with several replicas takes old replicas away, as few as
+// free one new replica's workers (the next ones only once that new replica serves, and never the
+// last old one), and switches over once no more room can be made and the new replicas placed
+// serve; the rest of the new replicas take the old ones' workers once they have drained. A job with one replica and no
+// idle workers for the new one waits, and Job.update.progress says for what. A new replica whose load is refused for
+// what it asks, or that loses workers past --max_restarts, ends the update (aborted, the old shape serving on); so does
+// UpdateJobRequest.abort. A restarted coordinator finds the update in the store and starts its replicas again.
 //
 // One class split over four files to keep each readable; the lock and its rules are scheduler.h's.
 #include <algorithm>
@@ -40,9 +39,11 @@ namespace {
 // "TP 2 x PP 1, fp32, /models/minilm": what a user changes with shardctl update.
 std::string ShapeText(const v1::PlanRequest& request) {
   const v1::ParallelConfig& p = request.parallel();
-  std::string text = absl::StrCat("TP ", std::max<int64_t>(1, p.tp_size()), " x PP ", std::max<int64_t>(1, p.pp_size()));
+  std::string text =
+      absl::StrCat("TP ", std::max<int64_t>(1, p.tp_size()), " x PP ", std::max<int64_t>(1, p.pp_size()));
   if (p.pp_size() > 1) absl::StrAppend(&text, " ", v1::PipelineStyle_Name(p.pp_style()));
-  if (p.sp_mode() != v1::SequenceParallelMode{}) absl::StrAppend(&text, ", SP ", v1::SequenceParallelMode_Name(p.sp_mode()));
+  if (p.sp_mode() != v1::SequenceParallelMode{})
+    absl::StrAppend(&text, ", SP ", v1::SequenceParallelMode_Name(p.sp_mode()));
   absl::StrAppend(&text, ", ", request.dtype() == v1::Dtype{} ? "FP32" : v1::Dtype_Name(request.dtype()), ", ",
                   request.checkpoint());
   return text;
@@ -53,7 +54,7 @@ std::string UtcNow() { return absl::FormatTime("%Y-%m-%d %H:%M:%E3S UTC", absl::
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const JobShape>> Scheduler::ReadShape(const v1::PlanRequest& request,
-                                                                      std::string backend, int32_t version) const {
+                                                                     std::string backend, int32_t version) const {
   // The checkpoint opened once under the model root: config.json for the plan and the serving
   // assets are read through its descriptors.
   ASSIGN_OR_RETURN(const LocalCheckpoint local, OpenLocalCheckpoint(options_.model_root, request));
@@ -79,14 +80,14 @@ absl::Status CheckUpdatable(const std::string& id, const v1::Job& job, const Job
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state())));
   }
   if (runtime->next != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("job ", id, " runs an update to version ",
-                                                      runtime->next->version, " already (",
-                                                      job.update().progress(), "): wait for it, or abort it"));
+    return absl::FailedPreconditionError(absl::StrCat("job ", id, " runs an update to version ", runtime->next->version,
+                                                      " already (", job.update().progress(),
+                                                      "): wait for it, or abort it"));
   }
   if (!runtime->draining.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "job ", id, " has just switched to version ", runtime->shape->version,
-        " and its old shape still finishes the requests queued for it: retry in a moment"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", id, " has just switched to version ", runtime->shape->version,
+                     " and its old shape still finishes the requests queued for it: retry in a moment"));
   }
   bool readopting = false;
   for (const auto& [replica, group] : runtime->groups) readopting |= group->phase == GroupRuntime::Phase::kReadopting;
@@ -199,8 +200,9 @@ void Scheduler::AdvanceUpdateLocked(const std::string& job_id, JobRuntime& runti
   }
   if (runtime.next == nullptr) return;
   const int32_t version = runtime.next->version;
-  int placed = 0;   // new replicas past PENDING
+  int placed = 0;  // new replicas past PENDING
   bool short_of_workers = false;
+  GroupRuntime* waiting = nullptr;  // the first new replica that no idle workers fit
   const std::vector<IdleWorker> idle = pool_->Idle();
   for (const auto& [replica, group] : runtime.groups) {
     if (group->shape != runtime.next) continue;
@@ -208,6 +210,7 @@ void Scheduler::AdvanceUpdateLocked(const std::string& job_id, JobRuntime& runti
       ++placed;
     } else if (PlaceRanks(group->shape->backend, group->shape->plan.world_size(), idle).ranks.empty()) {
       short_of_workers = true;
+      if (waiting == nullptr) waiting = group.get();
     }
   }
   const int serving_new = runtime.ServingGroups(version);
@@ -216,36 +219,59 @@ void Scheduler::AdvanceUpdateLocked(const std::string& job_id, JobRuntime& runti
     SwitchShapeLocked(job_id, runtime);
     return;
   }
-  if (!short_of_workers) return;
-  if (serving_old >= 2 && placed > runtime.room_made_at) {
-    // Room for one more new replica: the old one idle the longest goes (one running a forward
-    // finishes it first); its workers unload, then take the waiting new replica.
-    GroupRuntime* chosen = nullptr;
+  if (!short_of_workers || waiting == nullptr) return;
+  // Room for the waiting new replica: as few old replicas as free enough workers with the idle
+  // ones (idle the longest first; one running a forward finishes it first), always leaving one old
+  // replica serving, and only once the room made last time has a new replica serving (so capacity
+  // falls by one step at a time). Their workers unload, then go to the waiting replica (queued
+  // first for them).
+  if (serving_new > runtime.room_made_at) {
+    std::vector<GroupRuntime*> old;
     for (auto& [replica, group] : runtime.groups) {
-      if (!runtime.Current(*group) || !group->serving() || group->retiring) continue;
-      if (chosen == nullptr || (chosen->forwarding && !group->forwarding) ||
-          (chosen->forwarding == group->forwarding && group->idle_since < chosen->idle_since)) {
-        chosen = group.get();
+      if (runtime.Current(*group) && group->serving() && !group->retiring) old.push_back(group.get());
+    }
+    std::sort(old.begin(), old.end(), [](const GroupRuntime* a, const GroupRuntime* b) {
+      return a->forwarding != b->forwarding ? !a->forwarding : a->idle_since < b->idle_since;
+    });
+    const size_t needed = static_cast<size_t>(runtime.next->plan.world_size());
+    size_t freed = idle.size();
+    std::vector<GroupRuntime*> chosen;
+    for (GroupRuntime* group : old) {
+      if (freed >= needed || chosen.size() + 1 >= old.size()) break;
+      chosen.push_back(group);
+      freed += group->ranks.size();
+    }
+    if (freed >= needed && !chosen.empty()) {
+      runtime.room_made_at = serving_new;
+      QueueForPlacementLocked(job_id, waiting->replica, /*first=*/true);
+      for (GroupRuntime* group : chosen) {
+        if (group->forwarding) {
+          group->retiring = true;  // EndForward drops it
+        } else {
+          DropGroupLocked(job_id, runtime, group->replica);
+        }
       }
+      return;
     }
-    runtime.room_made_at = placed;
-    if (chosen->forwarding) {
-      chosen->retiring = true;
-    } else {
-      DropGroupLocked(job_id, runtime, chosen->replica);
-    }
-    return;
   }
-  // Down to one old replica, and the new ones placed serve: requests move to them, and the old
-  // replica's workers take the rest once it has drained.
-  if (serving_old <= 1 && serving_new > 0 && placed == serving_new) SwitchShapeLocked(job_id, runtime);
+  // No more room can be made (the old shape is down to one replica, or what it could free would
+  // not hold a new one) and the new replicas placed serve: requests move to them, and the old
+  // replicas' workers take the rest once they have drained.
+  if (serving_new > 0 && placed == serving_new) SwitchShapeLocked(job_id, runtime);
 }
 
 bool Scheduler::SwitchShapeLocked(const std::string& job_id, JobRuntime& runtime) {
   const std::shared_ptr<const JobShape> next = runtime.next;
   const std::string note = absl::StrCat("version ", next->version, ": ", ShapeText(runtime.shape->request), " -> ",
                                         ShapeText(next->request), ", switched over at ", UtcNow());
-  if (absl::Status s = store_->SwitchShape(job_id, next->request, next->version, next->plan, note).status(); !s.ok()) {
+  // The new shape's ranks in the same write: a restart must never find the new plan with the old
+  // shape's workers (it would take them back as the new shape).
+  std::vector<v1::RankAssignment> ranks;
+  for (const auto& [replica, group] : runtime.groups) {
+    if (group->shape == next) ranks.insert(ranks.end(), group->ranks.begin(), group->ranks.end());
+  }
+  if (absl::Status s = store_->SwitchShape(job_id, next->request, next->version, next->plan, ranks, note).status();
+      !s.ok()) {
     // The old shape serves on; the monitor tries again.
     StoreErrorLocked(absl::StrCat("switching job ", job_id, " to version ", next->version), s);
     return false;
@@ -268,17 +294,25 @@ void Scheduler::AbortUpdateLocked(const std::string& job_id, JobRuntime& runtime
   const std::shared_ptr<const JobShape> next = std::move(runtime.next);
   runtime.next = nullptr;
   runtime.room_made_at = -1;
-  RecordLocked(store_->SetUpdate(job_id, nullptr, absl::StrCat("version ", next->version, ": ", why, " at ", UtcNow()))
-                   .status(),
-               absl::StrCat("ending the update of job ", job_id));
+  RecordLocked(
+      store_->SetUpdate(job_id, nullptr, absl::StrCat("version ", next->version, ": ", why, " at ", UtcNow())).status(),
+      absl::StrCat("ending the update of job ", job_id));
   std::vector<int32_t> dropped;
   for (const auto& [replica, group] : runtime.groups) {
     if (group->shape == next) dropped.push_back(replica);
   }
   // Not one has served a request (none goes to a shape before it is switched to).
   for (int32_t replica : dropped) DropGroupLocked(job_id, runtime, replica);
-  // Old replicas taken away to make room come back.
+  // Old replicas taken away to make room come back: first those still finishing a forward.
   int live = 0;
+  for (auto& [replica, group] : runtime.groups) live += group->retiring ? 0 : 1;
+  for (auto& [replica, group] : runtime.groups) {
+    if (live < runtime.replicas && group->retiring) {
+      group->retiring = false;
+      ++live;
+    }
+  }
+  live = 0;
   for (const auto& [replica, group] : runtime.groups) live += group->retiring ? 0 : 1;
   for (; live < runtime.replicas; ++live) {
     AddGroupLocked(job_id, runtime, runtime.FreeReplicaIndex()).reason = "placing its ranks";
@@ -294,12 +328,11 @@ std::string Scheduler::UpdateProgressLocked(const JobRuntime& runtime) {
   std::vector<std::string> waiting;
   for (const auto& [replica, group] : runtime.groups) {
     if (group->shape != runtime.next || group->serving()) continue;
-    waiting.push_back(absl::StrCat(
-        "replica ", replica, " ",
-        group->phase == GroupRuntime::Phase::kPending ? absl::StrCat("waits: ", group->reason)
-                                                       : std::string(group->phase == GroupRuntime::Phase::kLoading
-                                                                         ? "loads"
-                                                                         : "is placed")));
+    waiting.push_back(
+        absl::StrCat("replica ", replica, " ",
+                     group->phase == GroupRuntime::Phase::kPending
+                         ? absl::StrCat("waits: ", group->reason)
+                         : std::string(group->phase == GroupRuntime::Phase::kLoading ? "loads" : "is placed")));
   }
   if (!waiting.empty()) absl::StrAppend(&progress, "; ", absl::StrJoin(waiting, "; "));
   int old = 0;

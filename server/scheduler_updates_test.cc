@@ -248,6 +248,85 @@ TEST_F(UpdatesTest, ANewShapeTheWorkersRefuseEndsTheUpdateNotTheJob) {
   EXPECT_NE(ended.last_update().find("no such tensor"), std::string::npos) << ended.last_update();
 }
 
+// Three replicas of TP 1 on three workers moved to TP 2: two old replicas go at once (one would
+// not free enough), the new one serves, the job switches, and the last old replica's worker waits
+// for the rest (the pool holds one TP 2 replica only; the job serves on it).
+TEST_F(UpdatesTest, ShortOfWorkersTheOldShapeFreesAsManyAsOneNewReplicaNeeds) {
+  FakeWorker a, b, c;
+  for (const FakeWorker* w : {&a, &b, &c}) Register(*w);
+  const v1::Job ready = Settled(Submit(1, 3).id(), true);
+  ASSERT_EQ(ready.replica_status_size(), 3);
+  ASSERT_TRUE(Update(ready.id(), 2).ok());
+  v1::Job job;
+  const absl::Time end = absl::Now() + absl::Seconds(30);
+  while ((job = *scheduler_->GetJob(ready.id())).version() != 1 && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(job.version(), 1) << job.DebugString();
+  EXPECT_EQ(job.state(), v1::READY);
+  EXPECT_EQ(job.request().parallel().tp_size(), 2);
+  ASSERT_TRUE(IdleWorkers(1));  // the last old replica drained
+  job = *scheduler_->GetJob(ready.id());
+  int serving = 0, waiting = 0;
+  for (const v1::ReplicaStatus& r : job.replica_status()) {
+    EXPECT_EQ(r.version(), 1) << job.DebugString();
+    serving += r.state() == v1::READY ? 1 : 0;
+    waiting += r.state() == v1::PENDING ? 1 : 0;
+  }
+  EXPECT_EQ(serving, 1) << job.DebugString();
+  EXPECT_EQ(waiting, 2) << job.DebugString();
+}
+
+// An old replica lost while its shape drains is not placed again (it would take workers for a
+// shape that only drains): the job's replicas are the new shape's.
+TEST_F(UpdatesTest, AnOldReplicaLostWhileDrainingIsNotPlacedAgain) {
+  FakeWorker a, b, c;
+  const std::string first = Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  Register(b);
+  Register(c);
+  std::shared_ptr<JobServing> held = HoldServing(ready.id());
+  ASSERT_TRUE(Update(ready.id(), 1, OtherCheckpoint()).ok());
+  ASSERT_EQ(Versions(Settled(ready.id(), true)), (std::set<int32_t>{0, 1}));
+  ASSERT_TRUE(Leave(first));
+  const v1::Job after = *scheduler_->GetJob(ready.id());
+  EXPECT_EQ(Versions(after), (std::set<int32_t>{1})) << after.DebugString();
+  EXPECT_EQ(after.degraded(), "");
+  EXPECT_EQ(pool_->Idle().size(), 1u);  // c: nothing was placed on it
+  held.reset();
+}
+
+// Cancelled while an update runs: the job ends, and keeps no update.
+TEST_F(UpdatesTest, ACancelledJobKeepsNoUpdate) {
+  FakeWorker a;
+  Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  ASSERT_TRUE(Update(ready.id(), 1, OtherCheckpoint()).ok());  // waits for a worker
+  const absl::StatusOr<v1::Job> cancelled = scheduler_->CancelJob(ready.id());
+  ASSERT_TRUE(cancelled.ok()) << cancelled.status();
+  EXPECT_EQ(cancelled->state(), v1::CANCELLED);
+  EXPECT_FALSE(cancelled->has_update());
+  EXPECT_NE(cancelled->last_update().find("ended with the job"), std::string::npos) << cancelled->last_update();
+}
+
+// A new replica that keeps losing its workers (every load fails) past --max_restarts ends the
+// update, not the job.
+TEST_F(UpdatesTest, ANewReplicaPastMaxRestartsEndsTheUpdate) {
+  FakeWorker a;
+  FakeWorker failing(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the device went away"));
+  Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  Register(failing);
+  ASSERT_TRUE(Update(ready.id(), 1, OtherCheckpoint()).ok());
+  const v1::Job ended = Settled(ready.id(), true);
+  EXPECT_EQ(ended.state(), v1::READY) << ended.DebugString();
+  EXPECT_FALSE(ended.has_update());
+  EXPECT_EQ(ended.version(), 0);
+  EXPECT_NE(ended.last_update().find("lost its workers 3 times in a row (--max_restarts=2)"), std::string::npos)
+      << ended.last_update();
+  EXPECT_EQ(failing.Loads().size(), 3u);  // the first load and --max_restarts (2) more
+}
+
 // A coordinator restart in the middle: the update is in the store, and goes on.
 TEST_F(UpdatesTest, ARestartedCoordinatorGoesOnWithTheUpdate) {
   store_path_ = std::string(testing::TempDir()) + "/updates.db";

@@ -67,9 +67,10 @@ absl::Status Scheduler::RecoverJobsLocked() {
       absl::Status started = next.status();
       if (next.ok()) started = StartUpdateLocked(id, *runtime, *std::move(next), update.started_unix_millis());
       if (!started.ok()) {
-        RecordLocked(store_->SetUpdate(id, nullptr,
-                                       absl::StrCat("version ", update.version(),
-                                                    ": given up at a coordinator restart: ", started.message()))
+        RecordLocked(store_
+                         ->SetUpdate(id, nullptr,
+                                     absl::StrCat("version ", update.version(),
+                                                  ": given up at a coordinator restart: ", started.message()))
                          .status(),
                      "giving up the update of " + id);
       }
@@ -296,8 +297,10 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
   ++groups_lost_;
   // A worker that does not answer is not placed again before it heartbeats again.
   if (!unreachable_worker.empty()) pool_->MarkUnhealthy(unreachable_worker);
-  if (group->retiring) {
-    // Scaled away and lost before its forward ended: gone as it would have gone.
+  if (group->retiring || (!runtime->Current(*group) && group->shape != runtime->next)) {
+    // Scaled away and lost before its forward ended: gone as it would have gone. Or of a shape an
+    // update switched away from: placing it again would take workers the new shape waits for, for
+    // a shape that only drains (its queued requests go to its other replicas, or are UNAVAILABLE).
     DropGroupLocked(job_id, *runtime, replica);
     ScheduleLocked();
     return;

@@ -114,10 +114,11 @@ TEST_F(Update, Tp2ToTp1Pp2UnderLoadFailsNoRequest) {
   ASSERT_TRUE(clients->WaitAnswers(clients->answered() + 4 * kClients)) << "no answers from the new shape";
   clients->Stop();
   ExpectNoFailure(*clients);
-  std::printf("live update TP 2 -> TP 1 x PP 2, %d clients: switched after %.2f s, old shape unloaded after %.2f s, "
-              "%zu client errors\n",
-              kClients, absl::ToDoubleSeconds(switched - updating), absl::ToDoubleSeconds(drained - updating),
-              clients->failures().size());
+  std::printf(
+      "live update TP 2 -> TP 1 x PP 2, %d clients: switched after %.2f s, old shape unloaded after %.2f s, "
+      "%zu client errors\n",
+      kClients, absl::ToDoubleSeconds(switched - updating), absl::ToDoubleSeconds(drained - updating),
+      clients->failures().size());
   PrintLatency("latency before the update", *clients, start, updating);
   PrintLatency("latency during the update", *clients, updating, drained);
 }
@@ -174,20 +175,22 @@ TEST_F(Update, ToAnotherCheckpointEachAnswerIsWhollyTheOldModelsOrTheNew) {
   ASSERT_TRUE(accepted.ok()) << accepted.error_message();
   const v1::Job done = WatchAllReplicas(job.id());
   const absl::Time switched = absl::Now();
+  // Requests sent from now on come after the switch, while the old shape may still drain: none of
+  // them may reach it.
+  switched_seen = true;
   EXPECT_EQ(done.version(), 1) << done.DebugString();
   EXPECT_EQ(done.request().checkpoint(), v2);
   EXPECT_TRUE(WaitForWorkers(2)) << GetJob(job.id()).DebugString();
-  switched_seen = true;  // requests sent from now on were prepared after the switch
   ASSERT_TRUE(clients->WaitAnswers(clients->answered() + 4 * kClients));
   clients->Stop();
   ExpectNoFailure(*clients);
-  EXPECT_GT(old_answers.load(), 0);
   EXPECT_GT(new_after_switch.load(), 0);
   EXPECT_EQ(old_after_switch.load(), 0) << "the old model answered after the switch";
-  std::printf("live update to another checkpoint, 2 replicas, %d clients: switched after %.2f s; %d answers of the "
-              "old model, %d of the new, %zu client errors\n",
-              kClients, absl::ToDoubleSeconds(switched - updating), old_answers.load(), new_answers.load(),
-              clients->failures().size());
+  std::printf(
+      "live update to another checkpoint, 2 replicas, %d clients: switched after %.2f s; %d answers of the "
+      "old model, %d of the new, %zu client errors\n",
+      kClients, absl::ToDoubleSeconds(switched - updating), old_answers.load(), new_answers.load(),
+      clients->failures().size());
   PrintLatency("latency during the update", *clients, updating, switched);
 }
 

@@ -2,9 +2,9 @@
 // tests/cluster_fixture.h), run as a user runs it: `submit --watch` (to READY, and to FAILED for a
 // checkpoint whose index names a missing shard), `submit --no-wait` (refused instead of queued
 // when no worker is idle), `infer --text` and `--text-pair` on a checkpoint with a vocab.txt, `plan
-// --batch -` reading requests from stdin, `update` (waiting for a worker, refused while one runs, aborted), $BERTSHARD_SERVER standing in for --server, and bad
-// input, each with its message and non-zero exit status. One cluster start-up for all of it: each
-// costs seconds on a 2-core machine.
+// --batch -` reading requests from stdin, `update` (waiting for a worker, refused while one runs, aborted),
+// $BERTSHARD_SERVER standing in for --server, and bad input, each with its message and non-zero exit status. One
+// cluster start-up for all of it: each costs seconds on a 2-core machine.
 #include <fcntl.h>
 #include <spawn.h>
 #include <unistd.h>
