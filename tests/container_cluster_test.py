@@ -19,6 +19,10 @@ the host's shardctl.
   fourth, and the replaced worker would take it.)
   7. restart: replace the coordinator container, keeping its data volume: every job still listed,
      the workers re-register, the READY job is still READY and answers equal to the reference.
+  8. replicas (issue 22): a TP 1 job with two replicas on two of the four workers under two clients;
+     `docker kill` one replica's worker, then `docker network disconnect` the other's: every request
+     is answered, equal to the reference (the other replica takes it), and each lost replica is READY
+     again on a spare; the killed worker's container comes back under its old name and is a spare.
 
 Each scenario starts from a READY job on four healthy workers (a replaced worker is a new container).
 Needs a Docker daemon: without one it prints SKIPPED and passes, except under CI=true where it fails.
@@ -172,9 +176,11 @@ class Cluster:
         self.server = f"127.0.0.1:{port}"
         wait_for("the coordinator to answer", lambda: self.shardctl("jobs", check=False).returncode == 0, 60)
 
-    def start_worker(self):
-        host = f"worker-{self.next_worker}"
-        self.next_worker += 1
+    def start_worker(self, host=None):
+        """A worker container: a new hostname, or `host` again (a pod back under its name)."""
+        if host is None:
+            host = f"worker-{self.next_worker}"
+            self.next_worker += 1
         name = f"{self.prefix}-{host}"
         args = ["--listen=0.0.0.0:50061", "--coordinator=coordinator:50051", f"--advertise={host}:50061",
                 "--threads=1", f"--drain_timeout={DRAIN_S}s"]
@@ -183,7 +189,8 @@ class Cluster:
         docker("run", "-d", "--name", name, "--hostname", host, "--network", self.network,
                "--network-alias", host, "-v", f"{MODEL_ROOT}:/models:ro", "-p", "127.0.0.1::9091",
                IMAGE, "shard-worker", *args)
-        self.containers.append(name)
+        if name not in self.containers:
+            self.containers.append(name)
         self.workers[host] = name
         return host
 
@@ -486,8 +493,62 @@ def scenario_restart(c, state):
         f"(max diff {diff:.2e})")
 
 
+def scenario_replicas(c, state):
+    c.wait_idle(4, timeout=60)
+    p = c.shardctl("submit", "--checkpoint", f"/models/{MODEL}", "--tp", "1", "--pp", "1", "--replicas", "2",
+                   "--watch", timeout=300, check=False)
+    job_id = p.stdout.split()[0] if p.stdout.split() else ""
+    if p.returncode != 0:
+        raise AssertionError(f"submit --replicas 2 failed (exit {p.returncode}): {p.stdout}{p.stderr}")
+    expected = read_safetensors(os.path.join(MODEL_ROOT, MODEL, "expected.safetensors"))["logits"]
+    loop = InferLoop(c, job_id, os.path.join(MODEL_ROOT, MODEL, "input.json"), expected).start()
+
+    def hosts_of(replica=None):
+        """{replica: hostname} of the job's READY replicas."""
+        ready = {}
+        for r in c.job(job_id).get("replica_status", []):
+            if r.get("state") == "READY" and r.get("ranks"):
+                ready[r.get("replica", 0)] = r["ranks"][0]["worker_address"].rsplit(":", 1)[0]
+        return ready
+
+    def both_ready_without(host):
+        ready = hosts_of()
+        return len(ready) == 2 and host not in ready.values() and ready
+
+    try:
+        wait_for("requests to flow", lambda: len(loop.results) >= 4, 60)
+        killed = hosts_of()[1]
+        docker("kill", c.workers[killed])
+        _, back_killed = wait_for("replica 1 READY again on a spare", lambda: both_ready_without(killed),
+                                  timeout=(MISSED_HEARTBEATS + 2) * HEARTBEAT_S + 60)
+        cut = hosts_of()[0]
+        docker("network", "disconnect", c.network, c.workers[cut])
+        _, back_cut = wait_for("replica 0 READY again on the last spare", lambda: both_ready_without(cut),
+                               timeout=(MISSED_HEARTBEATS + 2) * HEARTBEAT_S + 60)
+        wait_for("more answers", lambda: len(loop.results) >= 8, 60)
+    finally:
+        returned = loop.stop(join_timeout=COLLECTIVE_TIMEOUT_S + 60)
+    if not returned:
+        raise AssertionError("an Infer did not return")
+    bad = [r for r in loop.results if not (r[0] and r[2].startswith("completed"))]
+    if bad:
+        raise AssertionError(f"{len(bad)} of {len(loop.results)} requests failed with two replicas: {bad[:3]}")
+    # The killed container comes back under its old name (as a StatefulSet pod does): a spare again.
+    docker("rm", "-f", c.workers.pop(killed), check=False, timeout=60)
+    c.start_worker(killed)
+    docker("rm", "-f", c.workers.pop(cut), check=False, timeout=60)
+    c.start_worker()
+    c.wait_idle(2, timeout=60, hosts=[h for h in c.workers if h not in hosts_of().values()])
+    log(f"replicas: {job_id}: {killed} killed, replica READY again on a spare after {back_killed:.1f} s; "
+        f"{cut} cut off, its replica READY again after {back_cut:.1f} s; {len(loop.results)} requests, all "
+        f"answered equal to the reference; {killed} back under its name and idle")
+    c.shardctl("cancel", job_id)
+    c.wait_idle(4, timeout=60)
+
+
 SCENARIOS = [("serve", scenario_serve), ("metrics", scenario_metrics), ("kill", scenario_kill),
-             ("disconnect", scenario_disconnect), ("stop", scenario_stop), ("restart", scenario_restart)]
+             ("disconnect", scenario_disconnect), ("stop", scenario_stop), ("restart", scenario_restart),
+             ("replicas", scenario_replicas)]
 
 
 def find_shardctl():
