@@ -17,12 +17,12 @@ the host's shardctl.
      naming it;
   (4-6 cancel the recovering job before the next scenario: with three workers it waits PENDING for a
   fourth, and the replaced worker would take it.)
-  7. restart: replace the coordinator container, keeping its data volume: every job still listed,
-     the workers re-register, the READY job is still READY and answers equal to the reference.
-  8. replicas (issue 22): a TP 1 job with two replicas on two of the four workers under two clients;
+  7. replicas (issue 22): a TP 1 job with two replicas on two of the four workers under two clients;
      `docker kill` one replica's worker, then `docker network disconnect` the other's: every request
      is answered, equal to the reference (the other replica takes it), and each lost replica is READY
      again on a spare; the killed worker's container comes back under its old name and is a spare.
+  8. restart: replace the coordinator container, keeping its data volume: every job still listed,
+     the workers re-register, the READY job is still READY and answers equal to the reference.
 
 Each scenario starts from a READY job on four healthy workers (a replaced worker is a new container).
 Needs a Docker daemon: without one it prints SKIPPED and passes, except under CI=true where it fails.
@@ -546,9 +546,10 @@ def scenario_replicas(c, state):
     c.wait_idle(4, timeout=60)
 
 
+# The restart last: its job stays READY.
 SCENARIOS = [("serve", scenario_serve), ("metrics", scenario_metrics), ("kill", scenario_kill),
-             ("disconnect", scenario_disconnect), ("stop", scenario_stop), ("restart", scenario_restart),
-             ("replicas", scenario_replicas)]
+             ("disconnect", scenario_disconnect), ("stop", scenario_stop), ("replicas", scenario_replicas),
+             ("restart", scenario_restart)]
 
 
 def find_shardctl():
