@@ -122,7 +122,7 @@ const std::vector<Subcommand>& Subcommands() {
                     "away finishes its forward first, so no request fails.",
                     kCoordinatorNote),
        &ScaleFlags(), &OnCoordinator<ScaleCommand>},
-      {"update", "update ID [--tp N --pp N --pp-style S --sp-mode M --dtype D --checkpoint DIR] [--watch] [flags]",
+      {"update", "update ID [--tp N --pp N --sp-mode M --dtype D --checkpoint DIR ...] [--watch] [flags]",
        absl::StrCat("Change a READY job's shape or checkpoint while it serves: the new shape loads beside the "
                     "old (replica by replica when workers are short), requests move to it once it is READY, "
                     "and the old shape finishes what it holds, then unloads; no request fails. What the flags "

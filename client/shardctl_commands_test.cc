@@ -29,7 +29,7 @@ TEST(Shardctl, TheSubcommandsAreAllThere) {
   std::vector<std::string> names;
   for (const Subcommand& c : Subcommands()) names.push_back(c.name);
   EXPECT_EQ(names, (std::vector<std::string>{"plan", "run", "init-checkpoint", "submit", "jobs", "job", "watch",
-                                             "cancel", "scale", "workers", "infer", "embed"}));
+                                             "cancel", "scale", "update", "workers", "infer", "embed"}));
 }
 
 TEST(Shardctl, SubcommandHelpIsThatCommandsUsageAndFlagsOnly) {
@@ -90,7 +90,7 @@ TEST(Shardctl, AnUnknownCommandListsTheRealOnes) {
     EXPECT_TRUE(r.out.empty());
     EXPECT_EQ(r.err,
               "shardctl: unknown command 'frobnicate'; commands: plan, run, init-checkpoint, submit, jobs, job, "
-              "watch, cancel, scale, workers, infer, embed (see shardctl --help)\n");
+              "watch, cancel, scale, update, workers, infer, embed (see shardctl --help)\n");
   }
 }
 
