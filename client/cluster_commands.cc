@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -30,13 +31,24 @@ std::string Replicas(const v1::Job& job) {
 }
 
 // --replicas N: 1 or more.
-absl::StatusOr<int32_t> ReplicasFlag(const CommandLine& cl) {
+absl::StatusOr<int32_t> ReplicasFlag(const CommandLine& cl, const std::string& flag = "replicas") {
   int32_t n = 0;
-  if (!absl::SimpleAtoi(cl.values.at("replicas"), &n) || n < 1) {
+  if (!absl::SimpleAtoi(cl.values.at(flag), &n) || n < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--replicas must be a whole number of 1 or more, not '", cl.values.at("replicas"), "'"));
+        absl::StrCat("--", flag, " must be a whole number of 1 or more, not '", cl.values.at(flag), "'"));
   }
   return n;
+}
+
+// --min-replicas and --max-replicas, both or neither (checked against each other by the coordinator).
+absl::Status ApplyBounds(const CommandLine& cl, std::function<void(int32_t, int32_t)> set) {
+  const bool min = cl.values.count("min-replicas") > 0, max = cl.values.count("max-replicas") > 0;
+  if (!min && !max) return absl::OkStatus();
+  if (min != max) return absl::InvalidArgumentError("--min-replicas and --max-replicas go together");
+  ASSIGN_OR_RETURN(const int32_t lo, ReplicasFlag(cl, "min-replicas"));
+  ASSIGN_OR_RETURN(const int32_t hi, ReplicasFlag(cl, "max-replicas"));
+  set(lo, hi);
+  return absl::OkStatus();
 }
 
 std::string Age(int64_t unix_millis) {
@@ -138,6 +150,10 @@ absl::Status SubmitCommand(const CommandLine& cl, std::FILE* out) {
     ASSIGN_OR_RETURN(const int32_t replicas, ReplicasFlag(cl));
     submit.set_replicas(replicas);
   }
+  RETURN_IF_ERROR(ApplyBounds(cl, [&](int32_t lo, int32_t hi) {
+    submit.set_min_replicas(lo);
+    submit.set_max_replicas(hi);
+  }));
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
   v1::Job job;
   RETURN_IF_ERROR(c.Check(c.stub()->SubmitJob(c.Context(60).get(), submit, &job)));
@@ -151,9 +167,17 @@ absl::Status ScaleCommand(const CommandLine& cl, std::FILE* out) {
   v1::ScaleJobRequest scale;
   scale.set_job_id(JobId(cl));
   if (scale.job_id().empty()) return absl::InvalidArgumentError("scale needs a job id (or name)");
-  if (!cl.values.count("replicas")) return absl::InvalidArgumentError("scale needs --replicas N");
-  ASSIGN_OR_RETURN(const int32_t replicas, ReplicasFlag(cl));
-  scale.set_replicas(replicas);
+  RETURN_IF_ERROR(ApplyBounds(cl, [&](int32_t lo, int32_t hi) {
+    scale.set_min_replicas(lo);
+    scale.set_max_replicas(hi);
+  }));
+  if (!cl.values.count("replicas") && scale.max_replicas() == 0) {
+    return absl::InvalidArgumentError("scale needs --replicas N, or --min-replicas A --max-replicas B");
+  }
+  if (cl.values.count("replicas")) {
+    ASSIGN_OR_RETURN(const int32_t replicas, ReplicasFlag(cl));
+    scale.set_replicas(replicas);
+  }
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
   v1::Job job;
   RETURN_IF_ERROR(c.Check(c.stub()->ScaleJob(c.Context(30).get(), scale, &job)));
@@ -303,7 +327,11 @@ const std::vector<Flag>& SubmitFlags() {
                       "digits and ._-/: (e.g. minilm), unique among the jobs that have not ended"},
                      {"replicas", "N",
                       "independent replicas of the plan, each on its own tp x pp workers, behind the one\n"
-                      "job (default 1; the coordinator's --max_replicas bounds it)"},
+                      "job (default 1, or --min-replicas; the coordinator's --max_replicas bounds it)"},
+                     {"min-replicas", "A",
+                      "with --max-replicas B: the coordinator scales the job between A and\n"
+                      "B replicas by how busy they are (docs/service.md, Autoscaling)"},
+                     {"max-replicas", "B", "see --min-replicas"},
                      {"watch", "",
                       "then print its states until it settles (every replica READY): exits 0; FAILED 1\n"
                       "with the cause"},
@@ -326,12 +354,16 @@ const std::vector<Flag>& UpdateFlags() {
 }
 
 const std::vector<Flag>& ScaleFlags() {
-  static const auto* flags =
-      new std::vector<Flag>(JoinFlags({ConnectionFlags(),
-                                       {
-                                           {"replicas", "N", "the job's new replica count (1 or more)"},
-                                           {"watch", "", "then wait until every replica is READY"},
-                                       }}));
+  static const auto* flags = new std::vector<Flag>(
+      JoinFlags({ConnectionFlags(),
+                 {
+                     {"replicas", "N",
+                      "the job's new replica count (1 or more); without bounds it also\n"
+                      "ends autoscaling"},
+                     {"min-replicas", "A", "with --max-replicas B: autoscale the job between A and B from now on"},
+                     {"max-replicas", "B", "see --min-replicas"},
+                     {"watch", "", "then wait until every replica is READY"},
+                 }}));
   return *flags;
 }
 

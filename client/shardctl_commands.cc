@@ -117,9 +117,10 @@ const std::vector<Subcommand>& Subcommands() {
        &ConnectionFlags(), &OnCoordinator<WatchCommand>},
       {"cancel", "cancel ID [flags]", absl::StrCat("Cancel a job. Its workers become idle.", kCoordinatorNote),
        &ConnectionFlags(), &OnCoordinator<CancelCommand>},
-      {"scale", "scale ID --replicas N [--watch] [flags]",
+      {"scale", "scale ID --replicas N | --min-replicas A --max-replicas B [--watch] [flags]",
        absl::StrCat("Grow or shrink a READY job to N replicas: new ones serve once READY, a replica taken "
-                    "away finishes its forward first, so no request fails.",
+                    "away finishes its forward first, so no request fails. With bounds the coordinator scales "
+                    "it between them by how busy its replicas are.",
                     kCoordinatorNote),
        &ScaleFlags(), &OnCoordinator<ScaleCommand>},
       {"update", "update ID [--tp N --pp N --sp-mode M --dtype D --checkpoint DIR ...] [--watch] [flags]",

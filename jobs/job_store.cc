@@ -252,13 +252,16 @@ absl::StatusOr<v1::Job> JobStore::SetRanks(const std::string& id, const std::vec
   return job;
 }
 
-absl::StatusOr<v1::Job> JobStore::SetReplicas(const std::string& id, int32_t replicas) {
+absl::StatusOr<v1::Job> JobStore::SetReplicas(const std::string& id, int32_t replicas, int32_t min_replicas,
+                                              int32_t max_replicas) {
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(v1::Job job, GetLocked(id));
   if (Terminal(job.state())) {
     return absl::FailedPreconditionError(absl::StrCat("job ", id, " is ", v1::JobState_Name(job.state())));
   }
   job.set_replicas(replicas);
+  job.set_min_replicas(min_replicas);
+  job.set_max_replicas(max_replicas);
   job.set_updated_unix_millis(options_.now_millis());
   RETURN_IF_ERROR(PutLocked(job, /*insert=*/false));
   return job;

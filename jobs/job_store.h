@@ -78,9 +78,11 @@ class JobStore {
   // Replaces the rank assignments of job `id`. NOT_FOUND for an unknown id.
   absl::StatusOr<v1::Job> SetRanks(const std::string& id, const std::vector<v1::RankAssignment>& ranks);
 
-  // Records how many replicas job `id` runs (Job.replicas; ScaleJob). NOT_FOUND for an unknown id,
+  // Records how many replicas job `id` runs (Job.replicas; ScaleJob) and its autoscaling bounds
+  // (Job.min_replicas, Job.max_replicas; 0: none). NOT_FOUND for an unknown id,
   // FAILED_PRECONDITION for a job that has ended.
-  absl::StatusOr<v1::Job> SetReplicas(const std::string& id, int32_t replicas);
+  absl::StatusOr<v1::Job> SetReplicas(const std::string& id, int32_t replicas, int32_t min_replicas = 0,
+                                      int32_t max_replicas = 0);
 
   // A live update of job `id` starts (`update` stored as Job.update, its progress not) or ends
   // without switching over (null: cleared); a non-empty `note` becomes Job.last_update. NOT_FOUND

@@ -130,6 +130,11 @@ TEST(JobStore, StoresTheReplicasOfAJobThatHasNotEnded) {
   ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
   ASSERT_TRUE((*store)->SetReplicas("j", 3).ok());
   EXPECT_EQ((*store)->Get("j")->replicas(), 3);
+  ASSERT_TRUE((*store)->SetReplicas("j", 3, 2, 5).ok());
+  EXPECT_EQ((*store)->Get("j")->min_replicas(), 2);
+  EXPECT_EQ((*store)->Get("j")->max_replicas(), 5);
+  ASSERT_TRUE((*store)->SetReplicas("j", 3).ok());  // by hand: not autoscaled after
+  EXPECT_EQ((*store)->Get("j")->max_replicas(), 0);
   EXPECT_EQ((*store)->SetReplicas("nope", 2).status().code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE((*store)->Transition("j", v1::CANCELLED, "").ok());
   EXPECT_EQ((*store)->SetReplicas("j", 2).status().code(), absl::StatusCode::kFailedPrecondition);

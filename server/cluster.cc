@@ -57,9 +57,10 @@ absl::StatusOr<std::map<v1::JobState, int64_t>> Cluster::CountJobsByState() { re
 
 absl::StatusOr<v1::Job> Cluster::CancelJob(const std::string& id) { return scheduler_->CancelJob(id); }
 
-absl::StatusOr<v1::Job> Cluster::ScaleJob(const std::string& job, int32_t replicas) {
+absl::StatusOr<v1::Job> Cluster::ScaleJob(const std::string& job, int32_t replicas, int32_t min_replicas,
+                                          int32_t max_replicas) {
   ASSIGN_OR_RETURN(const std::string id, ResolveJob(job));
-  return scheduler_->ScaleJob(id, replicas);
+  return scheduler_->ScaleJob(id, replicas, min_replicas, max_replicas);
 }
 
 absl::StatusOr<v1::Job> Cluster::UpdateJob(v1::UpdateJobRequest request) {

@@ -97,7 +97,10 @@ class Cluster {
   // INVALID_ARGUMENT), stored at once: new replicas wait for idle workers and serve when READY; a
   // replica taken away that runs a forward finishes it first, then unloads. FAILED_PRECONDITION
   // for a job that is not READY (or still taking its replicas back after a restart); NOT_FOUND.
-  absl::StatusOr<v1::Job> ScaleJob(const std::string& job, int32_t replicas);
+  // With bounds (1 <= min_replicas <= max_replicas; replicas 0: the count brought within them), the
+  // job is autoscaled from then on (docs/service.md, "Autoscaling"); a count without bounds ends it.
+  absl::StatusOr<v1::Job> ScaleJob(const std::string& job, int32_t replicas, int32_t min_replicas = 0,
+                                   int32_t max_replicas = 0);
   // A live update of job `request.job_id` (its id or name) to `request.request`, the job's new
   // request whole (scheduler_updates.cc says how): returns at once, Job.update says where it
   // stands (WatchJob with all_replicas follows it to its end). INVALID_ARGUMENT for a shape or

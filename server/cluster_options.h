@@ -21,6 +21,7 @@
 #include "grpcpp/security/credentials.h"
 #include "server/batch_queue.h"
 #include "server/group_restarts.h"
+#include "server/replica_autoscaler.h"
 
 namespace bertshard::server {
 
@@ -59,6 +60,8 @@ struct ClusterOptions {
   // The most replicas a job may ask for (SubmitJobRequest.replicas, ScaleJob): more is
   // INVALID_ARGUMENT. Each replica takes a whole TP x PP group of workers.
   int max_replicas = 16;
+  // How jobs with replica bounds are scaled (replica_autoscaler.h; --autoscale_*).
+  AutoscalePolicy autoscale;
   // Ended jobs (FAILED, CANCELLED) stay in the job database this long after they ended (GetJob,
   // ListJobs show them), then the monitor deletes them; absl::InfiniteDuration(): kept for good.
   // Jobs that have not ended are never deleted. The memory a job takes in the coordinator is freed

@@ -205,7 +205,9 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
   }
   grpc::Status ScaleJob(grpc::ServerContext* context, const v1::ScaleJobRequest* request, v1::Job* response) override {
     RETURN_IF_DENIED(context, common::Access::kAdmin);
-    return Reply(cluster_->ScaleJob(request->job_id(), request->replicas()), response);
+    return Reply(
+        cluster_->ScaleJob(request->job_id(), request->replicas(), request->min_replicas(), request->max_replicas()),
+        response);
   }
   grpc::Status UpdateJob(grpc::ServerContext* context, const v1::UpdateJobRequest* request,
                          v1::Job* response) override {

@@ -86,6 +86,12 @@ ABSL_FLAG(int, max_jobs_per_client, 16,
           "common name, else its host: every client of one host shares it (tokens name no client)");
 ABSL_FLAG(int, max_replicas, 16,
           "the most replicas (independent TP x PP groups of workers) one job may run (SubmitJob, ScaleJob)");
+ABSL_FLAG(double, autoscale_target, 0.7,
+          "jobs with replica bounds (submit --min-replicas/--max-replicas): the busy fraction of their replicas aimed "
+          "at; above it for --autoscale_up_after a replica is added (idle workers permitting), and one is removed "
+          "once the others would have stayed below it for --autoscale_down_after");
+ABSL_FLAG(absl::Duration, autoscale_up_after, absl::Seconds(3), "see --autoscale_target");
+ABSL_FLAG(absl::Duration, autoscale_down_after, absl::Seconds(60), "see --autoscale_target");
 ABSL_FLAG(absl::Duration, job_retention, absl::Hours(24 * 7),
           "how long ended (FAILED, CANCELLED) jobs stay in the job database, listed and readable, before they are "
           "deleted (e.g. 168h, 30m; inf: kept for good). Jobs that have not ended are never deleted");
@@ -166,6 +172,16 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
   options.cluster.max_jobs_per_client = absl::GetFlag(FLAGS_max_jobs_per_client);
   options.cluster.max_replicas = absl::GetFlag(FLAGS_max_replicas);
   if (options.cluster.max_replicas < 1) return absl::InvalidArgumentError("--max_replicas must be >= 1");
+  options.cluster.autoscale.target = absl::GetFlag(FLAGS_autoscale_target);
+  options.cluster.autoscale.up_after = absl::GetFlag(FLAGS_autoscale_up_after);
+  options.cluster.autoscale.down_after = absl::GetFlag(FLAGS_autoscale_down_after);
+  if (!(options.cluster.autoscale.target > 0 && options.cluster.autoscale.target < 1)) {
+    return absl::InvalidArgumentError("--autoscale_target must be between 0 and 1 (a busy fraction), e.g. 0.7");
+  }
+  if (options.cluster.autoscale.up_after <= absl::ZeroDuration() ||
+      options.cluster.autoscale.down_after <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--autoscale_up_after and --autoscale_down_after must be positive");
+  }
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
   if (options.cluster.max_jobs_per_client < 0 || options.max_message_bytes < 4096 ||

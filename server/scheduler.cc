@@ -71,10 +71,15 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   }
   ASSIGN_OR_RETURN(const std::string backend, NormaliseBackend(request.backend()));
   if (!request.name().empty()) RETURN_IF_ERROR(CheckJobName(request.name()));
-  const int32_t replicas = request.replicas() == 0 ? 1 : request.replicas();
+  RETURN_IF_ERROR(CheckReplicaBounds(request.min_replicas(), request.max_replicas()));
+  const int32_t replicas = request.replicas() != 0 ? request.replicas() : std::max(1, request.min_replicas());
   if (replicas < 1 || replicas > options_.max_replicas) {
     return absl::InvalidArgumentError(
         absl::StrCat("replicas must be 1..", options_.max_replicas, " (--max_replicas), not ", replicas));
+  }
+  if (request.max_replicas() > 0 && (replicas < request.min_replicas() || replicas > request.max_replicas())) {
+    return absl::InvalidArgumentError(absl::StrCat("replicas ", replicas, " is outside the bounds ",
+                                                   request.min_replicas(), "..", request.max_replicas()));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<const JobShape> shape, ReadShape(request.request(), backend, 0));
   const v1::ShardPlan& plan = shape->plan;
@@ -117,6 +122,8 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   job.set_submitted_by(client);
   job.set_name(request.name());
   job.set_replicas(replicas);
+  job.set_min_replicas(request.min_replicas());
+  job.set_max_replicas(request.max_replicas());
   // The class the plan resolved (from the checkpoint's config.json when the request named none),
   // so that listings say what runs.
   job.mutable_request()->set_variant(plan.variant());
@@ -130,6 +137,7 @@ absl::StatusOr<v1::Job> Scheduler::SubmitJob(const v1::SubmitJobRequest& request
   runtime->submitted_by = client;
   runtime->name = request.name();
   runtime->replicas = replicas;
+  SetBoundsLocked(*runtime, request.min_replicas(), request.max_replicas());
   runtimes_[job.id()] = runtime;
   for (int32_t r = 0; r < replicas; ++r) AddGroupLocked(job.id(), *runtime, r).reason = job.pending_reason();
   ScheduleLocked();
@@ -494,6 +502,8 @@ void Scheduler::MonitorLoop() {
     // while one drains (its workers are wanted by the new shape's replicas), not only each pass.
     for (const auto& [id, runtime] : runtimes_) {
       if (!runtime->draining.empty()) pass = std::min(pass, absl::Milliseconds(50));
+      // Autoscaled jobs are sampled at least every quarter second.
+      if (runtime->autoscaler != nullptr) pass = std::min(pass, absl::Milliseconds(250));
     }
     const absl::Time wake = absl::Now() + pass;
     changed_.WaitWithDeadline(&mu_, draining_ ? wake : std::min(wake, next_backoff_end_));
@@ -524,6 +534,7 @@ void Scheduler::MonitorLoop() {
     for (const std::string& key : overdue) DecideRecoveryLocked(key);
     if (now >= next_backoff_end_) ScheduleLocked();  // a restart's backoff is over
     AdvanceUpdatesLocked();
+    AutoscaleLocked(now);
     SweepEndedJobsLocked(now);
   }
 }

@@ -119,6 +119,11 @@ struct GroupRuntime {
   bool forwarding = false;
   absl::Time idle_since = absl::InfinitePast();  // the forward that leased it last ended then
   int64_t forwards = 0;                          // run since it was placed
+  // Its utilisation, for the autoscaler: when the forward in flight began, the time spent in
+  // forwards that ended, and what of it (with the one in flight) the last sample counted.
+  absl::Time forward_started = absl::InfinitePast();
+  absl::Duration busy;
+  absl::Duration busy_sampled;
   // Scaled away while a forward held it: dropped when that forward ends (ScaleJob).
   bool retiring = false;
 
@@ -150,6 +155,10 @@ struct JobRuntime {
   // ones scaled away that still finish a forward (retiring).
   int32_t replicas = 1;
   std::map<int32_t, std::unique_ptr<GroupRuntime>> groups;
+  // Autoscaling bounds (Job.min_replicas, Job.max_replicas; 0: none) and, with them, what decides.
+  int32_t min_replicas = 0;
+  int32_t max_replicas = 0;
+  std::unique_ptr<ReplicaAutoscaler> autoscaler;
   // The job's request path (assets, batch queue, decoding); made on the first Infer/Embed call
   // (while a replica serves or one is being placed again), closed (and released off the lock) when
   // the job ends.
@@ -204,7 +213,8 @@ class Scheduler final : public ForwardTargets {
   absl::StatusOr<std::map<v1::JobState, int64_t>> CountJobsByState() ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::Job> CancelJob(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
   // See Cluster::ScaleJob (scheduler_replicas.cc).
-  absl::StatusOr<v1::Job> ScaleJob(const std::string& id, int32_t replicas) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::Job> ScaleJob(const std::string& id, int32_t replicas, int32_t min_replicas = 0,
+                                   int32_t max_replicas = 0) ABSL_LOCKS_EXCLUDED(mu_);
   // See Cluster::UpdateJob (scheduler_updates.cc).
   absl::StatusOr<v1::Job> UpdateJob(const v1::UpdateJobRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // See Cluster::WatchJob.
@@ -267,6 +277,15 @@ class Scheduler final : public ForwardTargets {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The batch queue runs as many forwards at once as replicas serve.
   void UpdateLanesLocked(JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's replicas become `replicas` (stored by the caller): ScaleJob's and the autoscaler's.
+  void ScaleJobLocked(const std::string& id, JobRuntime& runtime, int32_t replicas) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Autoscaling bounds that may be set (INVALID_ARGUMENT otherwise); both 0: none.
+  absl::Status CheckReplicaBounds(int32_t min_replicas, int32_t max_replicas) const;
+  // Sets the job's bounds, with an autoscaler when they are set.
+  void SetBoundsLocked(JobRuntime& runtime, int32_t min_replicas, int32_t max_replicas)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One sample of every autoscaled job's utilisation, and the scaling it calls for (the monitor's).
+  void AutoscaleLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the replica away now (ScaleJob): loads cancelled, workers unload and go back to the pool.
   void DropGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -2,11 +2,13 @@
 // takes each forward, scaling a job up and down, and what a job shows of its replicas. One class
 // split over three files to keep each readable; the lock and its rules are scheduler.h's.
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
+#include "server/placement.h"
 #include "server/replica_keys.h"
 #include "server/scheduler.h"
 #include "server/shard_loading.h"
@@ -192,10 +194,37 @@ void Scheduler::DropGroupLocked(const std::string& job_id, JobRuntime& runtime, 
   changed_.SignalAll();
 }
 
-absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t replicas) {
-  if (replicas < 1 || replicas > options_.max_replicas) {
+absl::Status Scheduler::CheckReplicaBounds(int32_t min_replicas, int32_t max_replicas) const {
+  if (min_replicas == 0 && max_replicas == 0) return absl::OkStatus();
+  if (min_replicas < 1 || min_replicas > max_replicas || max_replicas > options_.max_replicas) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica bounds must be 1 <= min_replicas <= max_replicas <= ", options_.max_replicas,
+                     " (--max_replicas), not ", min_replicas, "..", max_replicas));
+  }
+  return absl::OkStatus();
+}
+
+void Scheduler::SetBoundsLocked(JobRuntime& runtime, int32_t min_replicas, int32_t max_replicas) {
+  runtime.min_replicas = min_replicas;
+  runtime.max_replicas = max_replicas;
+  if (max_replicas == 0) {
+    runtime.autoscaler.reset();
+  } else {
+    runtime.autoscaler = std::make_unique<ReplicaAutoscaler>(options_.autoscale);
+  }
+}
+
+absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t replicas, int32_t min_replicas,
+                                            int32_t max_replicas) {
+  RETURN_IF_ERROR(CheckReplicaBounds(min_replicas, max_replicas));
+  const bool bounded = max_replicas > 0;
+  if ((!bounded || replicas != 0) && (replicas < 1 || replicas > options_.max_replicas)) {
     return absl::InvalidArgumentError(
         absl::StrCat("replicas must be 1..", options_.max_replicas, " (--max_replicas), not ", replicas));
+  }
+  if (bounded && replicas != 0 && (replicas < min_replicas || replicas > max_replicas)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replicas ", replicas, " is outside the bounds ", min_replicas, "..", max_replicas));
   }
   absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(const v1::Job job, store_->Get(id));
@@ -219,8 +248,15 @@ absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t repli
                                                       readopting ? " and taking its replicas back after a restart" : "",
                                                       "; scale it once it is READY"));
   }
+  if (replicas == 0) replicas = std::clamp(runtime.replicas, min_replicas, max_replicas);
   // Stored first: a restart keeps what was asked for.
-  RETURN_IF_ERROR(store_->SetReplicas(id, replicas).status());
+  RETURN_IF_ERROR(store_->SetReplicas(id, replicas, min_replicas, max_replicas).status());
+  SetBoundsLocked(runtime, min_replicas, max_replicas);
+  ScaleJobLocked(id, runtime, replicas);
+  return GetJobLocked(id);
+}
+
+void Scheduler::ScaleJobLocked(const std::string& id, JobRuntime& runtime, int32_t replicas) {
   runtime.replicas = replicas;
   int32_t live = 0;
   for (const auto& [replica, group] : runtime.groups) live += group->retiring ? 0 : 1;
@@ -259,7 +295,54 @@ absl::StatusOr<v1::Job> Scheduler::ScaleJob(const std::string& id, int32_t repli
   RecordLocked(RecordJobLocked(id, runtime, ""), absl::StrCat("recording job ", id, "'s replicas"));
   UpdateLanesLocked(runtime);
   ScheduleLocked();
-  return GetJobLocked(id);
+}
+
+void Scheduler::AutoscaleLocked(absl::Time now) {
+  std::vector<std::pair<std::string, std::shared_ptr<JobRuntime>>> scaled;
+  for (const auto& [id, runtime] : runtimes_) {
+    if (runtime->autoscaler != nullptr && !runtime->ended) scaled.emplace_back(id, runtime);
+  }
+  for (auto& [id, runtime] : scaled) {
+    // What the serving replicas were busy since the last sample: forwards that ended, and the part
+    // of the one in flight run so far.
+    absl::Duration busy;
+    int serving = 0;
+    bool settled = runtime->next == nullptr && runtime->draining.empty();
+    for (auto& [replica, group] : runtime->groups) {
+      settled &= group->phase != GroupRuntime::Phase::kReadopting;
+      const absl::Duration total =
+          group->busy + (group->forwarding ? now - group->forward_started : absl::ZeroDuration());
+      if (group->serving() && !group->retiring && runtime->Current(*group)) {
+        // (Not below 0: a forward cut off by a loss counted its part in flight, then nothing.)
+        busy += std::max(absl::ZeroDuration(), total - group->busy_sampled);
+        ++serving;
+      }
+      group->busy_sampled = total;
+    }
+    // An update or a restart changes the replicas under it: measured again after.
+    if (!settled) {
+      runtime->autoscaler->Reset();
+      continue;
+    }
+    const int32_t wanted = runtime->autoscaler->Observe(now, busy, serving, runtime->replicas, runtime->min_replicas,
+                                                        runtime->max_replicas);
+    if (wanted == runtime->replicas) continue;
+    // One more only where idle workers can hold it now (else the workers_wanted metric does not ask
+    // for more workers for what is only a wish); one fewer at any time.
+    if (wanted > runtime->replicas &&
+        PlaceRanks(runtime->shape->backend, runtime->shape->plan.world_size(), pool_->Idle()).ranks.empty()) {
+      continue;
+    }
+    if (absl::Status s = store_->SetReplicas(id, wanted, runtime->min_replicas, runtime->max_replicas).status();
+        !s.ok()) {
+      StoreErrorLocked(absl::StrCat("autoscaling job ", id), s);
+      continue;
+    }
+    std::fprintf(stderr, "bertshard-coordinator: job %s: %d -> %d replicas (utilisation %.2f, bounds %d..%d)\n",
+                 id.c_str(), runtime->replicas, wanted, runtime->autoscaler->Utilisation(options_.autoscale.up_after),
+                 runtime->min_replicas, runtime->max_replicas);
+    ScaleJobLocked(id, *runtime, wanted);
+  }
 }
 
 absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, int32_t version,
@@ -296,6 +379,7 @@ absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, 
         target.ranks.push_back({s.worker_id, s.address, std::move(s.stub), options_.worker_token, std::move(s.health)});
       }
       chosen->forwarding = true;
+      chosen->forward_started = absl::Now();
       target.sequence = chosen->next_sequence++;
       target.abort = chosen->forward_abort;
       target.replica = chosen->replica;
@@ -337,6 +421,7 @@ void Scheduler::EndForward(const std::string& job_id, int32_t replica, int64_t g
   group->forwarding = false;
   ++group->forwards;
   group->idle_since = absl::Now();
+  group->busy += group->idle_since - group->forward_started;
   if (group->retiring) {
     DropGroupLocked(job_id, *it->second, replica);  // signals: the job's replicas changed
   } else if (forward_waiters_ > 0) {
@@ -434,6 +519,7 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
   job.set_recovering(absl::StrJoin(recovering, "; "));
   job.set_degraded(absl::StrJoin(degraded, "; "));
   job.set_restarts(restarts);
+  if (runtime.autoscaler != nullptr) job.set_utilisation(runtime.autoscaler->Utilisation(options_.autoscale.up_after));
   if (runtime.next != nullptr && job.has_update()) job.mutable_update()->set_progress(UpdateProgressLocked(runtime));
 }
 

@@ -340,5 +340,56 @@ TEST_F(ReplicasTest, ARestartTakesBackEachReplicaOnItsOwn) {
   EXPECT_EQ(a.Loads().size(), 1u);  // taken back, not loaded again
 }
 
+// A job with bounds 1..2 (autoscale.h's rule, with short windows here): a replica held busy past
+// up_after gets company once an idle worker can hold it; idle past down_after, the job goes back
+// to one replica. Bad bounds are refused, and a count by hand ends the autoscaling.
+TEST_F(ReplicasTest, AJobWithBoundsScalesByItsReplicasUtilisation) {
+  options_.autoscale = {0.7, absl::Milliseconds(300), absl::Milliseconds(600)};
+  Start();
+  FakeWorker a, b;
+  Register(a);
+  Register(b);
+  v1::SubmitJobRequest submit;
+  submit.mutable_request()->set_checkpoint(checkpoint_);
+  submit.set_min_replicas(1);
+  submit.set_max_replicas(2);
+  absl::StatusOr<v1::Job> job = scheduler_->SubmitJob(submit, "test");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->replicas(), 1);  // starts at min
+  EXPECT_EQ(job->max_replicas(), 2);
+  ASSERT_EQ(Settled(job->id(), true).state(), v1::READY);
+  // One forward held: the replica is busy all the time.
+  const absl::StatusOr<ForwardTarget> held = scheduler_->NextForward(job->id(), 0, absl::Now());
+  ASSERT_TRUE(held.ok()) << held.status();
+  const auto replicas_become = [&](int n) {
+    const absl::Time end = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < end) {
+      const v1::Job now = *scheduler_->GetJob(job->id());
+      if (now.replicas() == n) return now;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    return *scheduler_->GetJob(job->id());
+  };
+  const v1::Job up = replicas_become(2);
+  EXPECT_EQ(up.replicas(), 2) << up.DebugString();
+  EXPECT_GT(up.utilisation(), 0.7) << up.DebugString();
+  scheduler_->EndForward(job->id(), held->replica, held->generation);
+  ASSERT_EQ(Settled(job->id(), true).replica_status_size(), 2);
+  const v1::Job down = replicas_become(1);
+  EXPECT_EQ(down.replicas(), 1) << down.DebugString();
+  EXPECT_EQ(down.min_replicas(), 1);
+  // Bad bounds; a count by hand ends the autoscaling.
+  EXPECT_EQ(scheduler_->ScaleJob(job->id(), 0, 2, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(scheduler_->ScaleJob(job->id(), 3, 1, 2).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(scheduler_->ScaleJob(job->id(), 0, 1, 99).status().code(), absl::StatusCode::kInvalidArgument);
+  submit.set_min_replicas(2);
+  submit.set_max_replicas(0);
+  EXPECT_EQ(scheduler_->SubmitJob(submit, "test").status().code(), absl::StatusCode::kInvalidArgument);
+  const absl::StatusOr<v1::Job> by_hand = scheduler_->ScaleJob(job->id(), 1);
+  ASSERT_TRUE(by_hand.ok()) << by_hand.status();
+  EXPECT_EQ(by_hand->max_replicas(), 0);
+  EXPECT_EQ(by_hand->utilisation(), 0);
+}
+
 }  // namespace
 }  // namespace bertshard::server

@@ -36,6 +36,7 @@ absl::Status Scheduler::RecoverJobsLocked() {
     runtime->name = job.job.name();
     // Jobs stored before replicas ran one.
     runtime->replicas = std::max(1, job.job.replicas());
+    SetBoundsLocked(*runtime, job.job.min_replicas(), job.job.max_replicas());
     const std::string& id = job.job.id();
     // The replicas whose ranks were loading or serving may come back (readoption), under the
     // indices they had (a job scaled down may have gaps); the others are placed again, at the

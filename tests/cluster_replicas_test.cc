@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <string>
 
 #include "absl/time/clock.h"
@@ -182,6 +183,55 @@ TEST_F(Replicas, ACoordinatorKilledTakesBackOneReplicaAndPlacesTheOtherAgain) {
   for (int i = 0; i < 4; ++i) EXPECT_LE(InferDiff(job.id()), 1e-5f);  // both replicas answer, in order
   const v1::Job served = GetJob(job.id());
   for (const v1::ReplicaStatus& r : served.replica_status()) EXPECT_GT(r.forwards(), 0) << served.DebugString();
+}
+
+// Autoscaling (issue 22 item 3) on real workers: a job with bounds 1..2 under eight closed-loop
+// clients gets its second replica once its one replica has been busy (past a target of 0.4) for
+// --autoscale_up_after, fails
+// no request meanwhile, and goes back to one replica once idle for --autoscale_down_after.
+class AutoscaledReplicas : public Replicas {
+ protected:
+  void SetUp() override {
+    // The test model's forward is tiny next to a request's round trip: eight closed-loop clients
+    // keep its one replica ~0.6 busy (measured 0.58), under the default target of 0.7.
+    coordinator_flags_ = {"--autoscale_target=0.4", "--autoscale_up_after=1s", "--autoscale_down_after=2s"};
+    Replicas::SetUp();
+  }
+  // The job once it wants `n` replicas (or after 30 s).
+  v1::Job WaitForReplicas(const std::string& id, int n) {
+    v1::Job job;
+    for (int i = 0; i < 1500 && (job = GetJob(id)).replicas() != n; ++i) usleep(20 * 1000);
+    return job;
+  }
+};
+
+TEST_F(AutoscaledReplicas, AJobWithBoundsGrowsUnderLoadAndShrinksWhenIdle) {
+  v1::SubmitJobRequest submit;
+  submit.mutable_request()->set_checkpoint(std::filesystem::absolute(kModel).string());
+  submit.set_min_replicas(1);
+  submit.set_max_replicas(2);
+  v1::Job job;
+  ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &job).ok());
+  ASSERT_EQ(ReadyReplicas(WatchAllReplicas(job.id())), 1);
+  constexpr int kClients = 8;
+  std::unique_ptr<ClosedLoopClients> clients = Clients(job.id(), kClients);
+  const absl::Time loaded = absl::Now();
+  const v1::Job grown = WaitForReplicas(job.id(), 2);
+  const absl::Duration up = absl::Now() - loaded;
+  ASSERT_EQ(grown.replicas(), 2) << grown.DebugString();
+  ASSERT_EQ(ReadyReplicas(WatchAllReplicas(job.id())), 2);
+  ASSERT_TRUE(clients->WaitAnswers(clients->answered() + 4 * kClients));
+  clients->Stop();
+  ExpectNoFailure(*clients);
+  const absl::Time idle = absl::Now();
+  const v1::Job shrunk = WaitForReplicas(job.id(), 1);
+  EXPECT_EQ(shrunk.replicas(), 1) << shrunk.DebugString();
+  EXPECT_TRUE(WaitForWorkers(3));
+  std::printf(
+      "autoscaling 1..2, %d clients: utilisation %.2f, 2 replicas wanted after %.2f s of load, back to 1 "
+      "after %.2f s idle, %zu client errors\n",
+      kClients, grown.utilisation(), absl::ToDoubleSeconds(up), absl::ToDoubleSeconds(absl::Now() - idle),
+      clients->failures().size());
 }
 
 }  // namespace
