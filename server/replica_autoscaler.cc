@@ -23,14 +23,20 @@ bool ReplicaAutoscaler::Covers(absl::Time now, absl::Duration window) const {
 int ReplicaAutoscaler::Observe(absl::Time now, absl::Duration busy, int serving, int current, int min, int max) {
   if (last_ == absl::InfinitePast() || now <= last_) {
     last_ = std::max(last_, now);
+    return std::clamp(current, min, max);
+  }
+  // Replicas still loading (or placed again after a loss) serve nothing yet: no decision until
+  // every wanted one serves, and what the others did meanwhile is not the load the full set will
+  // see (one replica doing two's work reads busy: kept, it would call for a third at once).
+  if (serving < current) {
+    Reset();
+    last_ = now;
     return current;
   }
   samples_.push_back({now, now - last_, busy, serving});
   last_ = now;
   const absl::Duration keep = std::max(policy_.up_after, policy_.down_after);
   while (!samples_.empty() && samples_.front().end <= now - keep) samples_.pop_front();
-  // Replicas still loading serve nothing yet: no decision until every wanted one serves.
-  if (serving < current) return current;
   if (current < max && Covers(now, policy_.up_after) && Utilisation(policy_.up_after) > policy_.target) {
     Reset();
     return current + 1;

@@ -44,8 +44,11 @@ class ReplicaAutoscaler {
   // [min, max] (a change starts the measuring again). A first sample only starts it.
   int Observe(absl::Time now, absl::Duration busy, int serving, int current, int min, int max);
   // Forgets what was measured (the job's replicas changed for another reason: a scale by hand, a
-  // loss, an update).
-  void Reset() { samples_.clear(); }
+  // loss, an update): the next sample only starts the measuring again.
+  void Reset() {
+    samples_.clear();
+    last_ = absl::InfinitePast();
+  }
   // The utilisation over the last `window` (0 when nothing was measured), for Job and metrics.
   double Utilisation(absl::Duration window) const;
 

@@ -29,8 +29,8 @@ TEST_F(AutoscalerTest, AddsAReplicaOnlyOnceTheLoadHasLastedUpAfter) {
   autoscaler_.Observe(now_, absl::ZeroDuration(), 1, 1, 1, 4);  // starts the measuring
   EXPECT_EQ(Run(7, 1.0, 1, 1), 1);                              // 1.75 s of full load: not yet
   EXPECT_EQ(Run(1, 1.0, 1, 1), 2);                              // 2 s
-  // Measured anew after a change: the next step waits another up_after.
-  EXPECT_EQ(Run(7, 1.0, 2, 2), 2);
+  // Measured anew after a change (its first sample only starts it): another up_after.
+  EXPECT_EQ(Run(8, 1.0, 2, 2), 2);
   EXPECT_EQ(Run(1, 1.0, 2, 2), 3);
 }
 
@@ -60,6 +60,27 @@ TEST_F(AutoscalerTest, KeepsWithinTheBoundsAndWaitsForLoadingReplicas) {
   // Bounds that moved past the count bring it back inside.
   autoscaler_.Reset();
   EXPECT_EQ(Run(1, 0.5, 2, 2, 3, 4), 3);
+}
+
+// While the replica just added loads, the one serving does two's work: that is not the load two
+// will see, and it must not call for a third the moment the second serves.
+TEST_F(AutoscalerTest, WhatOneReplicaDidWhileTheOtherLoadedIsNotCounted) {
+  autoscaler_.Observe(now_, absl::ZeroDuration(), 1, 1, 1, 4);
+  EXPECT_EQ(Run(8, 1.0, 1, 1), 2);
+  EXPECT_EQ(Run(40, 1.0, 1, 2), 2);  // 10 s loading, the one serving saturated
+  EXPECT_EQ(Run(7, 0.6, 2, 2), 2);   // two serve, 0.6 each: no third
+  EXPECT_EQ(Run(40, 0.6, 2, 2), 2);
+}
+
+// After a pause in the measuring (Reset: an update ran), the first sample only starts it again: a
+// gap longer than down_after is no evidence of idleness.
+TEST_F(AutoscalerTest, APauseInTheMeasuringIsNoEvidenceOfIdleness) {
+  autoscaler_.Observe(now_, absl::ZeroDuration(), 2, 2, 1, 4);
+  EXPECT_EQ(Run(4, 0.9, 2, 2), 2);
+  autoscaler_.Reset();
+  now_ += absl::Seconds(30);
+  EXPECT_EQ(autoscaler_.Observe(now_, kTick, 2, 2, 1, 4), 2);
+  EXPECT_EQ(Run(4, 0.9, 2, 2), 2);
 }
 
 TEST_F(AutoscalerTest, UtilisationOverAWindow) {

@@ -159,6 +159,9 @@ struct JobRuntime {
   int32_t min_replicas = 0;
   int32_t max_replicas = 0;
   std::unique_ptr<ReplicaAutoscaler> autoscaler;
+  // Since when fewer of its replicas serve than it wants (InfinitePast: all serve): an autoscaled
+  // job gives up a replica that finds no workers for --autoscale_down_after.
+  absl::Time unserved_since = absl::InfinitePast();
   // The job's request path (assets, batch queue, decoding); made on the first Infer/Embed call
   // (while a replica serves or one is being placed again), closed (and released off the lock) when
   // the job ends.
@@ -411,8 +414,9 @@ class Scheduler final : public ForwardTargets {
   absl::Time next_retention_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::string last_store_error_ ABSL_GUARDED_BY(mu_);  // the last one logged, not repeated
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // Drain() was called
-  ThreadGroup threads_;                         // loads, and batch queues released off the lock
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;                             // Drain() was called
+  absl::Time last_autoscale_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // AutoscaleLocked's last sample
+  ThreadGroup threads_;  // loads, and batch queues released off the lock
   std::thread monitor_;
 };
 

@@ -298,6 +298,9 @@ void Scheduler::ScaleJobLocked(const std::string& id, JobRuntime& runtime, int32
 }
 
 void Scheduler::AutoscaleLocked(absl::Time now) {
+  // Every quarter second, not at every wake of the monitor (any change wakes it).
+  if (now - last_autoscale_ < absl::Milliseconds(250)) return;
+  last_autoscale_ = now;
   std::vector<std::pair<std::string, std::shared_ptr<JobRuntime>>> scaled;
   for (const auto& [id, runtime] : runtimes_) {
     if (runtime->autoscaler != nullptr && !runtime->ended) scaled.emplace_back(id, runtime);
@@ -324,8 +327,26 @@ void Scheduler::AutoscaleLocked(absl::Time now) {
       runtime->autoscaler->Reset();
       continue;
     }
-    const int32_t wanted = runtime->autoscaler->Observe(now, busy, serving, runtime->replicas, runtime->min_replicas,
-                                                        runtime->max_replicas);
+    int32_t wanted = runtime->autoscaler->Observe(now, busy, serving, runtime->replicas, runtime->min_replicas,
+                                                  runtime->max_replicas);
+    // A replica it added (or one lost) that finds no workers for down_after is given up, down to
+    // min: the pool's shortage is the workers autoscaler's to mend (workers_wanted), and waiting
+    // for it would freeze this job's scaling.
+    if (serving >= runtime->replicas) {
+      runtime->unserved_since = absl::InfinitePast();
+    } else if (runtime->unserved_since == absl::InfinitePast()) {
+      runtime->unserved_since = now;
+    } else if (now - runtime->unserved_since > options_.autoscale.down_after &&
+               runtime->replicas > runtime->min_replicas) {
+      bool waits = false;  // a replica still waits for workers (those loading are on their way)
+      for (const auto& [replica, group] : runtime->groups) {
+        waits |= runtime->Current(*group) && group->phase == GroupRuntime::Phase::kPending;
+      }
+      if (waits) {
+        wanted = runtime->replicas - 1;
+        runtime->unserved_since = now;
+      }
+    }
     if (wanted == runtime->replicas) continue;
     // One more only where idle workers can hold it now (else the workers_wanted metric does not ask
     // for more workers for what is only a wish); one fewer at any time.

@@ -372,7 +372,6 @@ TEST_F(ReplicasTest, AJobWithBoundsScalesByItsReplicasUtilisation) {
   };
   const v1::Job up = replicas_become(2);
   EXPECT_EQ(up.replicas(), 2) << up.DebugString();
-  EXPECT_GT(up.utilisation(), 0.7) << up.DebugString();
   scheduler_->EndForward(job->id(), held->replica, held->generation);
   ASSERT_EQ(Settled(job->id(), true).replica_status_size(), 2);
   const v1::Job down = replicas_become(1);
@@ -389,6 +388,27 @@ TEST_F(ReplicasTest, AJobWithBoundsScalesByItsReplicasUtilisation) {
   ASSERT_TRUE(by_hand.ok()) << by_hand.status();
   EXPECT_EQ(by_hand->max_replicas(), 0);
   EXPECT_EQ(by_hand->utilisation(), 0);
+}
+
+// An autoscaled job's replica that finds no workers for down_after is given up (down to min),
+// instead of freezing the job's scaling while it waits.
+TEST_F(ReplicasTest, AnAutoscaledReplicaThatFindsNoWorkersIsGivenUp) {
+  options_.autoscale = {0.7, absl::Milliseconds(300), absl::Milliseconds(600)};
+  Start();
+  FakeWorker a;
+  Register(a);
+  const v1::Job ready = Settled(Submit(1).id());
+  const absl::StatusOr<v1::Job> two = scheduler_->ScaleJob(ready.id(), 2, 1, 2);  // one worker only
+  ASSERT_TRUE(two.ok()) << two.status();
+  ASSERT_EQ(two->replicas(), 2);
+  v1::Job job;
+  const absl::Time end = absl::Now() + absl::Seconds(20);
+  while ((job = *scheduler_->GetJob(ready.id())).replicas() != 1 && absl::Now() < end) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(job.replicas(), 1) << job.DebugString();
+  EXPECT_EQ(job.replica_status_size(), 1) << job.DebugString();
+  EXPECT_EQ(job.max_replicas(), 2);
 }
 
 }  // namespace

@@ -36,7 +36,9 @@ absl::Status Scheduler::RecoverJobsLocked() {
     runtime->name = job.job.name();
     // Jobs stored before replicas ran one.
     runtime->replicas = std::max(1, job.job.replicas());
-    SetBoundsLocked(*runtime, job.job.min_replicas(), job.job.max_replicas());
+    // Bounds stored under a larger --max_replicas than this coordinator's are brought under it.
+    const int32_t max_bound = std::min(job.job.max_replicas(), options_.max_replicas);
+    SetBoundsLocked(*runtime, std::min(job.job.min_replicas(), max_bound), max_bound);
     const std::string& id = job.job.id();
     // The replicas whose ranks were loading or serving may come back (readoption), under the
     // indices they had (a job scaled down may have gaps); the others are placed again, at the
@@ -332,6 +334,8 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
   group->forward_abort->Abort(absl::StrCat(what, ": ", cause));
   group->forward_abort = std::make_shared<ForwardAbort>();
   group->phase = GroupRuntime::Phase::kPending;
+  // The forward cut off was busy time too (the autoscaler's sample may have counted part of it).
+  if (group->forwarding) group->busy += absl::Now() - group->forward_started;
   group->forwarding = false;
   group->recovery.reset();
   group->ranks.clear();
