@@ -84,10 +84,11 @@ void PrintEvent(const v1::JobEvent& e, const LoadReading& progress, std::FILE* o
 
 // The job's bytes from its plan, as the coordinator plans its request (the plan it placed); 0
 // when the coordinator will not say, and the bar then measures what the ranks have reported.
+// What the whole job loads: its plan's bytes on each of its replicas.
 int64_t JobBytes(const CoordinatorConnection& c, const v1::Job& job) {
   v1::ShardPlan plan;
   if (!c.stub()->Plan(c.Context(10).get(), job.request(), &plan).ok()) return 0;
-  return PlanBytes(plan);
+  return PlanBytes(plan) * std::max(1, job.replicas());
 }
 
 // Until the job settles; with `all_replicas`, until every replica it wants is READY too.

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <map>
+#include <utility>
 
 #include "bertshard/v1/coordinator.pb.h"
 #include "bertshard/v1/plan.pb.h"
@@ -37,16 +38,19 @@ struct LoadReading {
 
 class JobLoadProgress {
  public:
-  // `plan_bytes`: the job's total from its plan; 0 when unknown, and the total is then the sum of
-  // what the ranks have reported (growing as they start; the percent still never goes back).
+  // `plan_bytes`: the job's total from its plan, times its replicas (each loads the whole plan);
+  // 0 when unknown, and the total is then the sum of what the ranks have reported (growing as they
+  // start; the percent still never goes back).
   explicit JobLoadProgress(int64_t plan_bytes) : plan_bytes_(plan_bytes) {}
 
   LoadReading Update(const v1::JobEvent& event);
 
  private:
   const int64_t plan_bytes_;
-  std::map<int, int64_t> loaded_;    // per rank, the most it has reported
-  std::map<int, int64_t> reported_;  // per rank, its bytes_total
+  // Per rank of each replica ({replica, rank}: rank 0 of two replicas are two ranks), the most it
+  // has reported, and its bytes_total.
+  std::map<std::pair<int, int>, int64_t> loaded_;
+  std::map<std::pair<int, int>, int64_t> reported_;
   int percent_ = 0;
 };
 

@@ -72,6 +72,25 @@ TEST(JobLoadProgress, RanksReportingMoreThanThePlanRaiseTheTotal) {
   EXPECT_EQ(JobLoadProgress(0).Update(Event({{0, 0}})).percent, 0);  // nothing known: 0%, no division
 }
 
+// Two replicas of a 1-rank plan: their rank 0s are two ranks, and the job is loaded when both are.
+TEST(JobLoadProgress, EachReplicasRanksCountOnTheirOwn) {
+  JobLoadProgress progress(2 * 10 * kMiB);
+  v1::JobEvent event;
+  for (int replica = 0; replica < 2; ++replica) {
+    v1::RankProgress* r = event.add_ranks();
+    r->set_rank(0);
+    r->set_replica(replica);
+    r->mutable_progress()->set_bytes_loaded(replica == 0 ? 10 * kMiB : 0);
+    r->mutable_progress()->set_bytes_total(10 * kMiB);
+  }
+  const LoadReading half = progress.Update(event);
+  EXPECT_EQ(half.loaded, 10 * kMiB);
+  EXPECT_EQ(half.total, 20 * kMiB);
+  EXPECT_EQ(half.percent, 50);
+  event.mutable_ranks(1)->mutable_progress()->set_bytes_loaded(10 * kMiB);
+  EXPECT_EQ(progress.Update(event).percent, 100);
+}
+
 TEST(PlanBytes, SumsEveryRanksParamBytes) {
   v1::ShardPlan plan;
   plan.add_ranks()->set_param_bytes(3);
