@@ -134,7 +134,7 @@ class Checks:
             floats.set_data_from_numpy(np.array([[1, 2]], dtype=np.float32))
             far = module.InferInput("input_ids", [1, 3], "INT64")
             far.set_data_from_numpy(np.array([[101, 10 ** 9, 102]], dtype=np.int64))
-            for inputs, part in (([wrong], "unknown input"), ([floats], "FP32"), ([far], "")):
+            for inputs, part in (([wrong], "unknown input"), ([floats], "FP32"), ([far], "vocab_size")):
                 try:
                     client.infer("minilm", inputs, headers=self.auth())
                     raise AssertionError("bad input was served")
