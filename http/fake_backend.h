@@ -49,14 +49,16 @@ class FakeBackend : public InferenceBackend {
     if (model.empty() || model == "minilm" || model == "job-1") return std::string("job-1");
     if (model == "sentiment" || model == "job-2") return std::string("job-2");
     if (model == "reranker" || model == "job-3") return std::string("job-3");
-    if (model == "ended") return std::string("job-9");  // a job that no longer serves
+    if (model == "ended") return std::string("job-9");    // a job that no longer serves
+    if (model == "loading") return std::string("job-8");  // a job that does not serve yet
     return absl::NotFoundError(absl::StrCat("no job has the id or name '", model, "'"));
   }
   absl::StatusOr<ModelInfo> Model(const std::string& job_id) override {
     if (job_id == "job-1") return embedding;
     if (job_id == "job-2") return classifier;
     if (job_id == "job-3") return reranker;
-    if (job_id == "job-9") return absl::FailedPreconditionError("job job-9 is CANCELLED; inference needs READY");
+    if (job_id == "job-9") return absl::FailedPreconditionError("job job-9 is CANCELLED: cancelled by request");
+    if (job_id == "job-8") return absl::UnavailableError("job job-8 is LOADING and does not serve yet; retry");
     return absl::NotFoundError("no such job");
   }
   std::vector<ModelInfo> ServingModels() override { return {embedding, classifier}; }  // not the reranker

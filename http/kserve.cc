@@ -147,7 +147,12 @@ absl::StatusOr<ModelInfo> ServingModel(InferenceBackend* backend, const std::str
   }
   absl::StatusOr<ModelInfo> info = backend->Model(*job);
   if (info.ok() || info.status().code() == absl::StatusCode::kNotFound) return info;
-  // The job exists but does not serve (not READY yet, recovering, ended): not ready.
+  // Ended (FAILED, CANCELLED): it will never serve, so not a retry's matter (400, FAILED_PRECONDITION).
+  if (info.status().code() == absl::StatusCode::kFailedPrecondition) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model '", model, "' will not serve again: ", info.status().message()));
+  }
+  // The job exists but does not serve yet (pending, loading, recovering): not ready, retry (503).
   return absl::UnavailableError(absl::StrCat("model '", model, "' is not ready: ", info.status().message()));
 }
 

@@ -97,7 +97,8 @@ TEST_F(KServeRoutesTest, ServerAndModelMetadata) {
   ExpectError(Send("GET", "/v2/models/gpt-4"), 404, "unknown model 'gpt-4'");
   ExpectError(Send("GET", "/v2/models/gpt-4/ready"), 404, "unknown model");
   ExpectError(Send("GET", "/v2/models/minilm/versions/2"), 404, "no version '2'");
-  ExpectError(Send("GET", "/v2/models/ended/ready"), 503, "not ready");
+  ExpectError(Send("GET", "/v2/models/ended/ready"), 400, "will not serve again");
+  ExpectError(Send("GET", "/v2/models/loading/ready"), 503, "not ready");
   ExpectError(Send("GET", "/v2/repository/index"), 404, "no route");
   ExpectError(Send("POST", "/v2/models/minilm"), 405, "GET");
   ExpectError(Send("GET", "/v2/models/minilm/infer"), 405, "POST");
@@ -258,7 +259,8 @@ TEST_F(KServeRoutesTest, BadInputIsAnErrorAndNothingIsSent) {
   }
   EXPECT_TRUE(backend_.infers.empty());
   ExpectError(Send("POST", "/v2/models/gpt-4/infer", absl::StrCat(R"({"inputs": [)", ids, "]}")), 404, "unknown model");
-  ExpectError(Send("POST", "/v2/models/ended/infer", absl::StrCat(R"({"inputs": [)", ids, "]}")), 503, "not ready");
+  ExpectError(Send("POST", "/v2/models/ended/infer", absl::StrCat(R"({"inputs": [)", ids, "]}")), 400, "CANCELLED");
+  ExpectError(Send("POST", "/v2/models/loading/infer", absl::StrCat(R"({"inputs": [)", ids, "]}")), 503, "not ready");
   // The request path's refusals keep their meaning.
   backend_.infer_error = absl::ResourceExhaustedError("over the client's share");
   ExpectError(Send("POST", "/v2/models/minilm/infer", absl::StrCat(R"({"inputs": [)", ids, "]}")), 429, "share");

@@ -209,9 +209,14 @@ TEST(KServeServingModel, ResolvesNamesVersionsAndReadiness) {
   EXPECT_EQ(by_default->job_id, "job-2");
   EXPECT_EQ(ServingModel(&backend, "gpt-4", "", "").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ServingModel(&backend, "minilm", "2", "").status().code(), absl::StatusCode::kNotFound);
+  // Ended: never again (400); still loading: not ready, retry (503).
   const absl::Status ended = ServingModel(&backend, "ended", "", "").status();
-  EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable);
-  EXPECT_NE(ended.message().find("not ready"), absl::string_view::npos) << ended;
+  EXPECT_EQ(ended.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(ended.message().find("will not serve again"), absl::string_view::npos) << ended;
+  const absl::Status loading = ServingModel(&backend, "loading", "", "").status();
+  EXPECT_EQ(loading.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(loading.message().find("not ready"), absl::string_view::npos) << loading;
+  EXPECT_FALSE(ServerReady(&backend, "loading"));
   EXPECT_TRUE(ServerReady(&backend, ""));
   EXPECT_TRUE(ServerReady(&backend, "minilm"));
   EXPECT_FALSE(ServerReady(&backend, "ended"));

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "planner/model_config.h"
+#include "server/job_recovery.h"
 #include "serving/pooling.h"
 
 namespace bertshard::server {
@@ -59,8 +60,14 @@ absl::StatusOr<http::ModelInfo> ClusterHttpBackend::Model(const std::string& job
   if (!stored->recovering().empty()) {
     return absl::UnavailableError(absl::StrCat("job ", job_id, " is recovering (", stored->recovering(), "); retry"));
   }
+  // Ended: it never serves again (the protocols' 4xx). Still on its way (PENDING, PLANNED, LOADING,
+  // or READY with no replica answering this instant): a retry's matter (503).
+  if (!TerminalState(stored->state())) {
+    return absl::UnavailableError(
+        absl::StrCat("job ", job_id, " is ", v1::JobState_Name(stored->state()), " and does not serve yet; retry"));
+  }
   return absl::FailedPreconditionError(
-      absl::StrCat("job ", job_id, " is ", v1::JobState_Name(stored->state()), "; inference needs READY"));
+      absl::StrCat("job ", job_id, " is ", v1::JobState_Name(stored->state()), ": ", stored->failure_cause()));
 }
 
 std::vector<http::ModelInfo> ClusterHttpBackend::ServingModels() {

@@ -94,7 +94,7 @@ grpc::Status KServeService::ModelReady(grpc::ServerContext* context, const infer
   // Not serving, or unknown (yet: a client polls before the job is submitted), is "not ready", as
   // Triton answers and as the HTTP route says; other failures are errors.
   if (!serving.ok() && serving.code() != absl::StatusCode::kUnavailable &&
-      serving.code() != absl::StatusCode::kNotFound) {
+      serving.code() != absl::StatusCode::kNotFound && serving.code() != absl::StatusCode::kFailedPrecondition) {
     return common::ToGrpcStatus(serving);
   }
   response->set_ready(serving.ok());

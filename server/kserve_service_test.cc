@@ -162,6 +162,7 @@ TEST_F(KServeServiceTest, HealthMetadataAndTheReadToken) {
   }
   for (const auto& [name, ready, code] :
        {std::tuple{"minilm", true, grpc::StatusCode::OK}, std::tuple{"ended", false, grpc::StatusCode::OK},
+        std::tuple{"loading", false, grpc::StatusCode::OK},
         std::tuple{"gpt-4", false, grpc::StatusCode::OK}}) {  // unknown: not ready, as Triton says
     SCOPED_TRACE(name);
     grpc::ClientContext context;
