@@ -303,21 +303,9 @@ void Scheduler::AbortUpdateLocked(const std::string& job_id, JobRuntime& runtime
   }
   // Not one has served a request (none goes to a shape before it is switched to).
   for (int32_t replica : dropped) DropGroupLocked(job_id, runtime, replica);
-  // Old replicas taken away to make room come back: first those still finishing a forward.
-  int live = 0;
-  for (auto& [replica, group] : runtime.groups) live += group->retiring ? 0 : 1;
-  for (auto& [replica, group] : runtime.groups) {
-    if (live < runtime.replicas && group->retiring) {
-      group->retiring = false;
-      ++live;
-    }
-  }
-  live = 0;
-  for (const auto& [replica, group] : runtime.groups) live += group->retiring ? 0 : 1;
-  for (; live < runtime.replicas; ++live) {
-    AddGroupLocked(job_id, runtime, runtime.FreeReplicaIndex()).reason = "placing its ranks";
-  }
-  ScheduleLocked();
+  // Old replicas taken away to make room come back (those still finishing a forward first), as a
+  // scale to the job's count brings them.
+  ScaleJobLocked(job_id, runtime, runtime.replicas);
 }
 
 std::string Scheduler::UpdateProgressLocked(const JobRuntime& runtime) {
