@@ -489,11 +489,14 @@ TEST(ClusterLimits, JobsPerClientAreLimitedUntilOneEnds) {
 // NCCL jobs go to GPU workers, one rank per GPU of a host, decided from the devices the workers
 // report, before anything loads: two workers reporting one GPU count once, and the job waits
 // saying so (or is refused at once with fail_if_no_workers). No worker processes: the addresses
-// refuse connections, so a placed job fails at its load, keeping its rank assignments.
+// refuse connections, so a placed job fails at its load. With no restart allowed it ends FAILED
+// keeping its rank assignments (recovering, it would drop them at once, before or after the check
+// below reads them: the load's failure races the test).
 TEST(ClusterPlacement, NcclJobsTakeOneWorkerPerGpuAndSayWhyTheyWait) {
   const std::string dir = ConfigOnlyModel("cluster_placement_model", "BertModel");
   ClusterOptions options;
   options.heartbeat_interval = absl::Hours(1);  // these workers never heartbeat
+  options.restarts.max_restarts = 0;
   auto cluster = Cluster::Create(options);
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   auto register_worker = [&](int port, const std::string& device) {

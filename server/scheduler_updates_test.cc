@@ -160,7 +160,9 @@ TEST_F(UpdatesTest, ShortOfWorkersTheUpdateGoesReplicaByReplica) {
   }
   bool served = false;
   for (const v1::StateChange& change : done.history()) {
-    if (served) EXPECT_EQ(change.state(), v1::READY) << "the job stopped serving: " << done.DebugString();
+    if (served) {
+      EXPECT_EQ(change.state(), v1::READY) << "the job stopped serving: " << done.DebugString();
+    }
     served |= change.state() == v1::READY;
   }
   EXPECT_EQ(a.Loads().size() + b.Loads().size(), 4u);  // two old, two new

@@ -97,7 +97,9 @@ TEST_F(Replicas, ALostReplicaFailsNoRequestAndComesBackOnASpare) {
   for (const auto& r : back.ranks()) EXPECT_NE(r.worker_id(), victim_id);
   bool served = false;  // from its first READY on, never anything else
   for (const v1::StateChange& change : back.history()) {
-    if (served) EXPECT_EQ(change.state(), v1::READY) << "the job stopped serving: " << back.DebugString();
+    if (served) {
+      EXPECT_EQ(change.state(), v1::READY) << "the job stopped serving: " << back.DebugString();
+    }
     served |= change.state() == v1::READY;
   }
   ASSERT_TRUE(clients->WaitAnswers(clients->answered() + 4 * kClients)) << "no answers after the replica came back";

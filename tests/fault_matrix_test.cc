@@ -212,7 +212,9 @@ TEST_P(FaultMatrix, Row) {
     EXPECT_EQ(final_job.state(), v1::READY) << final_job.DebugString();
     EXPECT_LE(InferDiff(job.id()), 1e-5f);
   } else {
-    if (row.fault == Fault::kStop) ASSERT_EQ(kill(victim_pid, SIGCONT), 0);
+    if (row.fault == Fault::kStop) {
+      ASSERT_EQ(kill(victim_pid, SIGCONT), 0);
+    }
     EXPECT_TRUE(WaitForWorkers(row.fault == Fault::kStop ? 4 : 3)) << "the workers are not idle";
     EXPECT_TRUE(WaitUnloadedEverywhere(job.id()));
   }
