@@ -55,6 +55,11 @@ class FakeWorker final : public v1::Worker::Service {
   FakeWorker& operator=(const FakeWorker&) = delete;
 
   std::string Address() const { return address_; }
+  // Its next loads end with `status`.
+  void SetLoadStatus(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    load_status_ = std::move(status);
+  }
   // Stops keeping the load and unload requests it gets (Loads(), WaitForUnload): for tests that
   // measure the coordinator's memory over thousands of jobs in this process.
   void KeepNoRequests() {
@@ -94,6 +99,7 @@ class FakeWorker final : public v1::Worker::Service {
     v1::LoadProgress progress;
     progress.set_phase(v1::LoadProgress::READY);
     writer->Write(progress);
+    absl::MutexLock lock(&mu_);
     return load_status_;
   }
   grpc::Status Unload(grpc::ServerContext*, const v1::UnloadRequest* request, v1::UnloadResponse*) override {
@@ -146,7 +152,7 @@ class FakeWorker final : public v1::Worker::Service {
     address_ = absl::StrCat("127.0.0.1:", port_);
   }
 
-  const grpc::Status load_status_;
+  grpc::Status load_status_ ABSL_GUARDED_BY(mu_);
   const ForwardFn forward_;
   int port_ = 0;
   std::string address_;

@@ -58,6 +58,10 @@ ABSL_FLAG(absl::Duration, restart_backoff, absl::Seconds(1),
 ABSL_FLAG(absl::Duration, restart_backoff_max, absl::Seconds(60), "longest wait between restarts");
 ABSL_FLAG(absl::Duration, restart_reset_after, absl::Minutes(10),
           "a job that served this long since its last restart counts its next loss as the first");
+ABSL_FLAG(bool, smaller_shapes, false,
+          "a replica that lost workers and finds too few idle ones serves in the largest smaller shape they fit (the "
+          "same TP over fewer stages, else a smaller TP) until its own fits again; each worker then holds more of "
+          "the model");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port for the Prometheus endpoint GET /metrics (port 0: any free port; empty: none)");
 // Dynamic batching of each job's Infer/Embed calls (TEI's defaults for the token budget).
@@ -213,6 +217,7 @@ absl::StatusOr<ServeOptions> ServeOptionsFromFlags() {
   restarts.backoff_initial = absl::GetFlag(FLAGS_restart_backoff);
   restarts.backoff_max = absl::GetFlag(FLAGS_restart_backoff_max);
   restarts.reset_after = absl::GetFlag(FLAGS_restart_reset_after);
+  options.cluster.smaller_shapes = absl::GetFlag(FLAGS_smaller_shapes);
   if (restarts.max_restarts < 0 || restarts.backoff_initial < absl::ZeroDuration() ||
       restarts.backoff_max < restarts.backoff_initial || restarts.reset_after < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(

@@ -15,6 +15,7 @@
 #include "server/placement.h"
 #include "server/replica_keys.h"
 #include "server/shard_loading.h"
+#include "server/smaller_shapes.h"
 
 namespace bertshard::server {
 
@@ -170,14 +171,17 @@ void Scheduler::ScheduleLocked() {
     }
     const std::vector<IdleWorker> free_workers = pool_->Idle();
     const Placement placement = PlaceRanks(group->shape->backend, group->shape->plan.world_size(), free_workers);
-    if (placement.ranks.empty()) {
+    std::vector<IdleWorker> workers;
+    for (size_t i : placement.ranks) workers.push_back(free_workers[i]);
+    // Too few for its shape: a recovering replica may take a smaller one (sets group->smaller).
+    if (workers.empty()) workers = PlaceSmallerLocked(*runtime->second, *group, free_workers);
+    if (workers.empty()) {
       waiting.push_back(still_pending.size());
       still_pending.push_back(std::move(pending));
       continue;
     }
-    std::vector<IdleWorker> workers;
-    for (size_t i : placement.ranks) workers.push_back(free_workers[i]);
     if (!PlanGroupLocked(pending.job_id, *runtime->second, *group, workers)) {
+      group->smaller.reset();
       still_pending.push_back(std::move(pending));  // PENDING as stored; the monitor tries again
       continue;
     }
@@ -207,6 +211,7 @@ void Scheduler::ScheduleLocked() {
   for (const std::string& job_id : changed) {
     RecordLocked(RecordJobLocked(job_id, *runtimes_.at(job_id), ""), "recording the pending reason of " + job_id);
   }
+  GrowBackWhereRoomLocked();  // queues replicas again: after `waiting`'s indices into pending_ are used
   changed_.SignalAll();
 }
 
@@ -233,10 +238,14 @@ bool Scheduler::PlanGroupLocked(const std::string& job_id, JobRuntime& runtime, 
     group.progress.push_back(p);
   }
   group.phase = GroupRuntime::Phase::kPlanned;
-  const absl::Status recorded = RecordJobLocked(
-      job_id, runtime,
-      runtime.replicas == 1 ? absl::StrCat(workers.size(), " workers assigned")
-                            : absl::StrCat(workers.size(), " workers assigned to replica ", group.replica));
+  std::string assigned = runtime.replicas == 1
+                             ? absl::StrCat(workers.size(), " workers assigned")
+                             : absl::StrCat(workers.size(), " workers assigned to replica ", group.replica);
+  if (group.smaller != nullptr) {
+    absl::StrAppend(&assigned, " in a smaller shape, ", ShapeText(group.smaller->request), " (too few idle for ",
+                    group.shape->plan.world_size(), ")");
+  }
+  const absl::Status recorded = RecordJobLocked(job_id, runtime, assigned);
   if (recorded.ok()) return true;
   // Not recorded, so not started: the replica stays PENDING as stored, with no ranks, its workers
   // stay free, and the monitor tries again every quarter interval until the database takes it (a
@@ -256,7 +265,8 @@ struct Scheduler::Load {
   std::string key;         // ReplicaKey(job_id, replica): what its workers know it by
   int64_t generation = 0;  // the replica's placement this load is for
   std::shared_ptr<JobRuntime> runtime;
-  std::shared_ptr<const JobShape> shape;  // what the replica loads
+  std::shared_ptr<const JobShape> shape;  // the replica's shape (the job's, or an update's)
+  std::shared_ptr<const JobShape> runs;   // what it loads: `shape`, or a smaller one of it
   std::vector<RankStub> ranks;            // copied: a worker registering again may change the group's ranks
 };
 
@@ -293,7 +303,14 @@ std::optional<Scheduler::Load> Scheduler::BeginLoad(const std::string& job_id, i
   if (group == nullptr || group->generation != generation || group->phase != GroupRuntime::Phase::kPlanned) {
     return std::nullopt;
   }
-  Load load{job_id, replica, ReplicaKey(job_id, replica), generation, found->second, group->shape, {}};
+  Load load{job_id,
+            replica,
+            ReplicaKey(job_id, replica),
+            generation,
+            found->second,
+            group->shape,
+            group->smaller != nullptr ? group->smaller : group->shape,
+            {}};
   absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs(group->WorkerIds());
   if (!stubs.ok()) {
     LoseGroupLocked(job_id, replica, generation,
@@ -338,9 +355,9 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
                            const std::vector<std::shared_ptr<grpc::ClientContext>>& contexts) {
   v1::LoadShardRequest request;
   request.set_job_id(load.key);
-  *request.mutable_plan() = load.shape->plan;
-  request.set_checkpoint(load.shape->checkpoint);
-  request.set_backend(load.shape->backend);
+  *request.mutable_plan() = load.runs->plan;
+  request.set_checkpoint(load.runs->checkpoint);
+  request.set_backend(load.runs->backend);
   request.set_master_addr(HostOf(load.ranks[0].address));
   request.set_master_port(port);
   request.set_rendezvous_secret(secret);
@@ -366,6 +383,17 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
         // With another replica serving, the job goes on; this replica is lost like any (a spare
         // without the checkpoint mounted says NOT_FOUND, another worker may have it).
         const bool others_serve = load.runtime->ServingGroups() > 0;
+        if (load.runs != load.shape && (group->generation == load.generation || lost_by_this_load)) {
+          // A smaller shape refused (the workers cannot hold it, say): the replica is lost like any,
+          // and waits for its own shape from now on; the job does not end for it.
+          if (LoadCanNeverSucceed(failure) || failure.code() == absl::StatusCode::kResourceExhausted) {
+            group->smaller_refused = true;
+          }
+          LoseGroupLocked(
+              load.job_id, load.replica, load.generation,
+              absl::StrCat(failure.message(), " (loading the smaller shape ", ShapeText(load.runs->request), ")"));
+          return;
+        }
         // Not NOT_FOUND: one worker without the new checkpoint mounted is lost like any (another may
         // have it); past --max_restarts that ends the update too (LoseGroupLocked).
         if (LoadCanNeverSucceed(failure) && failure.code() != absl::StatusCode::kNotFound &&
@@ -402,7 +430,11 @@ void Scheduler::FinishLoad(const Load& load, bool all_loaded) {
     FailJobLocked(load.job_id, absl::StrCat("the job database could not record it READY: ", s.message()));
     return;
   }
-  group->restarts.Served(absl::Now());
+  // In a smaller shape it still recovers (degraded, and waiting to grow back).
+  if (group->smaller == nullptr) {
+    group->restarts.Served(absl::Now());
+    group->smaller_refused = false;
+  }
   group->pending_note.clear();
   group->reason.clear();
   group->idle_since = absl::Now();

@@ -126,8 +126,21 @@ struct GroupRuntime {
   absl::Duration busy_sampled;
   // Scaled away while a forward held it: dropped when that forward ends (ScaleJob).
   bool retiring = false;
+  // Short of workers after a loss (ClusterOptions::smaller_shapes, scheduler_smaller.cc): the
+  // smaller shape of `shape` it is placed, loaded and served in until it grows back; null: `shape`.
+  // The replica keeps recovering meanwhile (restarts.recovering(): Job.degraded says so).
+  std::shared_ptr<const JobShape> smaller;
+  // The workers it kept when it was last lost or grew back: a smaller shape is chosen only once
+  // they have unloaded (else it would be placed on fewer than it may have).
+  std::vector<std::string> survivors;
+  // Its load in a smaller shape failed: it waits for its own shape until it serves in it again.
+  bool smaller_refused = false;
+  // Grows back to `shape` when its forward in flight ends (set only while one runs).
+  bool growing_back = false;
 
   bool serving() const { return phase == Phase::kServing; }
+  // What it is placed and loaded with: `smaller`, else `shape`.
+  const JobShape& runs() const { return smaller != nullptr ? *smaller : *shape; }
   std::vector<std::string> WorkerIds() const;
 };
 
@@ -314,6 +327,21 @@ class Scheduler final : public ForwardTargets {
   void AbortUpdateLocked(const std::string& job_id, JobRuntime& runtime, const std::string& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string UpdateProgressLocked(const JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Smaller shapes (ClusterOptions::smaller_shapes, scheduler_smaller.cc). Places the recovering
+  // replica that the idle workers do not fit in the largest smaller shape they fit (once the
+  // workers it kept have unloaded).
+  // Returns the workers of its ranks, with `group.smaller` set; empty, changing nothing, when it
+  // may not or none fits.
+  std::vector<IdleWorker> PlaceSmallerLocked(const JobRuntime& runtime, GroupRuntime& group,
+                                             const std::vector<IdleWorker>& idle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every replica serving in a smaller shape whose own shape its workers and the idle ones fit
+  // again grows back (at once, or when its forward in flight ends).
+  void GrowBackWhereRoomLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The replica unloads and waits to be placed in its own shape, still recovering: its requests
+  // wait for it (or go to the job's other replicas).
+  void GrowBackLocked(const std::string& job_id, JobRuntime& runtime, GroupRuntime& group)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Builds the runtimes of the stored jobs (RecoverStoredJobs). Called once, before any worker
   // registers.

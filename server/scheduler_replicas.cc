@@ -12,6 +12,7 @@
 #include "server/replica_keys.h"
 #include "server/scheduler.h"
 #include "server/shard_loading.h"
+#include "server/smaller_shapes.h"
 
 namespace bertshard::server {
 
@@ -445,6 +446,8 @@ void Scheduler::EndForward(const std::string& job_id, int32_t replica, int64_t g
   group->busy += group->idle_since - group->forward_started;
   if (group->retiring) {
     DropGroupLocked(job_id, *it->second, replica);  // signals: the job's replicas changed
+  } else if (group->growing_back) {
+    GrowBackLocked(job_id, *it->second, *group);  // signals
   } else if (forward_waiters_ > 0) {
     // Only a forward waiting for a free replica cares: every watcher woken at every forward would
     // read its job from the store under this lock, on the request path.
@@ -529,8 +532,14 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
     }
     // Only the serving shape's losses degrade the job; an update's show in Job.update.progress.
     if (group->restarts.recovering() && runtime.Current(*group)) {
-      degraded.push_back(named(replica, group->restarts.Describe()));
+      degraded.push_back(
+          named(replica, group->smaller == nullptr
+                             ? group->restarts.Describe()
+                             : absl::StrCat("serves in a smaller shape (", ShapeText(group->smaller->request),
+                                            ") until ", group->shape->plan.world_size(),
+                                            " workers can hold its own: ", group->restarts.Describe())));
     }
+    if (group->smaller != nullptr) status->set_smaller_shape(ShapeText(group->smaller->request));
     status->set_version(group->shape->version);
     status->set_restarts(group->restarts.restarts());
     status->set_forwards_in_flight(group->forwarding ? 1 : 0);

@@ -31,23 +31,11 @@
 #include "planner/planner.h"
 #include "server/placement.h"
 #include "server/scheduler.h"
+#include "server/smaller_shapes.h"
 
 namespace bertshard::server {
 
 namespace {
-
-// "TP 2 x PP 1, fp32, /models/minilm": what a user changes with shardctl update.
-std::string ShapeText(const v1::PlanRequest& request) {
-  const v1::ParallelConfig& p = request.parallel();
-  std::string text =
-      absl::StrCat("TP ", std::max<int64_t>(1, p.tp_size()), " x PP ", std::max<int64_t>(1, p.pp_size()));
-  if (p.pp_size() > 1) absl::StrAppend(&text, " ", v1::PipelineStyle_Name(p.pp_style()));
-  if (p.sp_mode() != v1::SequenceParallelMode{})
-    absl::StrAppend(&text, ", SP ", v1::SequenceParallelMode_Name(p.sp_mode()));
-  absl::StrAppend(&text, ", ", request.dtype() == v1::Dtype{} ? "FP32" : v1::Dtype_Name(request.dtype()), ", ",
-                  request.checkpoint());
-  return text;
-}
 
 std::string UtcNow() { return absl::FormatTime("%Y-%m-%d %H:%M:%E3S UTC", absl::Now(), absl::UTCTimeZone()); }
 

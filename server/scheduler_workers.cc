@@ -338,6 +338,9 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
   if (group->forwarding) group->busy += absl::Now() - group->forward_started;
   group->forwarding = false;
   group->recovery.reset();
+  group->survivors = group->WorkerIds();  // a smaller shape waits for them to unload
+  group->smaller.reset();                 // placed again in its own shape where it fits
+  group->growing_back = false;
   group->ranks.clear();
   group->progress.clear();
   UnloadGroupLocked(ReplicaKey(job_id, replica));

@@ -1,0 +1,156 @@
+// Smaller shapes (ClusterOptions::smaller_shapes, scheduler_smaller.cc): a replica that lost a
+// worker and finds no spare serves in a smaller shape on the workers it has, and grows back when
+// workers return. Fake workers on loopback; the plans they are sent say the shape.
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "server/replica_keys.h"
+#include "server/scheduler_test_fixture.h"
+
+namespace bertshard::server {
+namespace {
+
+class SmallerShapesTest : public SchedulerTest {
+ protected:
+  void SetUp() override {
+    SchedulerTest::SetUp();
+    options_.smaller_shapes = true;
+    Start();
+  }
+  // Watches the job until `done` holds for it (or it is READY or ended); returns the last seen.
+  v1::Job WatchUntil(const std::string& id, const std::function<bool(const v1::Job&)>& done) {
+    v1::Job last;
+    const absl::Status watched = scheduler_->WatchJob(
+        id, absl::Now() + absl::Seconds(60),
+        [&](const v1::JobEvent& e) {
+          last = e.job();
+          return !done(last);
+        },
+        nullptr);
+    // Ended by `emit`: CANCELLED.
+    EXPECT_TRUE(watched.ok() || watched.code() == absl::StatusCode::kCancelled) << watched;
+    return last;
+  }
+  static int LastWorld(const FakeWorker& worker) {
+    const std::vector<v1::LoadShardRequest> loads = worker.Loads();
+    return loads.empty() ? 0 : loads.back().plan().world_size();
+  }
+};
+
+TEST_F(SmallerShapesTest, ALostReplicaServesSmallerOnTheWorkerItKeptAndGrowsBackWhenOneReturns) {
+  FakeWorker a, b;
+  const std::string a_id = Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  ASSERT_EQ(ready.state(), v1::READY);
+  ASSERT_TRUE(Leave(b_id));
+  // No spare: once `a` has dropped its shard it serves alone, TP 1.
+  const v1::Job smaller = Settled(ready.id());
+  ASSERT_EQ(smaller.state(), v1::READY) << smaller.DebugString();
+  ASSERT_EQ(smaller.replica_status_size(), 1);
+  EXPECT_EQ(smaller.replica_status(0).smaller_shape(), "TP 1 x PP 1, FP32, " + checkpoint_);
+  EXPECT_NE(smaller.degraded().find("serves in a smaller shape (TP 1 x PP 1"), std::string::npos) << smaller.degraded();
+  EXPECT_NE(smaller.degraded().find("until 2 workers can hold its own: lost worker " + b_id), std::string::npos)
+      << smaller.degraded();
+  ASSERT_EQ(smaller.ranks_size(), 1);
+  EXPECT_EQ(smaller.ranks(0).worker_id(), a_id);
+  EXPECT_TRUE(a.WaitForUnload(ReplicaKey(ready.id(), 0)));
+  EXPECT_EQ(LastWorld(a), 1);
+  EXPECT_NE(smaller.history(smaller.history_size() - 3).reason().find("in a smaller shape, TP 1 x PP 1"),
+            std::string::npos)
+      << smaller.DebugString();
+  // Its forwards go to the one worker.
+  absl::StatusOr<ForwardTarget> target = scheduler_->NextForward(ready.id(), 0, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(target.ok()) << target.status();
+  EXPECT_EQ(target->ranks.size(), 1u);
+  scheduler_->EndForward(ready.id(), target->replica, target->generation);
+
+  // A worker comes: the replica unloads and is placed in its own shape on both.
+  FakeWorker c;
+  const std::string c_id = Register(c);
+  const v1::Job back = Settled(ready.id());
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  EXPECT_EQ(back.replica_status(0).smaller_shape(), "");
+  EXPECT_EQ(back.degraded(), "");
+  ASSERT_EQ(back.ranks_size(), 2);
+  EXPECT_EQ(back.ranks(0).worker_id(), a_id);
+  EXPECT_EQ(back.ranks(1).worker_id(), c_id);
+  EXPECT_TRUE(a.WaitForUnload(ReplicaKey(ready.id(), 0), 2));
+  EXPECT_EQ(LastWorld(a), 2);
+  EXPECT_EQ(LastWorld(c), 2);
+  bool grew_back = false;
+  for (const v1::StateChange& change : back.history()) {
+    grew_back |= change.reason().find("growing back from TP 1 x PP 1") != std::string::npos;
+  }
+  EXPECT_TRUE(grew_back) << back.DebugString();
+}
+
+TEST_F(SmallerShapesTest, GrowingBackWaitsForTheForwardInFlightAndTakesNoOther) {
+  FakeWorker a, b;
+  Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  ASSERT_TRUE(Leave(b_id));
+  ASSERT_EQ(Settled(ready.id()).replica_status(0).smaller_shape(), "TP 1 x PP 1, FP32, " + checkpoint_);
+  absl::StatusOr<ForwardTarget> held = scheduler_->NextForward(ready.id(), 0, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(held.ok()) << held.status();
+  FakeWorker c;
+  Register(c);
+  // Room to grow, but its forward runs: it serves on, and the next batch waits for the whole shape.
+  EXPECT_EQ(scheduler_->GetJob(ready.id())->state(), v1::READY);
+  absl::StatusOr<ForwardTarget> next = absl::UnknownError("not returned");
+  std::thread batch([&] { next = scheduler_->NextForward(ready.id(), 0, absl::Now() + absl::Seconds(60)); });
+  scheduler_->EndForward(ready.id(), held->replica, held->generation);
+  batch.join();
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->ranks.size(), 2u);
+  EXPECT_NE(next->generation, held->generation);
+}
+
+TEST_F(SmallerShapesTest, ASmallerShapeThatCannotLoadIsNotTriedAgain) {
+  FakeWorker a, b;
+  Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  a.SetLoadStatus(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "out of memory"));
+  ASSERT_TRUE(Leave(b_id));
+  const v1::Job waiting = WatchUntil(ready.id(), [](const v1::Job& job) {
+    return job.pending_reason().find("waiting for 2") != std::string::npos &&
+           job.pending_reason().find("loading the smaller shape") != std::string::npos;
+  });
+  EXPECT_EQ(waiting.state(), v1::PENDING) << waiting.DebugString();
+  EXPECT_NE(waiting.pending_reason().find("(loading the smaller shape TP 1 x PP 1"), std::string::npos)
+      << waiting.pending_reason();
+  EXPECT_NE(waiting.pending_reason().find("out of memory"), std::string::npos) << waiting.pending_reason();
+  EXPECT_EQ(waiting.restarts(), 2);
+  EXPECT_EQ(a.Loads().size(), 2u);  // the first, and the smaller one: not again
+  // Its own shape when a worker comes.
+  a.SetLoadStatus(grpc::Status::OK);
+  FakeWorker c;
+  Register(c);
+  const v1::Job back = Settled(ready.id());
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  EXPECT_EQ(back.ranks_size(), 2);
+  EXPECT_EQ(LastWorld(a), 2);
+}
+
+TEST_F(SmallerShapesTest, WithoutTheOptionAReplicaWaitsForItsOwnShape) {
+  options_.smaller_shapes = false;
+  Start();
+  FakeWorker a, b;
+  Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  ASSERT_TRUE(Leave(b_id));
+  EXPECT_TRUE(a.WaitForUnload(ReplicaKey(ready.id(), 0)));
+  FakeWorker c;
+  Register(c);
+  const v1::Job back = Settled(ready.id());
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  EXPECT_EQ(back.ranks_size(), 2);
+  EXPECT_EQ(a.Loads().size(), 2u);  // its first load, and its own shape again: nothing between
+  EXPECT_EQ(LastWorld(a), 2);
+}
+
+}  // namespace
+}  // namespace bertshard::server

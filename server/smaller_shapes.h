@@ -1,0 +1,47 @@
+// File: server/smaller_shapes.h
+// -----------------------------------------------------------------------------
+// The smaller shapes a job's replica may run in when it lost workers and no spare is left
+// (ClusterOptions::smaller_shapes): the same model, dtype and checkpoint on fewer workers, planned
+// from the job's own plan (its config, every field set), so no file is read. Which ones and in what
+// order:
+//   - the same TP over fewer stages first: every surviving rank of a stage keeps its TP slice, so
+//     the tensors it held are in its new table, and only the other stages' layers are new to it;
+//   - then smaller TPs (divisors of the job's TP), the largest world first, then the larger TP;
+//   - only what the planner accepts (a TP the heads do not divide, an interleaved pipeline with
+//     more chunks than layers, ...): the planner says which.
+// A single stage drops the pipeline style; TP 1 drops sequence parallelism.
+// Also ShapeText, how a shape is named in reasons and notes.
+//
+// Example:
+//   // A TP 2 x PP 2 job with 3 workers left: TP 2 x PP 1 (its stage-0 ranks keep their slices).
+//   std::optional<SmallerShape> s = LargestSmallerShape(job.request(), plan, /*workers=*/3);
+//   // s->request.parallel().tp_size() == 2, s->plan.world_size() == 2
+//
+// Failure model: pure; no shape fits -> nullopt (a one-worker job has none).
+//
+// Thread safety: thread-safe (no shared state).
+#ifndef BERTSHARD_SERVER_SMALLER_SHAPES_H_
+#define BERTSHARD_SERVER_SMALLER_SHAPES_H_
+
+#include <optional>
+#include <string>
+
+#include "bertshard/v1/plan.pb.h"
+
+namespace bertshard::server {
+
+struct SmallerShape {
+  v1::PlanRequest request;  // the job's request with its parallel config changed (checkpoint kept)
+  v1::ShardPlan plan;
+};
+
+// The best smaller shape of the job planned as `plan` from `request` on at most `workers` workers
+// (fewer than the plan's world), as above; nullopt when none fits.
+std::optional<SmallerShape> LargestSmallerShape(const v1::PlanRequest& request, const v1::ShardPlan& plan, int workers);
+
+// "TP 2 x PP 1, FP32, /models/minilm": what a user changes with shardctl update.
+std::string ShapeText(const v1::PlanRequest& request);
+
+}  // namespace bertshard::server
+
+#endif  // BERTSHARD_SERVER_SMALLER_SHAPES_H_
