@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
 
 namespace bertshard::testing {
 
@@ -137,6 +138,14 @@ class ClosedLoopClients {
   absl::Time first_after_mark_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   std::vector<std::thread> threads_;  // last: started once the rest is built
 };
+
+// Every answer was the reference's and no request failed; each failure is reported.
+inline void ExpectNoFailure(const ClosedLoopClients& clients) {
+  EXPECT_EQ(clients.wrong(), 0);
+  for (const ClosedLoopClients::Failure& f : clients.failures()) {
+    ADD_FAILURE() << "a client saw " << f.code << ": " << f.message;
+  }
+}
 
 }  // namespace bertshard::testing
 

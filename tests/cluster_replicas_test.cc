@@ -25,6 +25,7 @@ namespace {
 using testing::ClosedLoopClients;
 using testing::Cluster;
 using testing::Context;
+using testing::ExpectNoFailure;
 using testing::kModel;
 using testing::ReadAll;
 
@@ -55,12 +56,6 @@ class Replicas : public Cluster {
       return ClosedLoopClients::Outcome{
           status, response.outputs_size() == 1 && MaxDiff(response.outputs(0), expected) <= 1e-5f};
     });
-  }
-  static void ExpectNoFailure(const ClosedLoopClients& clients) {
-    EXPECT_EQ(clients.wrong(), 0);
-    for (const ClosedLoopClients::Failure& f : clients.failures()) {
-      ADD_FAILURE() << "a client saw " << f.code << ": " << f.message;
-    }
   }
 };
 

@@ -27,6 +27,7 @@ namespace {
 using testing::ClosedLoopClients;
 using testing::Cluster;
 using testing::Context;
+using testing::ExpectNoFailure;
 using testing::kModel;
 
 class Update : public Cluster {
@@ -61,12 +62,6 @@ class Update : public Cluster {
     EXPECT_TRUE(status.ok()) << status.error_message();
     if (!status.ok() || response.outputs_size() != 1) return {};
     return {response.outputs(0).values().begin(), response.outputs(0).values().end()};
-  }
-  static void ExpectNoFailure(const ClosedLoopClients& clients) {
-    EXPECT_EQ(clients.wrong(), 0);
-    for (const ClosedLoopClients::Failure& f : clients.failures()) {
-      ADD_FAILURE() << "a client saw " << f.code << ": " << f.message;
-    }
   }
   static void PrintLatency(const char* what, const ClosedLoopClients& clients, absl::Time from, absl::Time to) {
     std::printf("%s: p50 %.1f ms, p99 %.1f ms\n", what, absl::ToDoubleMilliseconds(clients.Latency(0.5, from, to)),
