@@ -247,6 +247,7 @@ BertShard::~BertShard() = default;
 
 bool BertShard::holds_heads() const { return impl_->holds_heads(); }
 int64_t BertShard::padding_bytes() const { return impl_->padding_bytes(); }
+int64_t BertShard::kept_bytes() const { return impl_->kept_bytes(); }
 GemmPath BertShard::gemm_path() const { return impl_->gemm_path(); }
 at::ScalarType BertShard::dtype() const { return impl_->dtype(); }
 
@@ -269,7 +270,8 @@ absl::StatusOr<std::unique_ptr<BertShard>> BertShard::Load(const v1::ShardPlan& 
         impl->gemm_path(), options.device.is_cpu() ? impl->dtype() : at::kFloat));  // before reading anything
     RETURN_IF_ERROR(ProbeKernels(impl->dtype(), options.device, planner::DtypeName(plan.dtype())));
     int64_t bytes = 0;
-    RETURN_IF_ERROR(impl->LoadTensors(checkpoint, options.progress, &bytes));
+    RETURN_IF_ERROR(impl->LoadTensors(checkpoint, options.progress, &bytes,
+                                      options.donor != nullptr ? options.donor->impl_.get() : nullptr));
 #ifdef __GLIBC__
     // The load's transient buffers (tensors read before conversion or packing) are free but may
     // sit between live ones, where glibc keeps them mapped: give their pages back.

@@ -68,6 +68,13 @@ class BertShard {
     // at::linear, whatever this says.
     GemmPath gemm = GemmPath::kBlas;
     Progress progress;
+    // An earlier shard of the same checkpoint on this process (the rank's shard before its replica
+    // changed shape), or null: the tensors it holds as this load would make them (the same slice
+    // of the same tensor, dtype, device and GEMM path) are taken from it instead of read. When this
+    // load takes all of the donor's tensors it shares them; else it copies those the donor holds
+    // in its weight arena, so that destroying the donor frees what was not taken. The donor must
+    // not run a forward during the load, and may be destroyed after it.
+    const BertShard* donor = nullptr;
   };
   // As above, with the GEMM path.
   static absl::StatusOr<std::unique_ptr<BertShard>> Load(const v1::ShardPlan& plan, int rank,
@@ -80,6 +87,8 @@ class BertShard {
   int64_t param_bytes() const { return param_bytes_; }
   // Of those, the zero rows that pad the vocabulary (never read from the checkpoint).
   int64_t padding_bytes() const;
+  // Of those, the bytes taken from LoadOptions::donor instead of read.
+  int64_t kept_bytes() const;
   int stage() const { return stage_; }
   // The path the linears take: LoadOptions::gemm on CPU, kBlas on CUDA.
   GemmPath gemm_path() const;

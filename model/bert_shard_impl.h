@@ -42,9 +42,11 @@ class BertShard::Impl {
  public:
   Impl(const v1::ShardPlan& plan, int rank, c10::Device device, GemmPath gemm);
 
-  // Loading (bert_shard_loading.cc): reads this rank's tensors of the plan from `ckpt`.
+  // Loading (bert_shard_loading.cc): reads this rank's tensors of the plan from `ckpt`, taking
+  // those `donor` (may be null) holds alike instead (BertShard::LoadOptions::donor).
   absl::Status LoadTensors(const checkpoint::Checkpoint& ckpt, const BertShard::Progress& progress,
-                           int64_t* param_bytes);
+                           int64_t* param_bytes, const Impl* donor);
+  int64_t kept_bytes() const { return kept_bytes_; }
 
   bool holds_heads() const { return stage_ == head_stage_; }
   int64_t padding_bytes() const { return padding_bytes_; }
@@ -108,6 +110,20 @@ class BertShard::Impl {
     bool read_by_linear = false, looked_up = false;
   };
   LinearUse UseOf(const v1::TensorShard& t) const;
+
+  // Whether `donor` holds tensor `t` of this rank's table as this load would make it: the same
+  // slice of the same tensor under the same names, in the same dtype, device and GEMM path, read
+  // the same way (a linear's weight, an embedding table, transposed at load or not).
+  bool HeldAlikeBy(const Impl& donor, const v1::TensorShard& t) const;
+  // The names of this rank's tensors a load takes from `donor`: those it holds alike, a layer's
+  // query, key and value only when all six are (it holds them fused).
+  std::vector<std::string> TakenFrom(const Impl& donor, const v1::RankShard& mine) const;
+  // Takes `t` from `donor` under each of its names (a QKV part: the layer's fused weight and bias,
+  // once). With `share` the tensors are the donor's own; else those in its weight arena are
+  // copied, so that the arena is freed with the donor (the rest are shared: each frees alone).
+  void TakeFromDonor(const Impl& donor, const v1::TensorShard& t, bool share);
+  // The bytes of `t`'s zero padding rows in the shard's dtype.
+  int64_t PaddingBytes(const v1::TensorShard& t) const;
 
   // --- The forward's schedule (bert_shard.cc) ---
 
@@ -214,6 +230,7 @@ class BertShard::Impl {
   std::shared_ptr<WeightArena> arena_;  // what ReadTransposed writes into
   Collectives* comm_ = nullptr;         // set for the duration of Forward
   int64_t padding_bytes_ = 0;
+  int64_t kept_bytes_ = 0;  // of param bytes: taken from a donor, not read
 };
 
 }  // namespace bertshard::model

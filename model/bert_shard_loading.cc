@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -92,7 +93,7 @@ class BertShard::Impl::WeightArena {
 };
 
 absl::Status BertShard::Impl::LoadTensors(const checkpoint::Checkpoint& ckpt, const BertShard::Progress& progress,
-                                          int64_t* param_bytes) {
+                                          int64_t* param_bytes, const Impl* donor) {
   const v1::RankShard* mine = nullptr;
   for (const auto& r : plan_.ranks()) {
     if (r.rank() == rank_) mine = &r;
@@ -102,13 +103,32 @@ absl::Status BertShard::Impl::LoadTensors(const checkpoint::Checkpoint& ckpt, co
         absl::StrCat("rank ", rank_, " is not in the plan (world size ", plan_.world_size(), ")"));
   }
   *param_bytes = 0;
+  std::set<std::string> taken;
+  bool share = false;
+  if (donor != nullptr) {
+    for (std::string& name : TakenFrom(*donor, *mine)) taken.insert(std::move(name));
+    share = taken.size() == donor->shards_.size();  // nothing of the donor's left behind
+  }
   int64_t arena_bytes = 0;
   for (const v1::TensorShard& t : mine->tensors()) {
-    if (TransposesAtLoad(t)) arena_bytes += WeightArena::Bytes(t.local_shape(0) * t.local_shape(1));
+    if (TransposesAtLoad(t) && taken.count(t.name()) == 0) {
+      arena_bytes += WeightArena::Bytes(t.local_shape(0) * t.local_shape(1));
+    }
   }
   // A layer's fused QKV weight takes its three parts' bytes; the slack covers its alignment.
   if (arena_bytes > 0) arena_ = WeightArena::Create(arena_bytes + 64 * static_cast<int64_t>(mine->tensors_size()));
   for (const v1::TensorShard& t : mine->tensors()) {
+    if (taken.count(t.name()) > 0) {
+      TakeFromDonor(*donor, t, share);
+      *param_bytes += t.bytes();
+      kept_bytes_ += t.bytes();
+      shards_[t.name()] = &t;
+      if (progress &&
+          !progress(static_cast<int>(shards_.size()), mine->tensors_size(), *param_bytes, mine->param_bytes())) {
+        return absl::CancelledError(absl::StrCat("loading rank ", rank_, " was cancelled"));
+      }
+      continue;
+    }
     std::vector<std::string> aliases(t.aliases().begin(), t.aliases().end());
     // As HF's from_pretrained, accept a base-model checkpoint for a model with heads and the
     // other way round: the trunk's names differ only by the "bert." prefix.
@@ -179,9 +199,7 @@ absl::Status BertShard::Impl::ReadDense(const v1::TensorShard& t, const checkpoi
   } else if (slice.dim < 0 || slice.end > slice.start) {
     RETURN_IF_ERROR(file.ReadSlice(info, slice, local.data_ptr<float>()));
   }
-  int64_t row_elements = 1;
-  for (int i = 1; i < t.local_shape_size(); ++i) row_elements *= t.local_shape(i);
-  padding_bytes_ += t.padding() * row_elements * static_cast<int64_t>(c10::elementSize(dtype_));
+  padding_bytes_ += PaddingBytes(t);
   // Read as float32 whatever the file holds (the reader converts F16/BF16 exactly), then
   // converted once: bf16 and fp16 files round-trip unchanged, fp32 ones round to nearest.
   local = local.to(device_, dtype_);
@@ -281,6 +299,74 @@ BertShard::Impl::LinearUse BertShard::Impl::UseOf(const v1::TensorShard& t) cons
     }
   }
   return use;
+}
+
+int64_t BertShard::Impl::PaddingBytes(const v1::TensorShard& t) const {
+  int64_t row_elements = 1;
+  for (int i = 1; i < t.local_shape_size(); ++i) row_elements *= t.local_shape(i);
+  return t.padding() * row_elements * static_cast<int64_t>(c10::elementSize(dtype_));
+}
+
+bool BertShard::Impl::HeldAlikeBy(const Impl& donor, const v1::TensorShard& t) const {
+  if (donor.dtype_ != dtype_ || donor.device_ != device_ || donor.gemm_ != gemm_) return false;
+  const auto found = donor.shards_.find(t.name());
+  if (found == donor.shards_.end()) return false;
+  const v1::TensorShard& d = *found->second;
+  const auto same = [](const auto& a, const auto& b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
+  const LinearUse mine = UseOf(t), theirs = donor.UseOf(d);
+  return d.split_dim() == t.split_dim() && d.start() == t.start() && d.end() == t.end() && d.padding() == t.padding() &&
+         same(d.local_shape(), t.local_shape()) && same(d.global_shape(), t.global_shape()) &&
+         same(d.aliases(), t.aliases()) && mine.read_by_linear == theirs.read_by_linear &&
+         mine.looked_up == theirs.looked_up && donor.TransposesAtLoad(d) == TransposesAtLoad(t);
+}
+
+std::vector<std::string> BertShard::Impl::TakenFrom(const Impl& donor, const v1::RankShard& mine) const {
+  std::vector<std::string> taken;
+  std::map<std::string, int> qkv_parts, qkv_alike;  // by layer prefix: parts in the table, held alike
+  for (const v1::TensorShard& t : mine.tensors()) {
+    const bool alike = HeldAlikeBy(donor, t);
+    if (IsQkvPart(t.name())) {
+      ++qkv_parts[QkvPrefix(t.name())];
+      qkv_alike[QkvPrefix(t.name())] += alike ? 1 : 0;
+    } else if (alike) {
+      taken.push_back(t.name());
+    }
+  }
+  for (const v1::TensorShard& t : mine.tensors()) {
+    if (!IsQkvPart(t.name())) continue;
+    const std::string p = QkvPrefix(t.name());
+    const bool fused_there = donor.params_.count(p + "qkv.bias") > 0 &&
+                             (donor.params_.count(p + "qkv.weight") > 0 || donor.packed_.count(p + "qkv.weight") > 0);
+    if (qkv_parts[p] == 6 && qkv_alike[p] == 6 && fused_there) taken.push_back(t.name());
+  }
+  return taken;
+}
+
+void BertShard::Impl::TakeFromDonor(const Impl& donor, const v1::TensorShard& t, bool share) {
+  // Copied only when it lies in the donor's arena (read transposed there) and the donor is not
+  // wholly taken: a shared tensor would keep the whole arena mapped.
+  const auto keep = [share](const at::Tensor& held, bool in_arena) { return share || !in_arena ? held : held.clone(); };
+  if (IsQkvPart(t.name())) {
+    const std::string p = QkvPrefix(t.name());
+    if (params_.count(p + "qkv.bias") > 0) return;  // the layer's fused pair is taken already
+    params_[p + "qkv.bias"] = donor.params_.at(p + "qkv.bias");
+    if (auto w = donor.params_.find(p + "qkv.weight"); w != donor.params_.end()) params_[p + "qkv.weight"] = w->second;
+    if (auto w = donor.packed_.find(p + "qkv.weight"); w != donor.packed_.end()) {
+      const bool in_arena = gemm_ == GemmPath::kOneDnn && OneDnnPacksByTransposing(dtype_, device_);
+      packed_[p + "qkv.weight"] = keep(w->second, in_arena);
+    }
+    return;
+  }
+  std::vector<std::string> names = {t.name()};
+  names.insert(names.end(), t.aliases().begin(), t.aliases().end());
+  at::Tensor dense, packed;
+  if (auto d = donor.params_.find(t.name()); d != donor.params_.end()) dense = d->second;
+  if (auto k = donor.packed_.find(t.name()); k != donor.packed_.end()) packed = keep(k->second, TransposesAtLoad(t));
+  for (const std::string& name : names) {
+    if (dense.defined()) params_[name] = dense;
+    if (packed.defined()) packed_[name] = packed;
+  }
+  padding_bytes_ += PaddingBytes(t);
 }
 
 }  // namespace bertshard::model

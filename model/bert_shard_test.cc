@@ -158,6 +158,105 @@ INSTANTIATE_TEST_SUITE_P(AllVariants, OneDnnPath,
                                            "next_sentence", "sequence_classification_f16", "token_classification_bf16",
                                            "multiple_choice", "question_answering"));
 
+// A load that takes what an earlier shard of the same checkpoint holds instead of reading it (a
+// replica changing shape, issue 22): the same answers as a fresh load, only the rest read, on both
+// GEMM paths (the oneDNN one holds transposed weights in the donor's arena and the layers' QKV
+// fused). Two ways: stage 0 of TP 1 x PP 2 growing to the whole model (it takes all the donor
+// holds: shared), and the whole model shrinking to stage 0 (it takes part: copied, so the donor's
+// arena can go), that stage then growing again after its donor is gone.
+v1::ShardPlan PlanFor(const std::string& dir, int pp) {
+  v1::PlanRequest request;
+  request.set_checkpoint(dir);
+  request.mutable_parallel()->set_pp_size(pp);
+  absl::StatusOr<v1::ShardPlan> plan = planner::Plan(request);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.ok() ? *plan : v1::ShardPlan();
+}
+
+void ExpectReferenceOutputs(BertShard& shard, const std::string& dir) {
+  SingleRankCollectives single;
+  auto outputs = shard.Forward(ReadInputs(dir + "/input.json"), 1, &single);
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  const auto expected = ReadExpected(dir + "/expected.safetensors");
+  ASSERT_EQ(outputs->size(), expected.size());
+  for (const auto& [name, want] : expected) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(outputs->count(name));
+    EXPECT_LE((outputs->at(name) - want).abs().max().item<float>(), 1e-5f);
+  }
+}
+
+class DonorLoad : public ::testing::TestWithParam<GemmPath> {
+ protected:
+  void SetUp() override {
+    if (!GemmPathAvailable(GetParam()).ok()) GTEST_SKIP() << "this LibTorch lacks the GEMM path";
+  }
+  // Rank 0 of `plan`, taking from `donor` (may be null); `read` gets the checkpoint bytes read.
+  std::unique_ptr<BertShard> Load(const v1::ShardPlan& plan, const BertShard* donor, uint64_t* read) {
+    auto ckpt = checkpoint::Checkpoint::Open(dir_);
+    EXPECT_TRUE(ckpt.ok()) << ckpt.status();
+    if (!ckpt.ok()) return nullptr;
+    BertShard::LoadOptions options;
+    options.gemm = GetParam();
+    options.donor = donor;
+    auto shard = BertShard::Load(plan, 0, **ckpt, options);
+    EXPECT_TRUE(shard.ok()) << shard.status();
+    *read = (*ckpt)->bytes_read();
+    return shard.ok() ? *std::move(shard) : nullptr;
+  }
+  const std::string dir_ = std::string(kData) + "bert_model";
+};
+
+TEST_P(DonorLoad, AStageGrowingToTheWholeModelReadsOnlyWhatItLacked) {
+  const v1::ShardPlan whole_plan = PlanFor(dir_, 1), stage_plan = PlanFor(dir_, 2);
+  uint64_t whole_read = 0, stage_read = 0, grown_read = 0;
+  ASSERT_NE(Load(whole_plan, nullptr, &whole_read), nullptr);
+  std::unique_ptr<BertShard> stage = Load(stage_plan, nullptr, &stage_read);
+  ASSERT_NE(stage, nullptr);
+  std::unique_ptr<BertShard> grown = Load(whole_plan, stage.get(), &grown_read);
+  ASSERT_NE(grown, nullptr);
+  EXPECT_EQ(grown->kept_bytes(), stage->param_bytes());  // every tensor of stage 0 is the whole model's too
+  EXPECT_EQ(grown->param_bytes(), whole_plan.ranks(0).param_bytes());
+  EXPECT_GT(stage_read, 0u);
+  EXPECT_EQ(grown_read, whole_read - stage_read);
+  stage.reset();  // what it shared lives on in `grown`
+  ExpectReferenceOutputs(*grown, dir_);
+}
+
+TEST_P(DonorLoad, TheWholeModelShrinkingToAStageReadsNothingAndServesOnceItsDonorIsGone) {
+  const v1::ShardPlan whole_plan = PlanFor(dir_, 1), stage_plan = PlanFor(dir_, 2);
+  uint64_t read = 0;
+  std::unique_ptr<BertShard> whole = Load(whole_plan, nullptr, &read);
+  ASSERT_NE(whole, nullptr);
+  std::unique_ptr<BertShard> stage = Load(stage_plan, whole.get(), &read);
+  ASSERT_NE(stage, nullptr);
+  EXPECT_EQ(stage->kept_bytes(), stage->param_bytes());
+  EXPECT_EQ(read, 0u);
+  whole.reset();  // what the stage took lives on in it (copied where it lay in the donor's arena)
+  std::unique_ptr<BertShard> again = Load(whole_plan, stage.get(), &read);
+  ASSERT_NE(again, nullptr);
+  EXPECT_EQ(again->kept_bytes(), stage->param_bytes());
+  stage.reset();
+  ExpectReferenceOutputs(*again, dir_);
+}
+
+TEST_P(DonorLoad, NothingIsTakenFromAShardOfAnotherDtype) {
+  v1::ShardPlan bf16 = PlanFor(dir_, 1);
+  v1::PlanRequest request;
+  request.set_checkpoint(dir_);
+  request.set_dtype(v1::BF16);
+  ASSERT_TRUE(planner::PlanInto(request, &bf16).ok());
+  uint64_t read = 0, donor_read = 0;
+  std::unique_ptr<BertShard> donor = Load(bf16, nullptr, &donor_read);
+  ASSERT_NE(donor, nullptr);
+  std::unique_ptr<BertShard> fp32 = Load(PlanFor(dir_, 1), donor.get(), &read);
+  ASSERT_NE(fp32, nullptr);
+  EXPECT_EQ(fp32->kept_bytes(), 0);
+  EXPECT_EQ(read, donor_read);
+}
+
+INSTANTIATE_TEST_SUITE_P(BothPaths, DonorLoad, ::testing::Values(GemmPath::kBlas, GemmPath::kOneDnn));
+
 // bf16: weights converted at load, the forward in bf16, outputs float32, against the same fp32
 // references within a bf16 tolerance, on both GEMM paths. The outputs must also differ from the
 // fp32 ones: a shard that ignored the dtype would pass the tolerance alone.

@@ -105,6 +105,7 @@ struct WorkerService::LoadedJob {
   int threads = 1;
   int rank = 0;
   int world_size = 0;
+  std::string checkpoint;  // LoadShardRequest.checkpoint: a later load of the key may keep its tensors
   JobMetrics metrics;
 };
 
@@ -218,7 +219,7 @@ absl::Status WorkerService::CheckLoadRequest(const v1::LoadShardRequest& request
 
 absl::StatusOr<std::shared_ptr<WorkerService::LoadedJob>> WorkerService::LoadJob(
     const v1::LoadShardRequest& request, grpc::ServerContext& context, grpc::ServerWriter<v1::LoadProgress>& writer,
-    v1::LoadProgress& progress) {
+    v1::LoadProgress& progress, const std::shared_ptr<LoadedJob>& held) {
   const v1::ShardPlan& plan = request.plan();
   ShardLoadOptions options;
   options.checkpoint = request.checkpoint();
@@ -246,6 +247,14 @@ absl::StatusOr<std::shared_ptr<WorkerService::LoadedJob>> WorkerService::LoadJob
   job->threads = request.threads() > 0 ? request.threads() : options_.default_threads;
   job->rank = request.rank();
   job->world_size = plan.world_size();
+  job->checkpoint = request.checkpoint();
+  if (held != nullptr && held->checkpoint == request.checkpoint()) {
+    // Out of jobs_ already: once a forward still running on it has ended, none comes. Its groups
+    // are gone with its replica; its tensors are the new load's to take.
+    absl::MutexLock lock(&held->mu);
+    held->comm.reset();
+    options.load.donor = held->shard.get();
+  }
   SetMathThreads(job->threads);
   if (options_.gpu >= 0) {
     options.load.device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(options_.gpu));
@@ -274,6 +283,8 @@ absl::StatusOr<std::shared_ptr<WorkerService::LoadedJob>> WorkerService::LoadJob
   };
   common::PausePoint("worker_load");  // fault tests stop a worker here, before it reads a tensor
   ASSIGN_OR_RETURN(LoadedShard loaded, LoadAndConnect(plan, request.rank(), options));
+  progress.set_bytes_kept(loaded.shard->kept_bytes());
+  progress.set_checkpoint_bytes_read(static_cast<int64_t>(loaded.checkpoint_bytes_read));
   job->shard = std::move(loaded.shard);
   job->comm = std::move(loaded.collectives.comm);
   return job;
@@ -284,10 +295,15 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
   if (grpc::Status denied = Authorize(*context); !denied.ok()) return denied;
   if (absl::Status refused = CheckLoadRequest(*request); !refused.ok()) return common::ToGrpcStatus(refused);
   int64_t unloads_at_start = 0;
+  std::shared_ptr<LoadedJob> held;  // the shard it replaces (keep_held), dropped when this call ends
   {
     absl::MutexLock lock(&mu_);
-    if (jobs_.count(request->job_id())) {
-      return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " is already loaded here")};
+    if (auto it = jobs_.find(request->job_id()); it != jobs_.end()) {
+      if (!request->keep_held()) {
+        return {grpc::StatusCode::ALREADY_EXISTS, absl::StrCat("job ", request->job_id(), " is already loaded here")};
+      }
+      held = std::move(it->second);  // it serves no more: its replica is being placed anew
+      jobs_.erase(it);
     }
     LoadsInProgress& loading = loading_[request->job_id()];
     ++loading.loads;
@@ -299,7 +315,8 @@ grpc::Status WorkerService::LoadShard(grpc::ServerContext* context, const v1::Lo
     if (--it->second.loads == 0) loading_.erase(it);
   };
   v1::LoadProgress progress;  // the last one says READY, with the counts of the load
-  absl::StatusOr<std::shared_ptr<LoadedJob>> job = LoadJob(*request, *context, *writer, progress);
+  absl::StatusOr<std::shared_ptr<LoadedJob>> job = LoadJob(*request, *context, *writer, progress, held);
+  held.reset();  // what the new shard did not take is freed here
   if (!job.ok()) return common::ToGrpcStatus(job.status());
   if (context->IsCancelled()) {
     // The coordinator gave up on this job while we joined its groups: do not keep it.

@@ -117,10 +117,12 @@ class WorkerService final : public v1::Worker::Service {
   // LoadShard's refusals made before anything is read: a malformed request, or a backend this
   // worker does not serve (or this build lacks).
   absl::Status CheckLoadRequest(const v1::LoadShardRequest& request) const;
-  // Loads and connects the request's rank (worker/shard_loader.h), streaming `progress` to `writer`.
+  // Loads and connects the request's rank (worker/shard_loader.h), streaming `progress` to `writer`,
+  // taking what `held` (the shard it replaces, may be null) holds alike when it is of the same checkpoint.
   absl::StatusOr<std::shared_ptr<LoadedJob>> LoadJob(const v1::LoadShardRequest& request, grpc::ServerContext& context,
                                                      grpc::ServerWriter<v1::LoadProgress>& writer,
-                                                     v1::LoadProgress& progress);
+                                                     v1::LoadProgress& progress,
+                                                     const std::shared_ptr<LoadedJob>& held);
   // options_.gemm, or under "auto" the measured choice for a plan's rank at `threads`.
   model::GemmPath GemmPathFor(const v1::ShardPlan& plan, int rank, const std::string& job_id, int threads);
 

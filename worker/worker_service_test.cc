@@ -337,6 +337,43 @@ TEST(WorkerService, RefusesBadLoadRequests) {
   EXPECT_TRUE(worker.service->HeldShards().empty());
 }
 
+// A load with keep_held replaces the shard held under its job id, taking its tensors instead of
+// reading them (a replica changing shape, issue 22); the last progress message says what was kept
+// and read. Without keep_held the same load is ALREADY_EXISTS; of another checkpoint, nothing is kept.
+TEST(WorkerService, ALoadThatKeepsTheHeldShardReadsOnlyWhatItLacks) {
+  RunningWorker worker = StartWorker();
+  const auto load_to_end = [&](const v1::LoadShardRequest& load, v1::LoadProgress* last) {
+    auto context = Context();
+    auto reader = worker.stub->LoadShard(context.get(), load);
+    while (reader->Read(last)) {
+    }
+    return reader->Finish();
+  };
+  v1::LoadProgress first, kept, other;
+  v1::LoadShardRequest load = OneRankLoad(kModel, ReservePort(worker));
+  ASSERT_TRUE(load_to_end(load, &first).ok());
+  EXPECT_EQ(first.bytes_kept(), 0);
+  EXPECT_GT(first.checkpoint_bytes_read(), 0);
+  load.set_master_port(ReservePort(worker));
+  load.set_keep_held(true);
+  ASSERT_TRUE(load_to_end(load, &kept).ok());
+  EXPECT_EQ(kept.phase(), v1::LoadProgress::READY);
+  EXPECT_EQ(kept.bytes_kept(), kept.bytes_total());  // the same plan: every tensor kept
+  EXPECT_EQ(kept.checkpoint_bytes_read(), 0);
+  EXPECT_EQ(worker.service->HeldShards().size(), 1u);  // the new shard in place of the old
+  // The same files under another name are another checkpoint for the worker: read again.
+  const std::string copy = ::testing::TempDir() + "/model_copy";
+  std::filesystem::remove_all(copy);
+  std::filesystem::copy(kModel, copy, std::filesystem::copy_options::recursive);
+  load.set_checkpoint(copy);
+  load.set_master_port(ReservePort(worker));
+  ASSERT_TRUE(load_to_end(load, &other).ok());
+  EXPECT_EQ(other.bytes_kept(), 0);
+  EXPECT_EQ(other.checkpoint_bytes_read(), first.checkpoint_bytes_read());
+  EXPECT_TRUE(worker.service->UnloadJob("j"));
+  EXPECT_TRUE(worker.service->HeldShards().empty());
+}
+
 // A job's series exist while it loads or is loaded: refused loads with made-up job ids leave
 // /metrics as it was (3,000 of them grew it from 8.4 KB to 8.4 MB for good), and a loaded job's
 // series go with its unload.
