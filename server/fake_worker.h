@@ -131,6 +131,11 @@ class FakeWorker final : public v1::Worker::Service {
     absl::MutexLock lock(&mu_);
     return requests_;
   }
+  // The Unload calls received.
+  int Unloads() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(unloaded_.size());
+  }
   // Waits (up to 30 s) until job `job_id` was unloaded here `times` times or more.
   bool WaitForUnload(const std::string& job_id, int times = 1) {
     absl::MutexLock lock(&mu_);

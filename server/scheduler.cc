@@ -170,9 +170,13 @@ void Scheduler::ScheduleLocked() {
       continue;
     }
     const std::vector<IdleWorker> free_workers = pool_->Idle();
-    const Placement placement = PlaceRanks(group->shape->backend, group->shape->plan.world_size(), free_workers);
     std::vector<IdleWorker> workers;
-    for (size_t i : placement.ranks) workers.push_back(free_workers[i]);
+    if (group->kept.empty()) {
+      const Placement placement = PlaceRanks(group->shape->backend, group->shape->plan.world_size(), free_workers);
+      for (size_t i : placement.ranks) workers.push_back(free_workers[i]);
+    } else {
+      workers = PlaceKeepingLocked(*group, *group->shape, free_workers);
+    }
     // Too few for its shape: a recovering replica may take a smaller one (sets group->smaller).
     if (workers.empty()) workers = PlaceSmallerLocked(*runtime->second, *group, free_workers);
     if (workers.empty()) {
@@ -182,9 +186,21 @@ void Scheduler::ScheduleLocked() {
     }
     if (!PlanGroupLocked(pending.job_id, *runtime->second, *group, workers)) {
       group->smaller.reset();
+      // Its kept workers stay its own (PlanGroupLocked let every worker go).
+      for (const v1::RankAssignment& a : group->kept) {
+        pool_->Assign(a.worker_id(), ReplicaKey(pending.job_id, group->replica), a.rank());
+      }
       still_pending.push_back(std::move(pending));  // PENDING as stored; the monitor tries again
       continue;
     }
+    // The kept workers the placement did not take go back to the pool.
+    for (const v1::RankAssignment& a : group->kept) {
+      const bool taken = std::any_of(workers.begin(), workers.end(),
+                                     [&](const IdleWorker& w) { return w.worker_id == a.worker_id(); });
+      if (!taken) ReleaseWorkerLocked(a.worker_id(), ReplicaKey(pending.job_id, group->replica));
+    }
+    group->kept.clear();
+    group->kept_from.reset();
     threads_.Start([this, id = pending.job_id, replica = pending.replica, generation = group->generation] {
       LoadGroup(id, replica, generation);
     });
@@ -203,7 +219,8 @@ void Scheduler::ScheduleLocked() {
                            absl::FormatTime("%H:%M:%E3S UTC", group.restarts.not_before(), absl::UTCTimeZone()),
                            " (backoff: ", group.restarts.restarts(), " losses in a row)")
             : PlaceRanks(group.shape->backend, group.shape->plan.world_size(), free_workers).waiting_for;
-    const std::string reason = group.pending_note.empty() ? why : absl::StrCat(group.pending_note, "; ", why);
+    std::string reason = group.pending_note.empty() ? why : absl::StrCat(group.pending_note, "; ", why);
+    if (!group.kept.empty()) absl::StrAppend(&reason, " (besides the ", group.kept.size(), " it kept)");
     if (group.reason == reason) continue;
     group.reason = reason;
     changed.insert(pending.job_id);
@@ -362,6 +379,8 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
   request.set_master_port(port);
   request.set_rendezvous_secret(secret);
   request.set_timeout_seconds(options_.collective_timeout_seconds);
+  // A worker the replica kept takes what it holds of it (scheduler_smaller.cc); others hold nothing.
+  request.set_keep_held(options_.smaller_shapes);
   return LoadShardsOnRanks(
       load.ranks, request, contexts,
       [&](size_t rank, const v1::LoadProgress& progress) {

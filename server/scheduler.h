@@ -130,9 +130,11 @@ struct GroupRuntime {
   // smaller shape of `shape` it is placed, loaded and served in until it grows back; null: `shape`.
   // The replica keeps recovering meanwhile (restarts.recovering(): Job.degraded says so).
   std::shared_ptr<const JobShape> smaller;
-  // The workers it kept when it was last lost or grew back: a smaller shape is chosen only once
-  // they have unloaded (else it would be placed on fewer than it may have).
-  std::vector<std::string> survivors;
+  // While pending after a loss or to grow back (--smaller_shapes): the workers it kept, with the
+  // ranks they had in `kept_from`, still assigned to it in the pool and holding their shards, for
+  // its next placement to take what they hold (AssignKeptWorkers, LoadShardRequest.keep_held).
+  std::vector<v1::RankAssignment> kept;
+  std::shared_ptr<const JobShape> kept_from;
   // Its load in a smaller shape failed: it waits for its own shape until it serves in it again.
   bool smaller_refused = false;
   // Grows back to `shape` when its forward in flight ends (set only while one runs).
@@ -335,6 +337,18 @@ class Scheduler final : public ForwardTargets {
   // may not or none fits.
   std::vector<IdleWorker> PlaceSmallerLocked(const JobRuntime& runtime, GroupRuntime& group,
                                              const std::vector<IdleWorker>& idle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The workers of a waiting replica's ranks for `plan`: its kept workers where they hold most of
+  // a rank's tensors, idle ones for the rest; empty when they do not fit.
+  std::vector<IdleWorker> PlaceKeepingLocked(const GroupRuntime& group, const JobShape& shape,
+                                             const std::vector<IdleWorker>& idle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether losing `group` keeps its healthy workers' shards (--smaller_shapes, the job's shape,
+  // no update running).
+  bool KeepsWorkersLocked(const JobRuntime& runtime, const GroupRuntime& group) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The replica keeps its healthy workers (GroupRuntime::kept); the others are released.
+  void KeepWorkersLocked(const std::string& job_id, GroupRuntime& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Worker `worker_id` serves replica `key` no more: released, and told to drop its shard.
+  void ReleaseWorkerLocked(const std::string& worker_id, const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every replica serving in a smaller shape whose own shape its workers and the idle ones fit
   // again grows back (at once, or when its forward in flight ends).
   void GrowBackWhereRoomLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -540,6 +540,10 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
                                             " workers can hold its own: ", group->restarts.Describe())));
     }
     if (group->smaller != nullptr) status->set_smaller_shape(ShapeText(group->smaller->request));
+    for (const v1::RankProgress& p : group->progress) {
+      status->set_load_bytes_kept(status->load_bytes_kept() + p.progress().bytes_kept());
+      status->set_load_bytes_read(status->load_bytes_read() + p.progress().checkpoint_bytes_read());
+    }
     status->set_version(group->shape->version);
     status->set_restarts(group->restarts.restarts());
     status->set_forwards_in_flight(group->forwarding ? 1 : 0);

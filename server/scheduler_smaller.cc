@@ -1,27 +1,37 @@
 // The Scheduler's smaller shapes (scheduler.h, ClusterOptions::smaller_shapes): a replica that lost
 // workers, and finds too few idle ones for its shape, serves in a smaller one meanwhile instead of
-// waiting, and grows back when workers return.
+// waiting, and grows back when workers return; its workers keep what they hold across each change.
 //
-// How: a recovering replica of the job's serving shape that the idle workers do not fit (and no
-// update runs) waits until the workers it kept have unloaded (placed on fewer, it would take fewer
-// than it may have), then takes the largest smaller shape (smaller_shapes.h) the idle workers fit.
-// It is placed, loaded and served like any replica, with that shape's plan (GroupRuntime::smaller):
-// its requests are prepared for the job's shape, and every forward's outputs are the same whatever
-// the layout (the head stage answers whole rows). It does not count as served (GroupRestarts keeps
-// it recovering: Job.degraded says so, and its requests wait for it while it grows back). Whenever
-// the pool changes, a smaller replica whose own shape fits its workers and the idle ones again
-// grows back: once its forward in flight has ended (it takes no other meanwhile) it unloads and is
-// placed again in its own shape, ahead of the replicas waiting for their first placement. A smaller
-// shape whose load fails (the workers cannot hold it, say) is not tried again until the replica
-// serves in its own shape; a loss while smaller places it again in its own shape first.
+// How: a replica of the job's serving shape that loses a worker (no update running) keeps its
+// healthy workers (GroupRuntime::kept): they stay assigned to it in the pool with their shards
+// loaded, and only the others are released. Its next placement, in its own shape or a smaller one,
+// gives each rank the kept worker whose held table shares the most of the rank's tensors
+// (AssignKeptWorkers: a rank placed again in the same shape gets its own worker back, a stage
+// folded into fewer keeps each worker's TP slice), idle workers the rest, and releases the kept
+// workers it does not need. Every rank's load asks to keep the shard held under the replica's key
+// (LoadShardRequest.keep_held): a kept worker takes from it the tensors its new table has alike and
+// reads only the others. ReplicaStatus says what the last load kept and read.
 //
-// What each worker reads: the whole of its new shard, both ways (a survivor does not keep the
-// tensors it held). A coordinator restart places a smaller replica again rather than re-adopting it
-// (its workers hold a plan of another world size).
+// When the idle workers with the kept ones do not fit its shape, a recovering replica takes the
+// largest smaller shape (smaller_shapes.h) they fit. It is placed, loaded and served like any
+// replica, with that shape's plan (GroupRuntime::smaller): its requests are prepared for the job's
+// shape, and every forward's outputs are the same whatever the layout (the head stage answers
+// whole rows). It does not count as served (GroupRestarts keeps it recovering: Job.degraded says
+// so, and its requests wait for it while it grows back). Whenever the pool changes, a smaller
+// replica whose own shape fits its workers and the idle ones again grows back: once its forward in
+// flight has ended (it takes no other meanwhile) it keeps its workers and is placed in its own shape,
+// ahead of the replicas waiting for their first placement. A smaller shape whose load fails (the
+// workers cannot hold it, say) is not tried again until the replica serves in its own shape; a loss
+// while smaller places it again in its own shape first.
+//
+// Kept workers wait with their replica and serve no other job meanwhile. A coordinator restart
+// places a smaller replica again rather than re-adopting it (its workers hold a plan of another
+// world size), and keeps nothing of a waiting one (its workers unload what they hold).
 //
 // One class split over several files to keep each readable; the lock and its rules are scheduler.h's.
 #include <algorithm>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -29,36 +39,115 @@
 #include "server/placement.h"
 #include "server/replica_keys.h"
 #include "server/scheduler.h"
+#include "server/shard_loading.h"
 #include "server/smaller_shapes.h"
 
 namespace bertshard::server {
 
+bool Scheduler::KeepsWorkersLocked(const JobRuntime& runtime, const GroupRuntime& group) const {
+  return options_.smaller_shapes && runtime.Current(group) && runtime.next == nullptr && !group.retiring;
+}
+
+void Scheduler::KeepWorkersLocked(const std::string& job_id, GroupRuntime& group) {
+  const std::string key = ReplicaKey(job_id, group.replica);
+  group.kept.clear();
+  group.kept_from = group.smaller != nullptr ? group.smaller : group.shape;
+  std::set<std::string> keep;
+  for (const v1::RankAssignment& a : group.ranks) {
+    const std::optional<v1::WorkerInfo> w = pool_->Find(a.worker_id());
+    if (w.has_value() && w->healthy() && w->job_id() == key) {
+      group.kept.push_back(a);
+      keep.insert(a.worker_id());
+    }
+  }
+  // Every other worker assigned to it (a lost one, a rank that came back to a restarted
+  // coordinator) goes, as UnloadGroupLocked lets them go; the kept ones are its own again.
+  for (const WorkerStub& w : pool_->Release(key)) {
+    if (keep.count(w.worker_id) > 0) continue;
+    pool_->BeginUnloadCall(w.worker_id);
+    threads_.Start([this, w, key] {
+      const bool unloaded = UnloadShard(*w.stub, key, options_.worker_token).ok();
+      absl::MutexLock lock(&mu_);
+      if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
+    });
+  }
+  for (const v1::RankAssignment& a : group.kept) pool_->Assign(a.worker_id(), key, a.rank());
+}
+
+void Scheduler::ReleaseWorkerLocked(const std::string& worker_id, const std::string& key) {
+  const std::optional<v1::WorkerInfo> w = pool_->Find(worker_id);
+  if (!w.has_value() || w->job_id() != key) return;  // left, or serves another replica now
+  pool_->Unassign(worker_id);
+  // A silent one is told at its next heartbeat (its shard's replica does not claim it).
+  if (!w->healthy()) return;
+  absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs({worker_id});
+  if (!stubs.ok()) return;
+  pool_->BeginUnloadCall(worker_id);
+  threads_.Start([this, w = (*stubs)[0], key] {
+    const bool unloaded = UnloadShard(*w.stub, key, options_.worker_token).ok();
+    absl::MutexLock lock(&mu_);
+    if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
+  });
+}
+
+std::vector<IdleWorker> Scheduler::PlaceKeepingLocked(const GroupRuntime& group, const JobShape& shape,
+                                                      const std::vector<IdleWorker>& idle) {
+  // The kept workers still healthy, as placement candidates, with the ranks they held.
+  std::vector<IdleWorker> kept;
+  std::vector<int32_t> held_ranks;
+  for (const v1::RankAssignment& a : group.kept) {
+    const std::optional<v1::WorkerInfo> w = pool_->Find(a.worker_id());
+    if (!w.has_value() || !w->healthy()) continue;
+    kept.push_back({w->worker_id(), w->address(), w->device(), w->gpu_bus_id()});
+    held_ranks.push_back(a.rank());
+  }
+  const std::vector<int> assigned = AssignKeptWorkers(group.kept_from->plan, held_ranks, shape.plan);
+  const int missing = static_cast<int>(std::count(assigned.begin(), assigned.end(), -1));
+  std::vector<IdleWorker> fill;
+  if (missing > 0) {
+    const Placement more = PlaceRanks(shape.backend, missing, idle);
+    if (more.ranks.empty()) return {};
+    for (size_t i : more.ranks) fill.push_back(idle[i]);
+  }
+  std::vector<IdleWorker> workers;
+  size_t next_fill = 0;
+  for (int a : assigned) workers.push_back(a >= 0 ? kept[static_cast<size_t>(a)] : fill[next_fill++]);
+  // Together they must suit the backend too (NCCL: no two ranks on one GPU).
+  if (PlaceRanks(shape.backend, static_cast<int>(workers.size()), workers).ranks.size() != workers.size()) return {};
+  return workers;
+}
+
 std::vector<IdleWorker> Scheduler::PlaceSmallerLocked(const JobRuntime& runtime, GroupRuntime& group,
                                                       const std::vector<IdleWorker>& idle) {
   if (!options_.smaller_shapes || group.smaller_refused || !group.restarts.recovering() || group.retiring ||
-      !runtime.Current(group) || runtime.next != nullptr || idle.empty()) {
+      !runtime.Current(group) || runtime.next != nullptr) {
     return {};
   }
-  // The workers it kept are about to be idle: wait for them (their unload ends in ScheduleLocked).
-  for (const std::string& id : group.survivors) {
-    if (pool_->Unloading(id)) return {};
+  int candidates = static_cast<int>(idle.size());
+  for (const v1::RankAssignment& a : group.kept) {
+    const std::optional<v1::WorkerInfo> w = pool_->Find(a.worker_id());
+    candidates += w.has_value() && w->healthy() ? 1 : 0;
   }
   const JobShape& own = *group.shape;
-  for (int most = std::min<int>(static_cast<int>(idle.size()), own.plan.world_size() - 1); most >= 1; --most) {
+  for (int most = std::min(candidates, own.plan.world_size() - 1); most >= 1; --most) {
     std::optional<SmallerShape> smaller = LargestSmallerShape(own.request, own.plan, most);
     if (!smaller.has_value()) return {};  // nothing smaller fits fewer either
-    const Placement placement = PlaceRanks(own.backend, smaller->plan.world_size(), idle);
-    if (placement.ranks.empty()) {
-      // The idle workers do not all suit it (CPU ones for an NCCL job, two on one GPU): fewer.
-      most = std::min(most, smaller->plan.world_size());
-      continue;
-    }
     auto shape = std::make_shared<JobShape>(own);
     shape->request = std::move(smaller->request);
     shape->plan = std::move(smaller->plan);
-    group.smaller = std::move(shape);
     std::vector<IdleWorker> workers;
-    for (size_t i : placement.ranks) workers.push_back(idle[i]);
+    if (group.kept.empty()) {
+      const Placement placement = PlaceRanks(own.backend, shape->plan.world_size(), idle);
+      for (size_t i : placement.ranks) workers.push_back(idle[i]);
+    } else {
+      workers = PlaceKeepingLocked(group, *shape, idle);
+    }
+    if (workers.empty()) {
+      // The workers do not all suit it (CPU ones for an NCCL job, two on one GPU): fewer.
+      most = std::min(most, shape->plan.world_size());
+      continue;
+    }
+    group.smaller = std::move(shape);
     return workers;
   }
   return {};
@@ -68,7 +157,6 @@ void Scheduler::GrowBackWhereRoomLocked() {
   if (!options_.smaller_shapes || stopping_ || draining_) return;
   const std::vector<IdleWorker> idle = pool_->Idle();
   if (idle.empty()) return;
-  std::vector<std::pair<std::string, GroupRuntime*>> growing;
   for (const auto& [job_id, runtime] : runtimes_) {
     if (runtime->ended || runtime->next != nullptr) continue;
     for (const auto& [replica, group] : runtime->groups) {
@@ -76,7 +164,7 @@ void Scheduler::GrowBackWhereRoomLocked() {
           !runtime->Current(*group)) {
         continue;
       }
-      // Its own workers first, in rank order, then the idle ones: would its shape fit them?
+      // Would its own shape fit its workers and the idle ones?
       std::vector<IdleWorker> candidates;
       for (const std::string& id : group->WorkerIds()) {
         if (std::optional<v1::WorkerInfo> w = pool_->Find(id); w.has_value() && w->healthy()) {
@@ -85,18 +173,13 @@ void Scheduler::GrowBackWhereRoomLocked() {
       }
       candidates.insert(candidates.end(), idle.begin(), idle.end());
       if (PlaceRanks(group->shape->backend, group->shape->plan.world_size(), candidates).ranks.empty()) continue;
-      growing.emplace_back(job_id, group.get());
       // One at a time: the idle workers it counted are not there for the next one.
-      break;
-    }
-    if (!growing.empty()) break;
-  }
-  for (auto& [job_id, group] : growing) {
-    JobRuntime& runtime = *runtimes_.at(job_id);
-    if (group->forwarding) {
-      group->growing_back = true;  // EndForward grows it back
-    } else {
-      GrowBackLocked(job_id, runtime, *group);
+      if (group->forwarding) {
+        group->growing_back = true;  // EndForward grows it back
+      } else {
+        GrowBackLocked(job_id, *runtime, *group);
+      }
+      return;
     }
   }
 }
@@ -114,11 +197,10 @@ void Scheduler::GrowBackLocked(const std::string& job_id, JobRuntime& runtime, G
   group.phase = GroupRuntime::Phase::kPending;
   group.growing_back = false;
   group.forwarding = false;
-  group.survivors = group.WorkerIds();
+  KeepWorkersLocked(job_id, group);  // before the shape and ranks it held go
   group.smaller.reset();
   group.ranks.clear();
   group.progress.clear();
-  UnloadGroupLocked(ReplicaKey(job_id, group.replica));
   group.pending_note = absl::StrCat("growing back from ", was, " to its own shape, ", ShapeText(group.shape->request),
                                     "; recovering: ", group.restarts.Describe());
   group.reason = group.pending_note;
@@ -129,8 +211,7 @@ void Scheduler::GrowBackLocked(const std::string& job_id, JobRuntime& runtime, G
   }
   QueueForPlacementLocked(job_id, group.replica, /*first=*/true);
   UpdateLanesLocked(runtime);
-  changed_.SignalAll();
-  // Placed once its workers have unloaded (their unload calls schedule).
+  ScheduleLocked();  // placed now, on the workers it kept and idle ones; signals
 }
 
 }  // namespace bertshard::server

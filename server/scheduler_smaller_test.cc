@@ -44,7 +44,7 @@ TEST_F(SmallerShapesTest, ALostReplicaServesSmallerOnTheWorkerItKeptAndGrowsBack
   const v1::Job ready = Settled(Submit(2).id());
   ASSERT_EQ(ready.state(), v1::READY);
   ASSERT_TRUE(Leave(b_id));
-  // No spare: once `a` has dropped its shard it serves alone, TP 1.
+  // No spare: `a` serves alone, TP 1, keeping what it holds (it is never told to unload).
   const v1::Job smaller = Settled(ready.id());
   ASSERT_EQ(smaller.state(), v1::READY) << smaller.DebugString();
   ASSERT_EQ(smaller.replica_status_size(), 1);
@@ -54,8 +54,8 @@ TEST_F(SmallerShapesTest, ALostReplicaServesSmallerOnTheWorkerItKeptAndGrowsBack
       << smaller.degraded();
   ASSERT_EQ(smaller.ranks_size(), 1);
   EXPECT_EQ(smaller.ranks(0).worker_id(), a_id);
-  EXPECT_TRUE(a.WaitForUnload(ReplicaKey(ready.id(), 0)));
   EXPECT_EQ(LastWorld(a), 1);
+  EXPECT_TRUE(a.Loads().back().keep_held());
   EXPECT_NE(smaller.history(smaller.history_size() - 3).reason().find("in a smaller shape, TP 1 x PP 1"),
             std::string::npos)
       << smaller.DebugString();
@@ -75,9 +75,10 @@ TEST_F(SmallerShapesTest, ALostReplicaServesSmallerOnTheWorkerItKeptAndGrowsBack
   ASSERT_EQ(back.ranks_size(), 2);
   EXPECT_EQ(back.ranks(0).worker_id(), a_id);
   EXPECT_EQ(back.ranks(1).worker_id(), c_id);
-  EXPECT_TRUE(a.WaitForUnload(ReplicaKey(ready.id(), 0), 2));
   EXPECT_EQ(LastWorld(a), 2);
   EXPECT_EQ(LastWorld(c), 2);
+  EXPECT_TRUE(a.Loads().back().keep_held());
+  EXPECT_EQ(a.Unloads(), 0);
   bool grew_back = false;
   for (const v1::StateChange& change : back.history()) {
     grew_back |= change.reason().find("growing back from TP 1 x PP 1") != std::string::npos;
@@ -132,6 +133,49 @@ TEST_F(SmallerShapesTest, ASmallerShapeThatCannotLoadIsNotTriedAgain) {
   ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
   EXPECT_EQ(back.ranks_size(), 2);
   EXPECT_EQ(LastWorld(a), 2);
+}
+
+// Placed again in its own shape on a spare: the worker it kept takes its own rank back and keeps
+// its shard (no unload); the spare takes the lost rank.
+TEST_F(SmallerShapesTest, AKeptWorkerTakesItsOwnRankBackBesideASpare) {
+  FakeWorker a, b, spare;
+  const std::string a_id = Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  ASSERT_EQ(ready.ranks(0).worker_id(), a_id);
+  const std::string spare_id = Register(spare);
+  ASSERT_TRUE(Leave(a_id));  // rank 0's worker
+  const v1::Job back = Settled(ready.id());
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  ASSERT_EQ(back.ranks_size(), 2);
+  EXPECT_EQ(back.ranks(0).worker_id(), spare_id);
+  EXPECT_EQ(back.ranks(1).worker_id(), b_id);  // its rank, not rank 0 (the first free)
+  EXPECT_EQ(back.replica_status(0).smaller_shape(), "");
+  EXPECT_EQ(b.Unloads(), 0);
+  ASSERT_EQ(b.Loads().size(), 2u);
+  EXPECT_EQ(b.Loads().back().rank(), 1);
+  EXPECT_TRUE(b.Loads().back().keep_held());
+}
+
+// Kept workers that a smaller shape does not need go back to the pool, told to drop their shards.
+TEST_F(SmallerShapesTest, KeptWorkersTheSmallerShapeDoesNotNeedAreReleased) {
+  FakeWorker a, b, c;
+  const std::string a_id = Register(a);
+  const std::string b_id = Register(b);
+  const std::string c_id = Register(c);
+  const v1::Job ready = Settled(Submit(3).id());  // TP 3: only TP 1 is smaller
+  ASSERT_EQ(ready.state(), v1::READY);
+  ASSERT_TRUE(Leave(c_id));
+  const v1::Job smaller = Settled(ready.id());
+  ASSERT_EQ(smaller.state(), v1::READY) << smaller.DebugString();
+  ASSERT_EQ(smaller.ranks_size(), 1);
+  EXPECT_EQ(smaller.ranks(0).worker_id(), a_id);  // a tie: the lower rank it held
+  EXPECT_TRUE(b.WaitForUnload(ReplicaKey(ready.id(), 0)));
+  EXPECT_EQ(a.Unloads(), 0);
+  // Idle once the coordinator has its answer (polled: nothing signals it to the test).
+  for (int i = 0; i < 10000 && pool_->Idle().empty(); ++i) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(pool_->Idle().size(), 1u);
+  EXPECT_EQ(pool_->Idle().front().worker_id, b_id);
 }
 
 TEST_F(SmallerShapesTest, WithoutTheOptionAReplicaWaitsForItsOwnShape) {

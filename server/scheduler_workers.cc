@@ -338,12 +338,16 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
   if (group->forwarding) group->busy += absl::Now() - group->forward_started;
   group->forwarding = false;
   group->recovery.reset();
-  group->survivors = group->WorkerIds();  // a smaller shape waits for them to unload
-  group->smaller.reset();                 // placed again in its own shape where it fits
+  if (KeepsWorkersLocked(*runtime, *group)) {
+    KeepWorkersLocked(job_id, *group);  // the healthy ones keep their shards for the next placement
+  } else {
+    group->kept.clear();
+    UnloadGroupLocked(ReplicaKey(job_id, replica));
+  }
+  group->smaller.reset();  // placed again in its own shape where it fits
   group->growing_back = false;
   group->ranks.clear();
   group->progress.clear();
-  UnloadGroupLocked(ReplicaKey(job_id, replica));
   group->pending_note = absl::StrCat("recovering: ", group->restarts.Describe());
   group->reason = group->pending_note;
   // One write: a job stored PENDING with the lost replica's ranks would be taken for placed.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -63,6 +64,58 @@ std::optional<SmallerShape> LargestSmallerShape(const v1::PlanRequest& request, 
     return shape;
   }
   return std::nullopt;
+}
+
+namespace {
+
+// The bytes of rank `rank`'s table of `plan` by tensor: name, split dim, start and end.
+using SliceKey = std::tuple<std::string, int32_t, int64_t, int64_t>;
+std::map<SliceKey, int64_t> TableOf(const v1::ShardPlan& plan, int32_t rank) {
+  std::map<SliceKey, int64_t> table;
+  for (const v1::RankShard& r : plan.ranks()) {
+    if (r.rank() != rank) continue;
+    for (const v1::TensorShard& t : r.tensors()) table[{t.name(), t.split_dim(), t.start(), t.end()}] = t.bytes();
+  }
+  return table;
+}
+
+}  // namespace
+
+std::vector<int> AssignKeptWorkers(const v1::ShardPlan& held_plan, const std::vector<int32_t>& held_ranks,
+                                   const v1::ShardPlan& plan) {
+  std::vector<std::map<SliceKey, int64_t>> held;
+  for (int32_t r : held_ranks) held.push_back(TableOf(held_plan, r));
+  // (bytes shared, rank, kept worker) for every pair that shares any; the most first.
+  std::vector<std::tuple<int64_t, int32_t, int>> pairs;
+  for (int32_t rank = 0; rank < plan.world_size(); ++rank) {
+    const std::map<SliceKey, int64_t> wanted = TableOf(plan, rank);
+    for (size_t i = 0; i < held.size(); ++i) {
+      int64_t shared = 0;
+      for (const auto& [key, bytes] : wanted) shared += held[i].count(key) > 0 ? bytes : 0;
+      if (shared > 0) pairs.emplace_back(shared, rank, static_cast<int>(i));
+    }
+  }
+  std::sort(pairs.begin(), pairs.end(), [&](const auto& a, const auto& b) {
+    if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) > std::get<0>(b);
+    if (std::get<1>(a) != std::get<1>(b)) return std::get<1>(a) < std::get<1>(b);
+    return held_ranks[static_cast<size_t>(std::get<2>(a))] < held_ranks[static_cast<size_t>(std::get<2>(b))];
+  });
+  std::vector<int> assigned(static_cast<size_t>(std::max(0, plan.world_size())), -1);
+  std::vector<bool> taken(held.size(), false);
+  for (const auto& [bytes, rank, i] : pairs) {
+    if (assigned[static_cast<size_t>(rank)] >= 0 || taken[static_cast<size_t>(i)]) continue;
+    assigned[static_cast<size_t>(rank)] = i;
+    taken[static_cast<size_t>(i)] = true;
+  }
+  // The ranks no kept worker shares anything with take the ones left before any idle worker.
+  size_t next = 0;
+  for (int& a : assigned) {
+    while (next < held.size() && taken[next]) ++next;
+    if (a >= 0 || next == held.size()) continue;
+    a = static_cast<int>(next);
+    taken[next] = true;
+  }
+  return assigned;
 }
 
 }  // namespace bertshard::server

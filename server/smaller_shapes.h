@@ -10,7 +10,8 @@
 //   - only what the planner accepts (a TP the heads do not divide, an interleaved pipeline with
 //     more chunks than layers, ...): the planner says which.
 // A single stage drops the pipeline style; TP 1 drops sequence parallelism.
-// Also ShapeText, how a shape is named in reasons and notes.
+// Also AssignKeptWorkers, which of the workers a replica kept takes which rank of its next plan, and
+// ShapeText, how a shape is named in reasons and notes.
 //
 // Example:
 //   // A TP 2 x PP 2 job with 3 workers left: TP 2 x PP 1 (its stage-0 ranks keep their slices).
@@ -25,6 +26,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bertshard/v1/plan.pb.h"
 
@@ -38,6 +40,14 @@ struct SmallerShape {
 // The best smaller shape of the job planned as `plan` from `request` on at most `workers` workers
 // (fewer than the plan's world), as above; nullopt when none fits.
 std::optional<SmallerShape> LargestSmallerShape(const v1::PlanRequest& request, const v1::ShardPlan& plan, int workers);
+
+// Which kept worker takes each rank of `plan`, so that the tensors the workers hold are used most
+// (they keep those the new table has alike: LoadShardRequest.keep_held): kept worker i held rank
+// held_ranks[i] of `held_plan`. Rank by rank, the worker left whose held table shares the most
+// bytes with the rank's (tensors of the same name and slice), the lower held rank on a tie; -1
+// once none is left (an idle worker takes it). A worker left over takes no rank.
+std::vector<int> AssignKeptWorkers(const v1::ShardPlan& held_plan, const std::vector<int32_t>& held_ranks,
+                                   const v1::ShardPlan& plan);
 
 // "TP 2 x PP 1, FP32, /models/minilm": what a user changes with shardctl update.
 std::string ShapeText(const v1::PlanRequest& request);

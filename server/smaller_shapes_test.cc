@@ -1,5 +1,7 @@
 #include "server/smaller_shapes.h"
 
+#include <algorithm>
+
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 #include "planner/planner.h"
@@ -98,6 +100,25 @@ TEST(SmallerShapes, NoneFitsNoWorkersOrAOneWorkerJob) {
   EXPECT_FALSE(LargestSmallerShape(job, PlanOf(job), 0).has_value());
   const v1::PlanRequest one = Request(1, 1);
   EXPECT_FALSE(LargestSmallerShape(one, PlanOf(one), 1).has_value());
+}
+
+TEST(KeptWorkers, EachKeepsItsRankOfTheSameShapeAndItsTpSliceOfFewerStages) {
+  const v1::ShardPlan full = PlanOf(Request(2, 2));
+  // Ranks 0, 2, 3 kept (rank 1 lost), placed again in the same shape: each its own rank back.
+  EXPECT_EQ(AssignKeptWorkers(full, {0, 2, 3}, full), (std::vector<int>{0, -1, 1, 2}));
+  // TP 2 x PP 1 on them: ranks 0 and 1 of the single stage hold TP slices 0 and 1 of every layer;
+  // the kept rank 0 (stage 0, slice 0) and rank 3 (stage 1, slice 1) share the most with them.
+  const v1::ShardPlan one_stage = PlanOf(Request(2, 1));
+  EXPECT_EQ(AssignKeptWorkers(full, {0, 2, 3}, one_stage), (std::vector<int>{0, 2}));
+  // Growing back from TP 2 x PP 1: each takes a rank of its own TP slice; idle workers the others.
+  const std::vector<int> grown = AssignKeptWorkers(one_stage, {0, 1}, full);
+  ASSERT_EQ(grown.size(), 4u);
+  EXPECT_EQ(std::count(grown.begin(), grown.end(), -1), 2);
+  for (int rank = 0; rank < 4; ++rank) {
+    if (grown[rank] >= 0) EXPECT_EQ(grown[rank], rank % 2) << "rank " << rank;  // rank = stage x 2 + slice
+  }
+  // A kept worker that shares nothing still takes a rank before an idle one.
+  EXPECT_EQ(AssignKeptWorkers(full, {3}, PlanOf(Request(1, 1))), (std::vector<int>{0}));
 }
 
 }  // namespace

@@ -3,9 +3,11 @@
 // checking every answer against the reference. SIGKILL the worker of its last rank: with no spare,
 // the job serves as TP 2 x PP 1 on two of the three left (any error only UNAVAILABLE, only for a
 // request sent before it served again); a new worker process: it grows back to TP 2 x PP 2, and no
-// request fails for that. Prints the times (a loaded, shared machine: no bound asserted on speed).
+// request fails for that. Each time the workers it kept read less than a full load (they keep the
+// tensors they held). Prints the times and bytes (a loaded, shared machine: no bound on speed).
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -45,7 +47,11 @@ class SmallerShapes : public Cluster {
 
 TEST_F(SmallerShapes, AJobWithNoSpareServesSmallerAndGrowsBackWithoutAWrongAnswer) {
   const v1::Job job = Submit(kModel);  // TP 2 x PP 2: every worker
-  ASSERT_EQ(WatchAllReplicas(job.id()).state(), v1::READY);
+  const v1::Job first = WatchAllReplicas(job.id());
+  ASSERT_EQ(first.state(), v1::READY);
+  const int64_t full_read = first.replica_status(0).load_bytes_read();  // a load that keeps nothing
+  EXPECT_EQ(first.replica_status(0).load_bytes_kept(), 0);
+  EXPECT_GT(full_read, 0);
   constexpr int kClients = 8;
   ClosedLoopClients clients(kClients, [this, id = job.id(), expected = Expected()] {
     v1::InferRequest infer;
@@ -72,6 +78,10 @@ TEST_F(SmallerShapes, AJobWithNoSpareServesSmallerAndGrowsBackWithoutAWrongAnswe
   for (const auto& r : smaller.ranks()) EXPECT_NE(r.worker_id(), victim);
   EXPECT_NE(smaller.degraded().find("serves in a smaller shape (TP 2 x PP 1"), std::string::npos) << smaller.degraded();
   EXPECT_NE(smaller.degraded().find("lost worker " + victim), std::string::npos) << smaller.degraded();
+  // The workers it kept took what they held of their new ranks: less was read than a full load.
+  const v1::ReplicaStatus& folded = smaller.replica_status(0);
+  EXPECT_GT(folded.load_bytes_kept(), 0);
+  EXPECT_LT(folded.load_bytes_read(), full_read);
   // The smaller shape answers (each answer checked).
   ASSERT_TRUE(clients.WaitAnswers(clients.answered() + 4 * kClients)) << "no answers in the smaller shape";
   const absl::Time first_answer = clients.first_answer_after();
@@ -87,6 +97,9 @@ TEST_F(SmallerShapes, AJobWithNoSpareServesSmallerAndGrowsBackWithoutAWrongAnswe
   ASSERT_EQ(back.state(), v1::READY) << back.DebugString() << Logs();
   EXPECT_EQ(back.ranks_size(), 4);
   EXPECT_EQ(back.degraded(), "");
+  const v1::ReplicaStatus& grown = back.replica_status(0);
+  EXPECT_GT(grown.load_bytes_kept(), 0);
+  EXPECT_LT(grown.load_bytes_read(), full_read);
   ASSERT_TRUE(clients.WaitAnswers(clients.answered() + 4 * kClients)) << "no answers after growing back";
   clients.Stop();
 
@@ -100,9 +113,12 @@ TEST_F(SmallerShapes, AJobWithNoSpareServesSmallerAndGrowsBackWithoutAWrongAnswe
   std::printf(
       "smaller shape: TP 2 x PP 2 on 4 workers, SIGKILL of rank 3's, no spare, %d clients: TP 2 x PP 1 READY %.2f s "
       "after the kill, first answer %.2f s after it, %d client errors (UNAVAILABLE); grown back to TP 2 x PP 2 "
-      "%.2f s after a worker joined\n",
+      "%.2f s after a worker joined; checkpoint bytes read: full load %lld, TP 2 x PP 1 %lld (kept %lld), grown back "
+      "%lld (kept %lld)\n",
       kClients, absl::ToDoubleSeconds(smaller_ready - killed), absl::ToDoubleSeconds(first_answer - killed), gap_errors,
-      absl::ToDoubleSeconds(back_ready - joined));
+      absl::ToDoubleSeconds(back_ready - joined), static_cast<long long>(full_read),
+      static_cast<long long>(folded.load_bytes_read()), static_cast<long long>(folded.load_bytes_kept()),
+      static_cast<long long>(grown.load_bytes_read()), static_cast<long long>(grown.load_bytes_kept()));
 }
 
 }  // namespace
