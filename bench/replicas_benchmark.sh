@@ -7,7 +7,11 @@
 # until the lost replica was READY again; then a live update: the 2-replica job on four workers
 # moved from TP 1 to TP 2 a third of the way into a run (two spares hold one TP 2 replica, so it goes
 # replica by replica): the errors, latency before and during, and the time to switch over and to
-# have every new replica READY. Writes bench/results/replicas-<date>.md and prints it.
+# have every new replica READY; then smaller shapes (the coordinator's --smaller_shapes): a TP 2 x PP 2
+# job on four workers, rank 3's worker killed a third of the way in with no spare (it serves as
+# TP 2 x PP 1 on the workers it kept), a fifth worker started two thirds in (it grows back): the
+# errors, the times, and the checkpoint bytes each load read against a full load.
+# Writes bench/results/replicas-<date>.md and prints it.
 #
 #   bash bench/replicas_benchmark.sh
 #
@@ -145,14 +149,68 @@ print(datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").replace(tzi
 wait "$load_pid" || true
 during=$(tail -n 1 "$WORK/update.txt")
 stop_cluster >/dev/null 2>&1 || true
+rm -rf "$WORK/coordinator"
+
+# Smaller shapes: TP 2 x PP 2 on every worker, no spare.
+COORDINATOR_FLAGS=--smaller_shapes start_coordinator
+start_bench_workers 4 smaller
+$shardctl submit --checkpoint "$model" --tp 2 --pp 2 --watch > "$WORK/submit.txt"
+job=$(head -n 1 "$WORK/submit.txt")
+# "READY SMALLER RANKS READ KEPT" of job JOB's replica 0 now.
+shape_state() {
+  $shardctl job "$1" | /usr/bin/python3 -c '
+import json, sys
+j = json.load(sys.stdin); r = (j.get("replica_status") or [{}])[0]
+print(r.get("state", "-"), "yes" if r.get("smaller_shape") else "no", len(j.get("ranks", [])),
+      r.get("load_bytes_read", 0), r.get("load_bytes_kept", 0))'
+}
+full_read=$(shape_state "$job" | awk '{print $4}')
+victim_addr=$($shardctl job "$job" | /usr/bin/python3 -c '
+import json, sys
+print(next(r["worker_address"] for r in json.load(sys.stdin)["ranks"] if r.get("rank", 0) == 3))')
+victim_pid=
+for i in 1 2 3 4; do
+  if grep -q "port ${victim_addr##*:}" "$WORK/worker-smaller-$i.log"; then victim_pid=${CLUSTER_PIDS[$i]}; fi
+done
+[ -n "$victim_pid" ] || { echo "replicas_benchmark: no worker serves rank 3 of $job" >&2; exit 1; }
+$load --job="$job" --clients="$CLIENTS" --sentences="$WORK/sentences.txt" --duration_s="$DURATION" --warmup=3 \
+  --json > "$WORK/smaller.txt" &
+load_pid=$!
+sleep "$(( DURATION / 3 + 1 ))"
+smaller_killed=$(date +%s.%N)
+kill -KILL "$victim_pid"
+smaller_at=0 smaller_state="-"
+for _ in $(seq 600); do
+  smaller_state=$(shape_state "$job")
+  if [[ "$smaller_state" == "READY yes "* ]]; then smaller_at=$(date +%s.%N); break; fi
+  sleep 0.05
+done
+sleep "$(( DURATION / 3 ))"
+joined=$(date +%s.%N)
+"$WORKER_BIN" --listen=127.0.0.1:0 --coordinator="$BERTSHARD_SERVER" --threads="$THREADS" \
+  >"$WORK/worker-smaller-5.log" 2>&1 &
+CLUSTER_PIDS+=($!)
+grown_at=0 grown_state="-"
+for _ in $(seq 600); do
+  grown_state=$(shape_state "$job")
+  if [[ "$grown_state" == "READY no 4 "* ]]; then grown_at=$(date +%s.%N); break; fi
+  sleep 0.05
+done
+wait "$load_pid" || true
+smaller_run=$(tail -n 1 "$WORK/smaller.txt")
+stop_cluster >/dev/null 2>&1 || true
 
 /usr/bin/python3 - "$RESULTS" "$cpu" "$CLIENTS" "$DURATION" "$THREADS" "$killed" "${back:-0}" "$failover" \
-  "$steady" "$during" "$update_start" "$switched_at" "$update_done" "${rows[@]}" <<'PY'
+  "$steady" "$during" "$update_start" "$switched_at" "$update_done" "$full_read" "$smaller_killed" "$smaller_at" \
+  "$smaller_state" "$joined" "$grown_at" "$grown_state" "$smaller_run" "${rows[@]}" <<'PY'
 import json, sys
 out, cpu, clients, duration, threads, killed, back, failover = sys.argv[1:9]
 steady, during = json.loads(sys.argv[9]), json.loads(sys.argv[10])
 update_start, switched_at, update_done = (float(x) for x in sys.argv[11:14])
-rows = [(int(r.split(" ", 1)[0]), json.loads(r.split(" ", 1)[1])) for r in sys.argv[14:]]
+full_read, s_killed, s_at = int(sys.argv[14]), float(sys.argv[15]), float(sys.argv[16])
+s_state, joined, g_at, g_state = sys.argv[17].split(), float(sys.argv[18]), float(sys.argv[19]), sys.argv[20].split()
+smaller = json.loads(sys.argv[21])
+rows = [(int(r.split(" ", 1)[0]), json.loads(r.split(" ", 1)[1])) for r in sys.argv[22:]]
 f = json.loads(failover)
 lines = [f"# Replicas benchmark ({__import__('datetime').date.today()})", "",
          f"CPU: {cpu}; all-MiniLM-L6-v2, TP 1, {threads} LibTorch thread(s) per worker, {clients} closed-loop "
@@ -175,7 +233,18 @@ lines += ["", f"2 replicas / 1 replica: {rows[1][1]['requests_per_second'] / bas
           f"({steady['requests_per_second']:.1f} and {during['requests_per_second']:.1f} requests/s)",
           f"- switched over {switched_at - update_start:.2f} s after the call"
           if switched_at > 0 else "- did not switch over",
-          f"- every new replica READY (update --watch returned) {update_done - update_start:.2f} s after the call"]
+          f"- every new replica READY (update --watch returned) {update_done - update_start:.2f} s after the call",
+          "",
+          "Smaller shapes (--smaller_shapes): TP 2 x PP 2 on four workers, SIGKILL of rank 3's worker a third of the "
+          "way in with no spare, a fifth worker started two thirds in:",
+          f"- client errors over the run: {smaller['errors']} of {smaller['requests'] + smaller['errors']} requests "
+          f"({smaller['requests_per_second']:.1f} requests/s, p99 {smaller['p99_ms']:.2f} ms)",
+          (f"- serving as TP 2 x PP 1 {s_at - s_killed:.2f} s after the kill; its load read {int(s_state[3]):,} "
+           f"checkpoint bytes and kept {int(s_state[4]):,} (a full TP 2 x PP 2 load read {full_read:,})")
+          if s_at > 0 else f"- did not serve in a smaller shape within 30 s (last seen: {' '.join(s_state)})",
+          (f"- grown back to TP 2 x PP 2 {g_at - joined:.2f} s after the worker started (its start included); "
+           f"read {int(g_state[3]):,}, kept {int(g_state[4]):,}")
+          if g_at > 0 else f"- did not grow back within 30 s (last seen: {' '.join(g_state)})"]
 open(out, "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

@@ -46,9 +46,10 @@ struct ClusterOptions {
   RestartPolicy restarts;
   // A replica that lost workers and finds too few idle ones for its shape comes back in the largest
   // smaller shape they fit (server/smaller_shapes.h: the same TP over fewer stages, else a smaller
-  // TP), once the workers it kept have unloaded, and grows back to its shape when enough workers
-  // are idle again (--smaller_shapes). Off by default: each worker of a smaller shape holds more of
-  // the model (on a GPU it may not fit; such a load fails, and the replica then waits for its shape).
+  // TP), and grows back to its shape when enough workers are idle again; the workers it keeps reuse
+  // the tensors they hold (--smaller_shapes, server/scheduler_smaller.cc). Off by default: each
+  // worker of a smaller shape holds more of the model (on a GPU it may not fit; such a load fails,
+  // and the replica then waits for its shape).
   bool smaller_shapes = false;
   // Dynamic batching of each job's Infer and Embed calls (see BatchQueue).
   BatchLimits batching;

@@ -95,6 +95,7 @@ class FakeWorker final : public v1::Worker::Service {
     {
       absl::MutexLock lock(&mu_);
       if (keep_) loads_.push_back(*request);
+      if (keep_) events_.push_back("load");
     }
     v1::LoadProgress progress;
     progress.set_phase(v1::LoadProgress::READY);
@@ -105,6 +106,7 @@ class FakeWorker final : public v1::Worker::Service {
   grpc::Status Unload(grpc::ServerContext*, const v1::UnloadRequest* request, v1::UnloadResponse*) override {
     absl::MutexLock lock(&mu_);
     if (keep_) unloaded_.push_back(request->job_id());
+    if (keep_) events_.push_back("unload");
     return grpc::Status::OK;
   }
   grpc::Status Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
@@ -130,6 +132,11 @@ class FakeWorker final : public v1::Worker::Service {
   std::vector<v1::ForwardRequest> requests() const {
     absl::MutexLock lock(&mu_);
     return requests_;
+  }
+  // "load" and "unload", one per LoadShard and Unload call received, in order.
+  std::vector<std::string> Events() const {
+    absl::MutexLock lock(&mu_);
+    return events_;
   }
   // The Unload calls received.
   int Unloads() const {
@@ -166,6 +173,7 @@ class FakeWorker final : public v1::Worker::Service {
   bool keep_ ABSL_GUARDED_BY(mu_) = true;
   std::vector<v1::LoadShardRequest> loads_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ReservePortRequest> reservations_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> events_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> unloaded_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ForwardRequest> requests_ ABSL_GUARDED_BY(mu_);
 };

@@ -220,7 +220,12 @@ void Scheduler::ScheduleLocked() {
                            " (backoff: ", group.restarts.restarts(), " losses in a row)")
             : PlaceRanks(group.shape->backend, group.shape->plan.world_size(), free_workers).waiting_for;
     std::string reason = group.pending_note.empty() ? why : absl::StrCat(group.pending_note, "; ", why);
-    if (!group.kept.empty()) absl::StrAppend(&reason, " (besides the ", group.kept.size(), " it kept)");
+    int kept = 0;
+    for (const v1::RankAssignment& a : group.kept) {
+      const std::optional<v1::WorkerInfo> w = pool_->Find(a.worker_id());
+      kept += w.has_value() && w->healthy() ? 1 : 0;
+    }
+    if (kept > 0) absl::StrAppend(&reason, " (", kept, " of its own workers kept for it)");
     if (group.reason == reason) continue;
     group.reason = reason;
     changed.insert(pending.job_id);
@@ -300,7 +305,7 @@ void Scheduler::LoadGroup(const std::string& job_id, int32_t replica, int64_t ge
   if (!port.ok()) {
     absl::MutexLock lock(&mu_);
     // Stopping: the job stays LOADING for the next coordinator, which places it again.
-    LoseGroupLocked(job_id, replica, generation, std::string(port.status().message()));
+    LoseGroupLocked(job_id, replica, generation, std::string(port.status().message()), "", /*keep_workers=*/false);
     return;
   }
   const std::vector<std::shared_ptr<grpc::ClientContext>> contexts = LoadContexts(*load);
@@ -402,15 +407,17 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
         // With another replica serving, the job goes on; this replica is lost like any (a spare
         // without the checkpoint mounted says NOT_FOUND, another worker may have it).
         const bool others_serve = load.runtime->ServingGroups() > 0;
-        if (load.runs != load.shape && (group->generation == load.generation || lost_by_this_load)) {
-          // A smaller shape refused (the workers cannot hold it, say): the replica is lost like any,
-          // and waits for its own shape from now on; the job does not end for it.
-          if (LoadCanNeverSucceed(failure) || failure.code() == absl::StatusCode::kResourceExhausted) {
-            group->smaller_refused = true;
+        const absl::optional<absl::Cord> unreachable = failure.GetPayload(kUnreachableWorkerPayload);
+        if (load.runs != load.shape) {
+          // A smaller shape that does not load (the workers cannot hold it, say): the replica waits
+          // for its own shape from now on; no restart is spent and the job does not end for it. (A
+          // later rank's failure of the same load finds it done.)
+          if (group->generation == load.generation) {
+            GiveUpSmallerLocked(
+                load.job_id, *load.runtime, *group,
+                absl::StrCat(failure.message(), " (loading the smaller shape ", ShapeText(load.runs->request), ")"),
+                unreachable.has_value() ? std::string(*unreachable) : "");
           }
-          LoseGroupLocked(
-              load.job_id, load.replica, load.generation,
-              absl::StrCat(failure.message(), " (loading the smaller shape ", ShapeText(load.runs->request), ")"));
           return;
         }
         // Not NOT_FOUND: one worker without the new checkpoint mounted is lost like any (another may
@@ -430,9 +437,9 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
           FailJobLocked(load.job_id, std::string(failure.message()));
           return;
         }
-        const absl::optional<absl::Cord> unreachable = failure.GetPayload(kUnreachableWorkerPayload);
+        // Its workers are not kept (--smaller_shapes): one of them may be what fails the load.
         LoseGroupLocked(load.job_id, load.replica, load.generation, std::string(failure.message()),  // late: nothing
-                        unreachable.has_value() ? std::string(*unreachable) : "");
+                        unreachable.has_value() ? std::string(*unreachable) : "", /*keep_workers=*/false);
       });
 }
 

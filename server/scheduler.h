@@ -141,8 +141,6 @@ struct GroupRuntime {
   bool growing_back = false;
 
   bool serving() const { return phase == Phase::kServing; }
-  // What it is placed and loaded with: `smaller`, else `shape`.
-  const JobShape& runs() const { return smaller != nullptr ? *smaller : *shape; }
   std::vector<std::string> WorkerIds() const;
 };
 
@@ -331,8 +329,7 @@ class Scheduler final : public ForwardTargets {
   std::string UpdateProgressLocked(const JobRuntime& runtime) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Smaller shapes (ClusterOptions::smaller_shapes, scheduler_smaller.cc). Places the recovering
-  // replica that the idle workers do not fit in the largest smaller shape they fit (once the
-  // workers it kept have unloaded).
+  // replica that its kept workers and the idle ones do not fit in the largest smaller shape they fit.
   // Returns the workers of its ranks, with `group.smaller` set; empty, changing nothing, when it
   // may not or none fits.
   std::vector<IdleWorker> PlaceSmallerLocked(const JobRuntime& runtime, GroupRuntime& group,
@@ -349,9 +346,16 @@ class Scheduler final : public ForwardTargets {
   void KeepWorkersLocked(const std::string& job_id, GroupRuntime& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Worker `worker_id` serves replica `key` no more: released, and told to drop its shard.
   void ReleaseWorkerLocked(const std::string& worker_id, const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every replica serving in a smaller shape whose own shape its workers and the idle ones fit
-  // again grows back (at once, or when its forward in flight ends).
+  // A replica serving in a smaller shape whose own shape its workers and the idle ones fit again
+  // grows back (at once, or when its forward in flight ends); one at a time.
   void GrowBackWhereRoomLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `group` serves in a smaller shape and its own would fit its workers and the idle ones.
+  bool RoomToGrowBackLocked(const JobRuntime& runtime, const GroupRuntime& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Its load in a smaller shape failed: it is cut off (its workers unload), waits for its own
+  // shape from now on, and no restart is spent on it (it recovers from the loss before).
+  void GiveUpSmallerLocked(const std::string& job_id, JobRuntime& runtime, GroupRuntime& group,
+                           const std::string& cause, const std::string& unreachable_worker)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The replica unloads and waits to be placed in its own shape, still recovering: its requests
   // wait for it (or go to the job's other replicas).
   void GrowBackLocked(const std::string& job_id, JobRuntime& runtime, GroupRuntime& group)
@@ -414,8 +418,12 @@ class Scheduler final : public ForwardTargets {
   // `generation` must be the replica's current placement (else this is a late report of a loss
   // already handled: nothing happens); `unreachable_worker` (may be "") is out of placement until
   // it heartbeats again.
+  // With --smaller_shapes its healthy workers are kept for its next placement instead
+  // (KeepWorkersLocked), unless `keep_workers` is false (a loss in its load: one of them may be
+  // what fails).
   void LoseGroupLocked(const std::string& job_id, int32_t replica, int64_t generation, const std::string& cause,
-                       const std::string& unreachable_worker = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                       const std::string& unreachable_worker = "", bool keep_workers = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // LoseGroupLocked for the replica `worker` served, if any: "worker ID (rank R) at ADDR `why`".
   void LoseWorkersGroupLocked(const v1::WorkerInfo& worker, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A worker told to unload (`unload`, from its registration or heartbeat answer) shards of jobs that

@@ -447,7 +447,13 @@ void Scheduler::EndForward(const std::string& job_id, int32_t replica, int64_t g
   if (group->retiring) {
     DropGroupLocked(job_id, *it->second, replica);  // signals: the job's replicas changed
   } else if (group->growing_back) {
-    GrowBackLocked(job_id, *it->second, *group);  // signals
+    group->growing_back = false;
+    // The room it was marked for may be gone (another replica took the idle workers, an update began).
+    if (RoomToGrowBackLocked(*it->second, *group)) {
+      GrowBackLocked(job_id, *it->second, *group);  // signals
+    } else {
+      ScheduleLocked();  // another may grow back now; signals
+    }
   } else if (forward_waiters_ > 0) {
     // Only a forward waiting for a free replica cares: every watcher woken at every forward would
     // read its job from the store under this lock, on the request path.

@@ -21,8 +21,10 @@
 // replica whose own shape fits its workers and the idle ones again grows back: once its forward in
 // flight has ended (it takes no other meanwhile) it keeps its workers and is placed in its own shape,
 // ahead of the replicas waiting for their first placement. A smaller shape whose load fails (the
-// workers cannot hold it, say) is not tried again until the replica serves in its own shape; a loss
-// while smaller places it again in its own shape first.
+// workers cannot hold it, say) costs no restart but is not tried again until the replica serves in
+// its own shape (its workers unload: a loss in a load keeps none); a loss while smaller places it
+// again in its own shape first. While smaller it counts as recovering from its loss: a loss then is
+// the next in a row (--restart_reset_after counts from when it serves in its own shape again).
 //
 // Kept workers wait with their replica and serve no other job meanwhile. A coordinator restart
 // places a smaller replica again rather than re-adopting it (its workers hold a plan of another
@@ -105,9 +107,20 @@ std::vector<IdleWorker> Scheduler::PlaceKeepingLocked(const GroupRuntime& group,
   const int missing = static_cast<int>(std::count(assigned.begin(), assigned.end(), -1));
   std::vector<IdleWorker> fill;
   if (missing > 0) {
-    const Placement more = PlaceRanks(shape.backend, missing, idle);
+    // Not on a GPU a kept worker that takes a rank is on (NCCL: one rank per GPU).
+    std::vector<IdleWorker> others;
+    for (const IdleWorker& w : idle) {
+      bool shares = false;
+      for (int a : assigned) {
+        if (a < 0) continue;
+        const std::vector<IdleWorker> pair = {kept[static_cast<size_t>(a)], w};
+        shares |= PlaceRanks(shape.backend, 2, pair).ranks.size() != 2;
+      }
+      if (!shares) others.push_back(w);
+    }
+    const Placement more = PlaceRanks(shape.backend, missing, others);
     if (more.ranks.empty()) return {};
-    for (size_t i : more.ranks) fill.push_back(idle[i]);
+    for (size_t i : more.ranks) fill.push_back(others[i]);
   }
   std::vector<IdleWorker> workers;
   size_t next_fill = 0;
@@ -153,29 +166,37 @@ std::vector<IdleWorker> Scheduler::PlaceSmallerLocked(const JobRuntime& runtime,
   return {};
 }
 
-void Scheduler::GrowBackWhereRoomLocked() {
-  if (!options_.smaller_shapes || stopping_ || draining_) return;
+bool Scheduler::RoomToGrowBackLocked(const JobRuntime& runtime, const GroupRuntime& group) {
+  if (group.smaller == nullptr || !group.serving() || group.retiring || runtime.ended || runtime.next != nullptr ||
+      !runtime.Current(group)) {
+    return false;
+  }
+  // Its own workers first, then the idle ones: would its own shape fit them?
+  std::vector<IdleWorker> candidates;
+  for (const std::string& id : group.WorkerIds()) {
+    if (std::optional<v1::WorkerInfo> w = pool_->Find(id); w.has_value() && w->healthy()) {
+      candidates.push_back({w->worker_id(), w->address(), w->device(), w->gpu_bus_id()});
+    }
+  }
   const std::vector<IdleWorker> idle = pool_->Idle();
-  if (idle.empty()) return;
+  candidates.insert(candidates.end(), idle.begin(), idle.end());
+  return !PlaceRanks(group.shape->backend, group.shape->plan.world_size(), candidates).ranks.empty();
+}
+
+void Scheduler::GrowBackWhereRoomLocked() {
+  if (!options_.smaller_shapes || stopping_ || draining_ || pool_->Idle().empty()) return;
+  // One at a time: the idle workers one counts are not there for the next, also while the one
+  // marked to grow back waits for its forward to end.
   for (const auto& [job_id, runtime] : runtimes_) {
-    if (runtime->ended || runtime->next != nullptr) continue;
     for (const auto& [replica, group] : runtime->groups) {
-      if (group->smaller == nullptr || !group->serving() || group->retiring || group->growing_back ||
-          !runtime->Current(*group)) {
-        continue;
-      }
-      // Would its own shape fit its workers and the idle ones?
-      std::vector<IdleWorker> candidates;
-      for (const std::string& id : group->WorkerIds()) {
-        if (std::optional<v1::WorkerInfo> w = pool_->Find(id); w.has_value() && w->healthy()) {
-          candidates.push_back({w->worker_id(), w->address(), w->device(), w->gpu_bus_id()});
-        }
-      }
-      candidates.insert(candidates.end(), idle.begin(), idle.end());
-      if (PlaceRanks(group->shape->backend, group->shape->plan.world_size(), candidates).ranks.empty()) continue;
-      // One at a time: the idle workers it counted are not there for the next one.
+      if (group->growing_back) return;
+    }
+  }
+  for (const auto& [job_id, runtime] : runtimes_) {
+    for (const auto& [replica, group] : runtime->groups) {
+      if (!RoomToGrowBackLocked(*runtime, *group)) continue;
       if (group->forwarding) {
-        group->growing_back = true;  // EndForward grows it back
+        group->growing_back = true;  // EndForward grows it back, if there is room still
       } else {
         GrowBackLocked(job_id, *runtime, *group);
       }
@@ -204,14 +225,46 @@ void Scheduler::GrowBackLocked(const std::string& job_id, JobRuntime& runtime, G
   group.pending_note = absl::StrCat("growing back from ", was, " to its own shape, ", ShapeText(group.shape->request),
                                     "; recovering: ", group.restarts.Describe());
   group.reason = group.pending_note;
+  // Unrecorded, the store keeps it READY in the smaller shape: a restarted coordinator places it
+  // again (its workers hold a plan of another world size). Nothing here ends a job: this runs from
+  // ScheduleLocked, which callers run while they hold iterators into a job's runtime.
+  RecordLocked(RecordJobLocked(job_id, runtime, group.pending_note),
+               absl::StrCat("putting job ", job_id, " back to PENDING to grow back"));
+  QueueForPlacementLocked(job_id, group.replica, /*first=*/true);
+  UpdateLanesLocked(runtime);
+  ScheduleLocked();  // placed now, on the workers it kept and idle ones; signals
+}
+
+void Scheduler::GiveUpSmallerLocked(const std::string& job_id, JobRuntime& runtime, GroupRuntime& group,
+                                    const std::string& cause, const std::string& unreachable_worker) {
+  if (!unreachable_worker.empty()) pool_->MarkUnhealthy(unreachable_worker);
+  group.smaller_refused = true;
+  group.lost_from = group.generation;
+  group.generation = ++generations_;
+  for (auto& context : group.load_contexts) context->TryCancel();
+  group.load_contexts.clear();
+  group.forward_abort->Abort(absl::StrCat("replica ", group.replica, " of job ", job_id, ": ", cause));
+  group.forward_abort = std::make_shared<ForwardAbort>();
+  group.phase = GroupRuntime::Phase::kPending;
+  group.forwarding = false;
+  group.growing_back = false;
+  group.kept.clear();  // what its workers held went with the failed load
+  group.smaller.reset();
+  group.ranks.clear();
+  group.progress.clear();
+  UnloadGroupLocked(ReplicaKey(job_id, group.replica));
+  group.pending_note = absl::StrCat("recovering: ", group.restarts.Describe(), "; not in a smaller shape: ", cause);
+  group.reason = group.pending_note;
   if (absl::Status recorded = RecordJobLocked(job_id, runtime, group.pending_note); !recorded.ok()) {
-    StoreErrorLocked(absl::StrCat("putting job ", job_id, " back to PENDING to grow back"), recorded);
-    FailJobLocked(job_id, absl::StrCat("the job database could not record it growing back: ", recorded.message()));
+    // As LoseGroupLocked: a recovery the database cannot follow would be lost at the next restart.
+    StoreErrorLocked(absl::StrCat("putting job ", job_id, " back to PENDING"), recorded);
+    FailJobLocked(job_id,
+                  absl::StrCat(cause, "; the job database could not record its recovery: ", recorded.message()));
     return;
   }
   QueueForPlacementLocked(job_id, group.replica, /*first=*/true);
   UpdateLanesLocked(runtime);
-  ScheduleLocked();  // placed now, on the workers it kept and idle ones; signals
+  ScheduleLocked();
 }
 
 }  // namespace bertshard::server

@@ -123,8 +123,8 @@ TEST_F(SmallerShapesTest, ASmallerShapeThatCannotLoadIsNotTriedAgain) {
   EXPECT_NE(waiting.pending_reason().find("(loading the smaller shape TP 1 x PP 1"), std::string::npos)
       << waiting.pending_reason();
   EXPECT_NE(waiting.pending_reason().find("out of memory"), std::string::npos) << waiting.pending_reason();
-  EXPECT_EQ(waiting.restarts(), 2);
-  EXPECT_EQ(a.Loads().size(), 2u);  // the first, and the smaller one: not again
+  EXPECT_EQ(waiting.restarts(), 1);  // the loss that made it smaller: none spent on the smaller load
+  EXPECT_EQ(a.Loads().size(), 2u);   // the first, and the smaller one: not again
   // Its own shape when a worker comes.
   a.SetLoadStatus(grpc::Status::OK);
   FakeWorker c;
@@ -176,6 +176,85 @@ TEST_F(SmallerShapesTest, KeptWorkersTheSmallerShapeDoesNotNeedAreReleased) {
   for (int i = 0; i < 10000 && pool_->Idle().empty(); ++i) absl::SleepFor(absl::Milliseconds(1));
   ASSERT_EQ(pool_->Idle().size(), 1u);
   EXPECT_EQ(pool_->Idle().front().worker_id, b_id);
+}
+
+// Marked to grow back while its forward ran, and the room gone when it ended (the worker it would
+// have taken left): it serves on in the smaller shape, not cut off for a placement that cannot be.
+TEST_F(SmallerShapesTest, AGrowBackWhoseRoomWentWhileItsForwardRanDoesNotHappen) {
+  FakeWorker a, b;
+  Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  ASSERT_TRUE(Leave(b_id));
+  ASSERT_NE(Settled(ready.id()).replica_status(0).smaller_shape(), "");
+  absl::StatusOr<ForwardTarget> held = scheduler_->NextForward(ready.id(), 0, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(held.ok()) << held.status();
+  FakeWorker c;
+  const std::string c_id = Register(c);  // room: marked to grow back
+  ASSERT_TRUE(Leave(c_id));              // and gone
+  const size_t loads = a.Loads().size();
+  scheduler_->EndForward(ready.id(), held->replica, held->generation);
+  const v1::Job after = *scheduler_->GetJob(ready.id());
+  EXPECT_EQ(after.state(), v1::READY) << after.DebugString();
+  EXPECT_NE(after.replica_status(0).smaller_shape(), "");
+  EXPECT_EQ(a.Loads().size(), loads);
+  absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), 0, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->generation, held->generation);  // the same placement serves on
+}
+
+// A kept worker that registers again holding its shard (a restarted worker process that kept its
+// state, or a new id after a network blip) stays kept under its new id, and takes its rank back.
+TEST_F(SmallerShapesTest, AKeptWorkerThatRegistersAgainWithItsShardIsKeptUnderItsNewId) {
+  options_.restarts.backoff_initial = absl::Milliseconds(300);
+  options_.restarts.max_restarts = 5;
+  Start();
+  FakeWorker a, b, spare, second_spare;
+  const std::string a_id = Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  ASSERT_TRUE(Leave(b_id));  // restart 1, at once: TP 1 on a
+  ASSERT_NE(Settled(ready.id()).replica_status(0).smaller_shape(), "");
+  const std::string spare_id = Register(spare);  // grows back on a and the spare
+  const v1::Job grown = Settled(ready.id());
+  ASSERT_EQ(grown.ranks_size(), 2) << grown.DebugString();
+  ASSERT_EQ(grown.ranks(0).worker_id(), a_id);
+  ASSERT_TRUE(Leave(spare_id));  // restart 2: it waits out its backoff, keeping a
+  ASSERT_EQ(scheduler_->GetJob(ready.id())->state(), v1::PENDING);
+  v1::RegisterWorkerRequest again;
+  again.set_address(a.Address());
+  v1::HeldShard* shard = again.add_held();
+  shard->set_job_id(ReplicaKey(ready.id(), 0));
+  shard->set_rank(0);
+  shard->set_world_size(2);
+  const std::string a_again = scheduler_->RegisterWorker(again).worker_id();
+  ASSERT_NE(a_again, a_id);
+  Register(second_spare);
+  const v1::Job back = Settled(ready.id());
+  ASSERT_EQ(back.state(), v1::READY) << back.DebugString();
+  EXPECT_EQ(back.replica_status(0).smaller_shape(), "") << back.DebugString();
+  ASSERT_EQ(back.ranks_size(), 2);
+  EXPECT_EQ(back.ranks(0).worker_id(), a_again);
+}
+
+// A loss in a load keeps no worker: the one whose load failed may fail again. It is told to unload
+// before anything else reaches it, as without --smaller_shapes (kept, it would be loaded again at
+// once, and again, until --max_restarts ended the job).
+TEST_F(SmallerShapesTest, ALossInALoadKeepsNoWorker) {
+  FakeWorker a, b, spare;
+  const std::string a_id = Register(a);
+  Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  Register(spare);
+  b.SetLoadStatus(grpc::Status(grpc::StatusCode::INTERNAL, "the disk is on fire"));
+  ASSERT_TRUE(Leave(a_id));  // b kept, placed again with the spare: its load fails
+  Settled(ready.id());       // READY on the spare, or FAILED past --max_restarts: either
+  ASSERT_TRUE(b.WaitForUnload(ReplicaKey(ready.id(), 0)));
+  const std::vector<std::string> events = b.Events();
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events[0], "load");
+  EXPECT_EQ(events[1], "load");  // the one that failed
+  EXPECT_EQ(events[2], "unload");
 }
 
 TEST_F(SmallerShapesTest, WithoutTheOptionAReplicaWaitsForItsOwnShape) {

@@ -152,6 +152,12 @@ void Scheduler::MoveRankLocked(const std::string& key, int32_t rank, v1::WorkerI
     found.group->ranks[r].set_worker_address(worker->address());
   }
   if (r < found.group->progress.size()) found.group->progress[r].set_worker_id(worker->worker_id());
+  // A worker kept for the replica's next placement (scheduler_smaller.cc) is kept under its new id.
+  for (v1::RankAssignment& a : found.group->kept) {
+    if (a.rank() != rank) continue;
+    a.set_worker_id(worker->worker_id());
+    a.set_worker_address(worker->address());
+  }
   RecordLocked(RecordJobLocked(found.job_id, *found.runtime, ""),
                absl::StrCat("moving job ", found.job_id, "'s rank ", r, " to worker ", worker->worker_id()));
 }
@@ -286,7 +292,7 @@ void Scheduler::LoseWorkersGroupLocked(const v1::WorkerInfo& worker, const std::
 }
 
 void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int64_t generation,
-                                const std::string& cause, const std::string& unreachable_worker) {
+                                const std::string& cause, const std::string& unreachable_worker, bool keep_workers) {
   // Stopping: the job stays as stored; the next coordinator re-adopts it or places it again.
   if (stopping_) return;
   auto found = runtimes_.find(job_id);
@@ -338,7 +344,7 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
   if (group->forwarding) group->busy += absl::Now() - group->forward_started;
   group->forwarding = false;
   group->recovery.reset();
-  if (KeepsWorkersLocked(*runtime, *group)) {
+  if (keep_workers && KeepsWorkersLocked(*runtime, *group)) {
     KeepWorkersLocked(job_id, *group);  // the healthy ones keep their shards for the next placement
   } else {
     group->kept.clear();

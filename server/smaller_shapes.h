@@ -43,9 +43,10 @@ std::optional<SmallerShape> LargestSmallerShape(const v1::PlanRequest& request, 
 
 // Which kept worker takes each rank of `plan`, so that the tensors the workers hold are used most
 // (they keep those the new table has alike: LoadShardRequest.keep_held): kept worker i held rank
-// held_ranks[i] of `held_plan`. Rank by rank, the worker left whose held table shares the most
-// bytes with the rank's (tensors of the same name and slice), the lower held rank on a tie; -1
-// once none is left (an idle worker takes it). A worker left over takes no rank.
+// held_ranks[i] of `held_plan`. Greedily, the (rank, worker) pair sharing the most bytes first
+// (tensors of the same name and slice; on a tie the lower rank, then the lower held rank); then the
+// ranks that share nothing with any worker left take those left, in order; -1 once none is left
+// (an idle worker takes it). A worker left over takes no rank.
 std::vector<int> AssignKeptWorkers(const v1::ShardPlan& held_plan, const std::vector<int32_t>& held_ranks,
                                    const v1::ShardPlan& plan);
 

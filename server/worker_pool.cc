@@ -141,12 +141,6 @@ bool WorkerPool::EndUnloadCall(const std::string& worker_id, bool unloaded) {
   return it->second.unload_calls == 0 && !it->second.unloading;
 }
 
-bool WorkerPool::Unloading(const std::string& worker_id) const {
-  absl::MutexLock lock(&mu_);
-  auto it = workers_.find(worker_id);
-  return it != workers_.end() && it->second.info.healthy() && (it->second.unloading || it->second.unload_calls > 0);
-}
-
 std::vector<IdleWorker> WorkerPool::Idle() const {
   absl::MutexLock lock(&mu_);
   std::vector<IdleWorker> idle;

@@ -101,9 +101,6 @@ class WorkerPool {
   void BeginUnloadCall(const std::string& worker_id) ABSL_LOCKS_EXCLUDED(mu_);
   bool EndUnloadCall(const std::string& worker_id, bool unloaded) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Whether the worker is healthy and still drops a shard (SetUnloading, BeginUnloadCall): it will
-  // be idle soon. False for an unknown id.
-  bool Unloading(const std::string& worker_id) const ABSL_LOCKS_EXCLUDED(mu_);
   // The healthy workers without a job and not unloading (SetUnloading, BeginUnloadCall), in id order, with their
   // devices (for PlaceRanks).
   std::vector<IdleWorker> Idle() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -137,11 +137,7 @@ TEST_F(WorkerPoolTest, AnUnloadingWorkerIsNotIdleUntilItsUnloadEnds) {
   const v1::WorkerInfo b = Add(9002);
   pool_.SetUnloading(a.worker_id(), true);
   EXPECT_EQ(Ids(pool_.Idle()), std::vector<std::string>{b.worker_id()});
-  EXPECT_TRUE(pool_.Unloading(a.worker_id()));
-  EXPECT_FALSE(pool_.Unloading(b.worker_id()));
-  EXPECT_FALSE(pool_.Unloading("no-such-worker"));
   EXPECT_TRUE(pool_.SetUnloading(a.worker_id(), false));  // it was
-  EXPECT_FALSE(pool_.Unloading(a.worker_id()));
   EXPECT_FALSE(pool_.SetUnloading(a.worker_id(), false));
   EXPECT_EQ(Ids(pool_.Idle()), (std::vector<std::string>{a.worker_id(), b.worker_id()}));
   pool_.SetUnloading(b.worker_id(), true);
@@ -159,7 +155,6 @@ TEST_F(WorkerPoolTest, AWorkerWithAnUnloadCallOnItsWayIsNotIdleWhateverAHeartbea
   pool_.BeginUnloadCall(a.worker_id());
   pool_.SetUnloading(a.worker_id(), false);  // a heartbeat that lists no shard of a live job
   EXPECT_TRUE(pool_.Idle().empty());
-  EXPECT_TRUE(pool_.Unloading(a.worker_id()));
   EXPECT_TRUE(pool_.EndUnloadCall(a.worker_id(), /*unloaded=*/true));
   EXPECT_EQ(Ids(pool_.Idle()), std::vector<std::string>{a.worker_id()});
   // A failed call: kept out until a heartbeat says the shard is gone.

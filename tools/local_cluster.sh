@@ -29,8 +29,9 @@ wait_for_metrics_port() {
 
 # Starts a coordinator on a free loopback port and exports BERTSHARD_SERVER.
 start_coordinator() {
+  # shellcheck disable=SC2086  # COORDINATOR_FLAGS: extra flags, split on spaces
   "$COORDINATOR_BIN" --listen=127.0.0.1:0 --data_dir="$WORK/coordinator" \
-    ${METRICS_LISTEN:+--metrics_listen="$METRICS_LISTEN"} >"$WORK/coordinator.log" 2>&1 &
+    ${METRICS_LISTEN:+--metrics_listen="$METRICS_LISTEN"} ${COORDINATOR_FLAGS:-} >"$WORK/coordinator.log" 2>&1 &
   CLUSTER_PIDS+=($!)
   local port
   port=$(wait_for_port "$WORK/coordinator.log") || return 1

@@ -248,11 +248,14 @@ absl::StatusOr<std::shared_ptr<WorkerService::LoadedJob>> WorkerService::LoadJob
   job->rank = request.rank();
   job->world_size = plan.world_size();
   job->checkpoint = request.checkpoint();
-  if (held != nullptr && held->checkpoint == request.checkpoint()) {
-    // Out of jobs_ already: once a forward still running on it has ended, none comes. Its groups
-    // are gone with its replica; its tensors are the new load's to take.
-    absl::MutexLock lock(&held->mu);
+  if (held != nullptr && held->checkpoint == request.checkpoint() && held->mu.TryLock()) {
+    // Out of jobs_ already; a forward that took it before may still come, and finds it broken. One
+    // running now (stuck in a collective with a peer that is gone, say) is not waited for: the new
+    // load reads everything instead, rather than keep its own group's rendezvous waiting. Its
+    // groups are gone with its replica; its tensors are the new load's to take.
+    held->broken = "replaced by a new load of its job id";
     held->comm.reset();
+    held->mu.Unlock();
     options.load.donor = held->shard.get();
   }
   SetMathThreads(job->threads);
