@@ -252,6 +252,7 @@ bool Scheduler::PlanGroupLocked(const std::string& job_id, JobRuntime& runtime, 
     a.set_worker_id(workers[r].worker_id);
     a.set_worker_address(workers[r].address);
     a.set_replica(group.replica);
+    MarkSmallerLocked(group, a);
     group.ranks.push_back(a);
     v1::RankProgress p;
     p.set_rank(a.rank());

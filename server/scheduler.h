@@ -338,6 +338,13 @@ class Scheduler final : public ForwardTargets {
   // a rank's tensors, idle ones for the rest; empty when they do not fit.
   std::vector<IdleWorker> PlaceKeepingLocked(const GroupRuntime& group, const JobShape& shape,
                                              const std::vector<IdleWorker>& idle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stores the replica's smaller shape, if it runs one, on its rank `a` (RankAssignment.smaller_*).
+  static void MarkSmallerLocked(const GroupRuntime& group, v1::RankAssignment& a);
+  // Back after a coordinator restart, a replica stored in a smaller shape (RankAssignment.smaller_*)
+  // is re-adopted in it; null when none is stored or it cannot be planned (it is placed again).
+  std::shared_ptr<const JobShape> StoredSmallerShapeLocked(const JobShape& own,
+                                                           const std::vector<v1::RankAssignment>& stored) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether losing `group` keeps its healthy workers' shards (--smaller_shapes, the job's shape,
   // no update running).
   bool KeepsWorkersLocked(const JobRuntime& runtime, const GroupRuntime& group) const

@@ -523,7 +523,8 @@ void Scheduler::FillRuntimeFieldsLocked(v1::Job& job) {
     status->set_replica(replica);
     status->set_state(group->phase == GroupRuntime::Phase::kReadopting ? v1::LOADING : StateOf(Advance(*group)));
     if (group->phase == GroupRuntime::Phase::kReadopting && group->recovery != nullptr) {
-      const std::string waiting = group->recovery->Describe(group->shape->plan.world_size());
+      const std::string waiting =
+          group->recovery->Describe((group->smaller != nullptr ? group->smaller : group->shape)->plan.world_size());
       if (runtime.Current(*group)) recovering.push_back(named(replica, waiting));
       status->set_reason(waiting);
       for (const v1::RankAssignment& a : group->recovery->previous) *status->add_ranks() = a;

@@ -26,9 +26,10 @@
 // again in its own shape first. While smaller it counts as recovering from its loss: a loss then is
 // the next in a row (--restart_reset_after counts from when it serves in its own shape again).
 //
-// Kept workers wait with their replica and serve no other job meanwhile. A coordinator restart
-// places a smaller replica again rather than re-adopting it (its workers hold a plan of another
-// world size), and keeps nothing of a waiting one (its workers unload what they hold).
+// Kept workers wait with their replica and serve no other job meanwhile. A replica's ranks are
+// stored with its smaller shape (RankAssignment.smaller_tp/pp): a restarted coordinator takes it
+// back in it (StoredSmallerShapeLocked), still recovering. It keeps nothing of a waiting replica
+// (its workers unload what they hold).
 //
 // One class split over several files to keep each readable; the lock and its rules are scheduler.h's.
 #include <algorithm>
@@ -45,6 +46,24 @@
 #include "server/smaller_shapes.h"
 
 namespace bertshard::server {
+
+void Scheduler::MarkSmallerLocked(const GroupRuntime& group, v1::RankAssignment& a) {
+  if (group.smaller == nullptr) return;
+  a.set_smaller_tp(static_cast<int32_t>(std::max<int64_t>(1, group.smaller->request.parallel().tp_size())));
+  a.set_smaller_pp(static_cast<int32_t>(std::max<int64_t>(1, group.smaller->request.parallel().pp_size())));
+}
+
+std::shared_ptr<const JobShape> Scheduler::StoredSmallerShapeLocked(
+    const JobShape& own, const std::vector<v1::RankAssignment>& stored) const {
+  if (stored.empty() || stored.front().smaller_tp() <= 0) return nullptr;
+  std::optional<SmallerShape> smaller =
+      SmallerShapeOf(own.request, own.plan, stored.front().smaller_tp(), stored.front().smaller_pp());
+  if (!smaller.has_value()) return nullptr;
+  auto shape = std::make_shared<JobShape>(own);
+  shape->request = std::move(smaller->request);
+  shape->plan = std::move(smaller->plan);
+  return shape;
+}
 
 bool Scheduler::KeepsWorkersLocked(const JobRuntime& runtime, const GroupRuntime& group) const {
   return options_.smaller_shapes && runtime.Current(group) && runtime.next == nullptr && !group.retiring;
@@ -225,9 +244,9 @@ void Scheduler::GrowBackLocked(const std::string& job_id, JobRuntime& runtime, G
   group.pending_note = absl::StrCat("growing back from ", was, " to its own shape, ", ShapeText(group.shape->request),
                                     "; recovering: ", group.restarts.Describe());
   group.reason = group.pending_note;
-  // Unrecorded, the store keeps it READY in the smaller shape: a restarted coordinator places it
-  // again (its workers hold a plan of another world size). Nothing here ends a job: this runs from
-  // ScheduleLocked, which callers run while they hold iterators into a job's runtime.
+  // Unrecorded, the store keeps it READY in the smaller shape, where a restarted coordinator takes
+  // it back (or, its workers holding nothing of it, places it again). Nothing here ends a job: this
+  // runs from ScheduleLocked, which callers run while they hold iterators into a job's runtime.
   RecordLocked(RecordJobLocked(job_id, runtime, group.pending_note),
                absl::StrCat("putting job ", job_id, " back to PENDING to grow back"));
   QueueForPlacementLocked(job_id, group.replica, /*first=*/true);

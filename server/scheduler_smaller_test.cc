@@ -1,6 +1,7 @@
 // Smaller shapes (ClusterOptions::smaller_shapes, scheduler_smaller.cc): a replica that lost a
 // worker and finds no spare serves in a smaller shape on the workers it has, and grows back when
 // workers return. Fake workers on loopback; the plans they are sent say the shape.
+#include <filesystem>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -255,6 +256,53 @@ TEST_F(SmallerShapesTest, ALossInALoadKeepsNoWorker) {
   EXPECT_EQ(events[0], "load");
   EXPECT_EQ(events[1], "load");  // the one that failed
   EXPECT_EQ(events[2], "unload");
+}
+
+// A coordinator restart takes a replica back in the smaller shape it served in (its ranks are
+// stored with it), still degraded; it grows back when a worker comes, keeping what it holds.
+TEST_F(SmallerShapesTest, ARestartTakesASmallerReplicaBackInItsShape) {
+  store_path_ = std::string(testing::TempDir()) + "/smaller_restart.db";
+  std::filesystem::remove(store_path_);
+  options_.readopt_grace = absl::Hours(1);  // only the workers' own reports decide
+  Start();
+  FakeWorker a, b, spare;
+  Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  ASSERT_TRUE(Leave(b_id));
+  const v1::Job smaller = Settled(ready.id());
+  ASSERT_EQ(smaller.replica_status(0).smaller_shape(), "TP 1 x PP 1, FP32, " + checkpoint_);
+  ASSERT_EQ(smaller.ranks_size(), 1);
+  EXPECT_EQ(smaller.ranks(0).smaller_tp(), 1);
+  EXPECT_EQ(smaller.ranks(0).smaller_pp(), 1);
+  Start();  // the coordinator restarts; the store stays
+  v1::RegisterWorkerRequest back;
+  back.set_address(a.Address());
+  v1::HeldShard* held = back.add_held();
+  held->set_job_id(ReplicaKey(ready.id(), 0));
+  held->set_rank(0);
+  held->set_world_size(1);  // the smaller shape's world
+  held->set_next_sequence(3);
+  const v1::RegisterWorkerResponse registered = scheduler_->RegisterWorker(back);
+  EXPECT_EQ(registered.unload_job_ids_size(), 0);
+  const v1::Job adopted = Settled(ready.id());
+  ASSERT_EQ(adopted.state(), v1::READY) << adopted.DebugString();
+  EXPECT_EQ(adopted.recovering(), "");
+  EXPECT_EQ(adopted.replica_status(0).smaller_shape(), "TP 1 x PP 1, FP32, " + checkpoint_);
+  EXPECT_NE(adopted.degraded().find("serves in a smaller shape"), std::string::npos) << adopted.degraded();
+  EXPECT_EQ(a.Loads().size(), 2u);  // taken back, not loaded again
+  absl::StatusOr<ForwardTarget> next = scheduler_->NextForward(ready.id(), 0, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->sequence, 3);
+  EXPECT_EQ(next->ranks.size(), 1u);
+  scheduler_->EndForward(ready.id(), next->replica, next->generation);
+  Register(spare);
+  const v1::Job grown = Settled(ready.id());
+  ASSERT_EQ(grown.state(), v1::READY) << grown.DebugString();
+  EXPECT_EQ(grown.replica_status(0).smaller_shape(), "");
+  EXPECT_EQ(grown.ranks_size(), 2);
+  EXPECT_EQ(grown.ranks(0).smaller_tp(), 0);
+  EXPECT_TRUE(a.Loads().back().keep_held());
 }
 
 TEST_F(SmallerShapesTest, WithoutTheOptionAReplicaWaitsForItsOwnShape) {

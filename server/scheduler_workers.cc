@@ -48,6 +48,8 @@ absl::Status Scheduler::RecoverJobsLocked() {
       group = std::make_unique<GroupRuntime>(r, runtime->shape, runtime->policy);
       group->phase = GroupRuntime::Phase::kReadopting;
       group->recovery = std::move(recovery);
+      // Stored in a smaller shape (--smaller_shapes): its ranks come back in it.
+      group->smaller = StoredSmallerShapeLocked(*runtime->shape, group->recovery->previous);
     }
     while (static_cast<int32_t>(runtime->groups.size()) < runtime->replicas) {
       GroupRuntime& group = AddGroupLocked(id, *runtime, runtime->FreeReplicaIndex());
@@ -219,8 +221,8 @@ void Scheduler::DecideRecoveryLocked(const std::string& key) {
   const FoundGroup found = FindGroupLocked(key);
   if (found.group == nullptr || found.group->recovery == nullptr) return;
   GroupRuntime& group = *found.group;
-  const ReadoptionDecision decision =
-      group.recovery->Decide(group.shape->plan.world_size(), absl::Now(), options_.readopt_grace);
+  const ReadoptionDecision decision = group.recovery->Decide(
+      (group.smaller != nullptr ? group.smaller : group.shape)->plan.world_size(), absl::Now(), options_.readopt_grace);
   switch (decision.outcome) {
     case ReadoptionDecision::Outcome::kWait:
       changed_.SignalAll();  // Job.recovering changed
@@ -248,6 +250,7 @@ void Scheduler::DecideRecoveryLocked(const std::string& key) {
     a.set_worker_id(decision.rank_workers[r]);
     a.set_worker_address(worker.has_value() ? worker->address() : "");
     a.set_replica(group.replica);
+    MarkSmallerLocked(group, a);
     group.ranks.push_back(a);
     v1::RankProgress p;
     p.set_rank(a.rank());
@@ -270,7 +273,15 @@ void Scheduler::DecideRecoveryLocked(const std::string& key) {
                     absl::StrCat("the job database could not record its ranks: ", recorded.message()));
     return;
   }
-  group.restarts.Served(absl::Now());
+  if (group.smaller == nullptr) {
+    group.restarts.Served(absl::Now());
+  } else if (group.restarts
+                 .Lost("workers before the coordinator restarted (taken back in its smaller shape)", absl::Now())
+                 .give_up) {
+    // In a smaller shape it still recovers (degraded, and growing back when it can), whatever
+    // this coordinator's --max_restarts: it serves.
+    group.restarts.KeepTrying(absl::Now());
+  }
   group.idle_since = absl::Now();
   UpdateLanesLocked(*found.runtime);
   changed_.SignalAll();

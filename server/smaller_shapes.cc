@@ -41,29 +41,40 @@ std::optional<SmallerShape> LargestSmallerShape(const v1::PlanRequest& request, 
            std::make_tuple(std::get<0>(b), std::get<1>(b), std::get<2>(b));
   });
   for (const auto& [same_tp, world, t, p] : candidates) {
-    SmallerShape shape;
-    shape.request = request;
-    v1::ParallelConfig& parallel = *shape.request.mutable_parallel();
-    parallel.set_tp_size(t);
-    parallel.set_pp_size(p);
-    parallel.clear_num_layers_per_stage();  // counts for the job's stages, not these
-    if (p == 1) {
-      parallel.clear_pp_style();
-      parallel.clear_num_model_chunks();
-    }
-    if (t == 1) parallel.clear_sp_mode();
-    // Planned from the job's own plan: its class and config (every field set), no file read.
-    v1::PlanRequest planning = shape.request;
-    planning.clear_checkpoint();
-    planning.set_variant(plan.variant());
-    *planning.mutable_config() = plan.config();
-    planning.set_dtype(plan.dtype());
-    absl::StatusOr<v1::ShardPlan> planned = planner::Plan(planning);
-    if (!planned.ok()) continue;  // the planner refuses this one: the next
-    shape.plan = *std::move(planned);
-    return shape;
+    // The planner refuses this one: the next.
+    if (std::optional<SmallerShape> shape = SmallerShapeOf(request, plan, t, p)) return shape;
   }
   return std::nullopt;
+}
+
+std::optional<SmallerShape> SmallerShapeOf(const v1::PlanRequest& request, const v1::ShardPlan& plan, int64_t tp,
+                                           int64_t pp) {
+  const int64_t job_tp = std::max(1, plan.shard_config().tensor_parallel_size());
+  const int64_t job_pp = std::max(1, plan.shard_config().pp_size());
+  if (tp < 1 || pp < 1 || tp > job_tp || job_tp % tp != 0 || pp > job_pp || tp * pp >= job_tp * job_pp) {
+    return std::nullopt;
+  }
+  SmallerShape shape;
+  shape.request = request;
+  v1::ParallelConfig& parallel = *shape.request.mutable_parallel();
+  parallel.set_tp_size(tp);
+  parallel.set_pp_size(pp);
+  parallel.clear_num_layers_per_stage();  // counts for the job's stages, not these
+  if (pp == 1) {
+    parallel.clear_pp_style();
+    parallel.clear_num_model_chunks();
+  }
+  if (tp == 1) parallel.clear_sp_mode();
+  // Planned from the job's own plan: its class and config (every field set), no file read.
+  v1::PlanRequest planning = shape.request;
+  planning.clear_checkpoint();
+  planning.set_variant(plan.variant());
+  *planning.mutable_config() = plan.config();
+  planning.set_dtype(plan.dtype());
+  absl::StatusOr<v1::ShardPlan> planned = planner::Plan(planning);
+  if (!planned.ok()) return std::nullopt;
+  shape.plan = *std::move(planned);
+  return shape;
 }
 
 namespace {

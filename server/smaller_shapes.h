@@ -50,6 +50,12 @@ std::optional<SmallerShape> LargestSmallerShape(const v1::PlanRequest& request, 
 std::vector<int> AssignKeptWorkers(const v1::ShardPlan& held_plan, const std::vector<int32_t>& held_ranks,
                                    const v1::ShardPlan& plan);
 
+// The smaller shape TP `tp` x PP `pp` of the job, planned as LargestSmallerShape plans each (a
+// restarted coordinator takes back a replica in it); nullopt when the planner refuses it or it is
+// not smaller than the job's.
+std::optional<SmallerShape> SmallerShapeOf(const v1::PlanRequest& request, const v1::ShardPlan& plan, int64_t tp,
+                                           int64_t pp);
+
 // "TP 2 x PP 1, FP32, /models/minilm": what a user changes with shardctl update.
 std::string ShapeText(const v1::PlanRequest& request);
 

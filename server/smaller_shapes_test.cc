@@ -95,6 +95,17 @@ TEST(SmallerShapes, TheCheckpointStaysInTheRequestButNoFileIsRead) {
   EXPECT_EQ(ShapeText(s->request), "TP 1 x PP 1, FP32, /nowhere/model");
 }
 
+TEST(SmallerShapes, OneNamedShapeAsTheLargestWouldPlanIt) {
+  const v1::PlanRequest job = Request(2, 2);
+  const v1::ShardPlan plan = PlanOf(job);
+  const std::optional<SmallerShape> s = SmallerShapeOf(job, plan, 2, 1);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(s->plan, LargestSmallerShape(job, plan, 3)->plan));
+  EXPECT_FALSE(SmallerShapeOf(job, plan, 2, 2).has_value());  // not smaller
+  EXPECT_FALSE(SmallerShapeOf(job, plan, 4, 1).has_value());  // a larger TP
+  EXPECT_FALSE(SmallerShapeOf(job, plan, 0, 1).has_value());
+}
+
 TEST(SmallerShapes, NoneFitsNoWorkersOrAOneWorkerJob) {
   const v1::PlanRequest job = Request(2, 2);
   EXPECT_FALSE(LargestSmallerShape(job, PlanOf(job), 0).has_value());
