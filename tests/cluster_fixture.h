@@ -43,6 +43,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/closed_loop_clients.h"
 #include "tests/test_process.h"
 
 namespace bertshard::testing {
@@ -522,6 +523,20 @@ class Cluster : public ::testing::Test, public LocalCluster {
       usleep(50 * 1000);
     }
     return false;
+  }
+
+  // `n` closed-loop clients sending the reference input to `job` (Infer), each answer checked
+  // against the reference logits.
+  std::unique_ptr<ClosedLoopClients> ReferenceClients(const std::string& job, int n) {
+    return std::make_unique<ClosedLoopClients>(n, [this, job, expected = Expected()] {
+      v1::InferRequest infer;
+      infer.set_job_id(job);
+      *infer.mutable_tokens() = Tokens();
+      v1::InferResponse response;
+      const grpc::Status status = stub_->Infer(Context(60).get(), infer, &response);
+      return ClosedLoopClients::Outcome{
+          status, response.outputs_size() == 1 && MaxDiff(response.outputs(0), expected) <= 1e-5f};
+    });
   }
 
   // Infers the reference input on `job`; the largest difference from the reference logits.

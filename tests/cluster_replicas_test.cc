@@ -45,18 +45,6 @@ class Replicas : public Cluster {
     for (const v1::ReplicaStatus& r : job.replica_status()) ready += r.state() == v1::READY ? 1 : 0;
     return ready;
   }
-  // Closed-loop Infer calls on `job`, each answer checked against the reference.
-  std::unique_ptr<ClosedLoopClients> Clients(const std::string& job, int n) {
-    return std::make_unique<ClosedLoopClients>(n, [this, job, expected = Expected()] {
-      v1::InferRequest infer;
-      infer.set_job_id(job);
-      *infer.mutable_tokens() = Tokens();
-      v1::InferResponse response;
-      const grpc::Status status = stub_->Infer(Context(60).get(), infer, &response);
-      return ClosedLoopClients::Outcome{
-          status, response.outputs_size() == 1 && MaxDiff(response.outputs(0), expected) <= 1e-5f};
-    });
-  }
 };
 
 TEST_F(Replicas, ALostReplicaFailsNoRequestAndComesBackOnASpare) {
@@ -64,7 +52,7 @@ TEST_F(Replicas, ALostReplicaFailsNoRequestAndComesBackOnASpare) {
   const v1::Job ready = WatchAllReplicas(job.id());
   ASSERT_EQ(ReadyReplicas(ready), 2) << ready.DebugString();
   constexpr int kClients = 8;
-  std::unique_ptr<ClosedLoopClients> clients = Clients(job.id(), kClients);
+  std::unique_ptr<ClosedLoopClients> clients = ReferenceClients(job.id(), kClients);
   ASSERT_TRUE(clients->WaitAnswers(4 * kClients)) << "the clients are not being answered";
   // The worker of replica 1 (known to the workers by the replica's key).
   std::string victim_id;
@@ -111,7 +99,7 @@ TEST_F(Replicas, ScalingOneToThreeToOneUnderLoadFailsNoRequest) {
   const v1::Job job = SubmitReplicas(1);
   ASSERT_EQ(WatchAllReplicas(job.id()).state(), v1::READY);
   constexpr int kClients = 8;
-  std::unique_ptr<ClosedLoopClients> clients = Clients(job.id(), kClients);
+  std::unique_ptr<ClosedLoopClients> clients = ReferenceClients(job.id(), kClients);
   ASSERT_TRUE(clients->WaitAnswers(2 * kClients));
   v1::ScaleJobRequest scale;
   scale.set_job_id(job.id());
@@ -211,7 +199,7 @@ TEST_F(AutoscaledReplicas, AJobWithBoundsGrowsUnderLoadAndShrinksWhenIdle) {
   ASSERT_TRUE(stub_->SubmitJob(Context().get(), submit, &job).ok());
   ASSERT_EQ(ReadyReplicas(WatchAllReplicas(job.id())), 1);
   constexpr int kClients = 8;
-  std::unique_ptr<ClosedLoopClients> clients = Clients(job.id(), kClients);
+  std::unique_ptr<ClosedLoopClients> clients = ReferenceClients(job.id(), kClients);
   const absl::Time loaded = absl::Now();
   const v1::Job grown = WaitForReplicas(job.id(), 2);
   const absl::Duration up = absl::Now() - loaded;

@@ -53,20 +53,12 @@ TEST_F(SmallerShapes, AJobWithNoSpareServesSmallerAndGrowsBackWithoutAWrongAnswe
   EXPECT_EQ(first.replica_status(0).load_bytes_kept(), 0);
   EXPECT_GT(full_read, 0);
   constexpr int kClients = 8;
-  ClosedLoopClients clients(kClients, [this, id = job.id(), expected = Expected()] {
-    v1::InferRequest infer;
-    infer.set_job_id(id);
-    *infer.mutable_tokens() = Tokens();
-    v1::InferResponse response;
-    const grpc::Status status = stub_->Infer(Context(60).get(), infer, &response);
-    return ClosedLoopClients::Outcome{status,
-                                      response.outputs_size() == 1 && MaxDiff(response.outputs(0), expected) <= 1e-5f};
-  });
-  ASSERT_TRUE(clients.WaitAnswers(4 * kClients)) << "the clients are not being answered";
+  std::unique_ptr<ClosedLoopClients> clients = ReferenceClients(job.id(), kClients);
+  ASSERT_TRUE(clients->WaitAnswers(4 * kClients)) << "the clients are not being answered";
 
   const std::string victim = KillWorkerServing(job.id(), 3);
   ASSERT_NE(victim, "");
-  const absl::Time killed = clients.Mark();
+  const absl::Time killed = clients->Mark();
   const v1::Job smaller = PollUntil(job.id(), [](const v1::Job& j) {
     return j.state() == v1::READY && j.replica_status_size() == 1 && !j.replica_status(0).smaller_shape().empty();
   });
@@ -83,11 +75,11 @@ TEST_F(SmallerShapes, AJobWithNoSpareServesSmallerAndGrowsBackWithoutAWrongAnswe
   EXPECT_GT(folded.load_bytes_kept(), 0);
   EXPECT_LT(folded.load_bytes_read(), full_read);
   // The smaller shape answers (each answer checked).
-  ASSERT_TRUE(clients.WaitAnswers(clients.answered() + 4 * kClients)) << "no answers in the smaller shape";
-  const absl::Time first_answer = clients.first_answer_after();
+  ASSERT_TRUE(clients->WaitAnswers(clients->answered() + 4 * kClients)) << "no answers in the smaller shape";
+  const absl::Time first_answer = clients->first_answer_after();
 
   // A worker joins: the job grows back on its three and the new one.
-  const absl::Time joined = clients.Mark();
+  const absl::Time joined = clients->Mark();
   LaunchWorker();
   const v1::Job back = PollUntil(job.id(), [](const v1::Job& j) {
     return j.state() == v1::READY && j.replica_status_size() == 1 && j.replica_status(0).smaller_shape().empty() &&
@@ -100,12 +92,12 @@ TEST_F(SmallerShapes, AJobWithNoSpareServesSmallerAndGrowsBackWithoutAWrongAnswe
   const v1::ReplicaStatus& grown = back.replica_status(0);
   EXPECT_GT(grown.load_bytes_kept(), 0);
   EXPECT_LT(grown.load_bytes_read(), full_read);
-  ASSERT_TRUE(clients.WaitAnswers(clients.answered() + 4 * kClients)) << "no answers after growing back";
-  clients.Stop();
+  ASSERT_TRUE(clients->WaitAnswers(clients->answered() + 4 * kClients)) << "no answers after growing back";
+  clients->Stop();
 
-  EXPECT_EQ(clients.wrong(), 0);
+  EXPECT_EQ(clients->wrong(), 0);
   int gap_errors = 0;
-  for (const ClosedLoopClients::Failure& f : clients.failures()) {
+  for (const ClosedLoopClients::Failure& f : clients->failures()) {
     EXPECT_EQ(f.code, grpc::StatusCode::UNAVAILABLE) << f.message;
     EXPECT_LT(f.sent, smaller_ready) << "failed after the smaller shape served: " << f.message;
     ++gap_errors;

@@ -73,15 +73,7 @@ TEST_F(Update, Tp2ToTp1Pp2UnderLoadFailsNoRequest) {
   const v1::Job job = SubmitShape(kModel, 2, 1, 1);
   ASSERT_EQ(WatchAllReplicas(job.id()).state(), v1::READY);
   constexpr int kClients = 8;
-  auto clients = std::make_unique<ClosedLoopClients>(kClients, [this, id = job.id(), expected = Expected()] {
-    v1::InferRequest infer;
-    infer.set_job_id(id);
-    *infer.mutable_tokens() = Tokens();
-    v1::InferResponse response;
-    const grpc::Status status = stub_->Infer(Context(60).get(), infer, &response);
-    return ClosedLoopClients::Outcome{status,
-                                      response.outputs_size() == 1 && MaxDiff(response.outputs(0), expected) <= 1e-5f};
-  });
+  auto clients = ReferenceClients(job.id(), kClients);
   const absl::Time start = absl::Now();
   ASSERT_TRUE(clients->WaitAnswers(4 * kClients));
   // Refused, and nothing changes: 4 heads do not split over 3 ranks.
