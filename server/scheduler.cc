@@ -410,14 +410,18 @@ bool Scheduler::LoadShards(const Load& load, int32_t port, const std::string& se
         const bool others_serve = load.runtime->ServingGroups() > 0;
         const absl::optional<absl::Cord> unreachable = failure.GetPayload(kUnreachableWorkerPayload);
         if (load.runs != load.shape) {
-          // A smaller shape that does not load (the workers cannot hold it, say): the replica waits
-          // for its own shape from now on; no restart is spent and the job does not end for it. (A
-          // later rank's failure of the same load finds it done.)
-          if (group->generation == load.generation) {
-            GiveUpSmallerLocked(
-                load.job_id, *load.runtime, *group,
-                absl::StrCat(failure.message(), " (loading the smaller shape ", ShapeText(load.runs->request), ")"),
-                unreachable.has_value() ? std::string(*unreachable) : "");
+          // (A later rank's failure of the same load finds it handled.)
+          if (group->generation != load.generation) return;
+          const std::string why =
+              absl::StrCat(failure.message(), " (loading the smaller shape ", ShapeText(load.runs->request), ")");
+          const std::string down = unreachable.has_value() ? std::string(*unreachable) : "";
+          if (LoadCanNeverSucceed(failure) || failure.code() == absl::StatusCode::kResourceExhausted) {
+            // Refused for what it is (the workers cannot hold it, say): the replica waits for its
+            // own shape from now on; no restart is spent and the job does not end for it.
+            GiveUpSmallerLocked(load.job_id, *load.runtime, *group, why, down);
+          } else {
+            // A worker lost in the load: a loss like any (it may come back smaller again).
+            LoseGroupLocked(load.job_id, load.replica, load.generation, why, down, /*keep_workers=*/false);
           }
           return;
         }

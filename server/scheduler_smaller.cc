@@ -55,7 +55,12 @@ void Scheduler::MarkSmallerLocked(const GroupRuntime& group, v1::RankAssignment&
 
 std::shared_ptr<const JobShape> Scheduler::StoredSmallerShapeLocked(
     const JobShape& own, const std::vector<v1::RankAssignment>& stored) const {
-  if (stored.empty() || stored.front().smaller_tp() <= 0) return nullptr;
+  // Without --smaller_shapes it would never grow back; under --max_restarts=0 the loss that made it
+  // smaller ends the job, as a restart resumes every recovery (its workers unload, readoption fails).
+  if (!options_.smaller_shapes || options_.restarts.max_restarts == 0 || stored.empty() ||
+      stored.front().smaller_tp() <= 0) {
+    return nullptr;
+  }
   std::optional<SmallerShape> smaller =
       SmallerShapeOf(own.request, own.plan, stored.front().smaller_tp(), stored.front().smaller_pp());
   if (!smaller.has_value()) return nullptr;
@@ -257,6 +262,13 @@ void Scheduler::GrowBackLocked(const std::string& job_id, JobRuntime& runtime, G
 void Scheduler::GiveUpSmallerLocked(const std::string& job_id, JobRuntime& runtime, GroupRuntime& group,
                                     const std::string& cause, const std::string& unreachable_worker) {
   if (!unreachable_worker.empty()) pool_->MarkUnhealthy(unreachable_worker);
+  if (group.retiring || (!runtime.Current(group) && group.shape != runtime.next)) {
+    // Scaled away, or of a shape an update switched away from meanwhile: gone, as LoseGroupLocked
+    // lets such a replica go.
+    DropGroupLocked(job_id, runtime, group.replica);
+    ScheduleLocked();
+    return;
+  }
   group.smaller_refused = true;
   group.lost_from = group.generation;
   group.generation = ++generations_;

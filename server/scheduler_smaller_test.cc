@@ -136,6 +136,22 @@ TEST_F(SmallerShapesTest, ASmallerShapeThatCannotLoadIsNotTriedAgain) {
   EXPECT_EQ(LastWorld(a), 2);
 }
 
+// A worker lost during a smaller load is a loss like any: counted, and the smaller shape tried
+// again (only a refusal of the shape itself rules it out); past --max_restarts (2) the job ends.
+TEST_F(SmallerShapesTest, ASmallerLoadLostToAPassingFailureIsALossLikeAny) {
+  FakeWorker a, b;
+  Register(a);
+  const std::string b_id = Register(b);
+  const v1::Job ready = Settled(Submit(2).id());
+  a.SetLoadStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "a peer went away"));
+  ASSERT_TRUE(Leave(b_id));
+  const v1::Job ended = Settled(ready.id());
+  EXPECT_EQ(ended.state(), v1::FAILED) << ended.DebugString();
+  EXPECT_EQ(a.Loads().size(), 3u);  // its first, and the smaller shape twice
+  EXPECT_NE(ended.failure_cause().find("loading the smaller shape TP 1 x PP 1"), std::string::npos)
+      << ended.failure_cause();
+}
+
 // Placed again in its own shape on a spare: the worker it kept takes its own rank back and keeps
 // its shard (no unload); the spare takes the lost rank.
 TEST_F(SmallerShapesTest, AKeptWorkerTakesItsOwnRankBackBesideASpare) {

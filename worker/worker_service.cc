@@ -12,6 +12,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/fault_point.h"
 #include "common/grpc_auth.h"
 #include "common/grpc_status.h"
@@ -248,11 +249,17 @@ absl::StatusOr<std::shared_ptr<WorkerService::LoadedJob>> WorkerService::LoadJob
   job->rank = request.rank();
   job->world_size = plan.world_size();
   job->checkpoint = request.checkpoint();
-  if (held != nullptr && held->checkpoint == request.checkpoint() && held->mu.TryLock()) {
-    // Out of jobs_ already; a forward that took it before may still come, and finds it broken. One
-    // running now (stuck in a collective with a peer that is gone, say) is not waited for: the new
-    // load reads everything instead, rather than keep its own group's rendezvous waiting. Its
-    // groups are gone with its replica; its tensors are the new load's to take.
+  // Out of jobs_ already; a forward that took it before may still come, and finds it broken. One
+  // running now (stuck in a collective with a peer that is gone, say) is not waited for beyond a
+  // moment (a heartbeat's report takes the lock briefly too): the new load reads everything
+  // instead, rather than keep its own group's rendezvous waiting. Its groups are gone with its
+  // replica; its tensors are the new load's to take.
+  bool held_locked = false;
+  for (int attempt = 0; held != nullptr && held->checkpoint == request.checkpoint() && attempt < 50; ++attempt) {
+    if ((held_locked = held->mu.TryLock())) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  if (held_locked) {
     held->broken = "replaced by a new load of its job id";
     held->comm.reset();
     held->mu.Unlock();
