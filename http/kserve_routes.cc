@@ -39,6 +39,13 @@ HttpResponse KServeError(const absl::Status& status) {
   return KServeError(kserve::HttpStatusOf(status), status.message());
 }
 
+// 405 with the methods the route takes (RFC 9110 15.5.6: Allow is required), in KServe's error shape.
+HttpResponse KServeMethodNotAllowed(const char* allowed, absl::string_view message) {
+  HttpResponse response = KServeError(405, message);
+  response.headers.push_back({"Allow", allowed});
+  return response;
+}
+
 HttpResponse EmptyOk() {
   HttpResponse response;
   response.content_type = "text/plain; charset=utf-8";
@@ -262,7 +269,7 @@ HttpResponse HttpApi::KServe(const HttpRequest& request) {
   const bool get = request.method == "GET";
   // The probes stay open, as /health and gRPC's health service are.
   if (path == "/v2/health/live" || path == "/v2/health/ready") {
-    if (!get) return KServeError(405, "health routes take GET");
+    if (!get) return KServeMethodNotAllowed("GET", "health routes take GET");
     if (path == "/v2/health/live" || kserve::ServerReady(backend_, options_.default_job)) return EmptyOk();
     return KServeError(503, "not ready: no job serves (or the default job does not)");
   }
@@ -273,7 +280,7 @@ HttpResponse HttpApi::KServe(const HttpRequest& request) {
     return response;
   }
   if (path == "/v2" || path == "/v2/") {
-    if (!get) return KServeError(405, "server metadata takes GET");
+    if (!get) return KServeMethodNotAllowed("GET", "server metadata takes GET");
     std::string body = "{\"name\":";
     common::AppendJsonString(kserve::kServerName, &body);
     body.append(",\"version\":");
@@ -308,10 +315,10 @@ HttpResponse HttpApi::KServe(const HttpRequest& request) {
   const std::string model(rest);
   if (model.empty()) return KServeError(404, "no model named in the route");
   if (action == Action::kInfer) {
-    if (request.method != "POST") return KServeError(405, "infer takes POST");
+    if (request.method != "POST") return KServeMethodNotAllowed("POST", "infer takes POST");
     return KServeInfer(request, model, version);
   }
-  if (!get) return KServeError(405, "model metadata and readiness take GET");
+  if (!get) return KServeMethodNotAllowed("GET", "model metadata and readiness take GET");
   absl::StatusOr<ModelInfo> info = kserve::ServingModel(backend_, model, version, options_.default_job);
   if (!info.ok()) return KServeError(info.status());
   if (action == Action::kReady) return EmptyOk();

@@ -37,6 +37,12 @@ class KServeRoutesTest : public ::testing::Test {
   // KServe's error body: {"error": MESSAGE} and nothing else.
   static void ExpectError(const HttpResponse& response, int status, const std::string& part) {
     EXPECT_EQ(response.status, status) << response.body;
+    if (status == 405) {
+      // The methods the route takes (RFC 9110: a 405 carries Allow), as `part` names them.
+      bool allow = false;
+      for (const auto& [name, value] : response.headers) allow |= name == "Allow" && value == part;
+      EXPECT_TRUE(allow) << "no Allow: " << part << " header on " << response.body;
+    }
     const json body = json::parse(response.body, nullptr, false);
     ASSERT_TRUE(body.is_object()) << response.body;
     EXPECT_EQ(body.size(), 1u) << response.body;
