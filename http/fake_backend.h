@@ -92,6 +92,7 @@ class FakeBackend : public InferenceBackend {
   absl::StatusOr<v1::InferResponse> Infer(const v1::InferRequest& request, const CallContext& context) override {
     infers.push_back(request);
     contexts.push_back(context);
+    if (std::function<void(const CallContext&)> hook = std::exchange(on_infer, nullptr)) hook(context);
     if (!infer_error.ok()) return infer_error;
     v1::InferResponse response;
     const int64_t rows = request.has_text() ? request.text().texts_size() : request.tokens().rows();
@@ -167,6 +168,7 @@ class FakeBackend : public InferenceBackend {
   absl::Status embed_error;
   absl::Status infer_error;
   std::function<void()> on_embed;  // called once, inside the next Embed (a second request while one is in flight)
+  std::function<void(const CallContext&)> on_infer;  // called once, inside the next Infer, with its context
 };
 
 }  // namespace bertshard::http

@@ -16,6 +16,7 @@
 #define BERTSHARD_HTTP_INFERENCE_BACKEND_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,9 @@ struct CallContext {
   // this many ids in it (the batcher's --max_batch_tokens, which would refuse it later) is refused
   // before the rectangle is made (a few long rows and many short ones would cost rows x longest).
   int64_t max_padded_ids = 16384;
+  // Whether the caller went away (may be empty: never): a request it holds that has not been sent
+  // to the workers yet is dropped (Cluster::Infer's `cancelled`).
+  std::function<bool()> cancelled;
 };
 
 class InferenceBackend {

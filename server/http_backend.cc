@@ -84,12 +84,12 @@ std::vector<http::ModelInfo> ClusterHttpBackend::ServingModels() {
 
 absl::StatusOr<v1::EmbedResponse> ClusterHttpBackend::Embed(const v1::EmbedRequest& request,
                                                             const http::CallContext& call) {
-  return cluster_->Embed(request, call.deadline, nullptr, Caller{call.client, call.connection});
+  return cluster_->Embed(request, call.deadline, call.cancelled, Caller{call.client, call.connection});
 }
 
 absl::StatusOr<v1::InferResponse> ClusterHttpBackend::Infer(const v1::InferRequest& request,
                                                             const http::CallContext& call) {
-  return cluster_->Infer(request, call.deadline, nullptr, Caller{call.client, call.connection});
+  return cluster_->Infer(request, call.deadline, call.cancelled, Caller{call.client, call.connection});
 }
 
 absl::StatusOr<std::vector<http::TokenInfo>> ClusterHttpBackend::Tokenize(const std::string& job_id,

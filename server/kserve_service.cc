@@ -143,6 +143,8 @@ grpc::Status KServeService::ModelInfer(grpc::ServerContext* context, const infer
   call.client = options_.client_of ? options_.client_of(*context) : "peer:" + context->peer();
   call.connection = context->peer();
   call.max_padded_ids = options_.max_padded_ids;
+  // A caller that went away (tritonclient's cancel, a deadline) drops its request if not yet sent.
+  call.cancelled = [context] { return context->IsCancelled(); };
   absl::StatusOr<kserve::InferResult> result = kserve::Infer(backend_, *infer, options_.default_job, call);
   if (!result.ok()) return common::ToGrpcStatus(result.status());
   response->set_model_name(result->model_name);

@@ -3,10 +3,13 @@
 // metadata, the read token, and bad input refused with INVALID_ARGUMENT and nothing run.
 #include "server/kserve_service.h"
 
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 
+#include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "http/fake_backend.h"
@@ -124,6 +127,43 @@ TEST_F(KServeServiceTest, BadInputIsInvalidArgumentAndNothingRuns) {
   unknown.add_raw_input_contents(Int64s({1, 2}));
   refuse(unknown, grpc::StatusCode::NOT_FOUND, "unknown model");
   EXPECT_TRUE(backend_.infers.empty());
+}
+
+// The caller going away reaches the backend (which drops a request not yet sent): tritonclient's
+// cancel, or its deadline.
+TEST_F(KServeServiceTest, ACallerThatGoesAwayIsSeenAsCancelled) {
+  Start({.default_job = "job-1"});
+  std::atomic<bool> live{false}, seen{false};
+  std::atomic<bool> in_backend{false};
+  backend_.on_infer = [&](const http::CallContext& call) {
+    live = call.cancelled && !call.cancelled();
+    in_backend = true;
+    for (int i = 0; i < 1000 && call.cancelled && !seen; ++i) {
+      seen = call.cancelled();
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  };
+  inference::ModelInferRequest request;
+  request.set_model_name("job-1");
+  auto* input = request.add_inputs();
+  input->set_name("input_ids");
+  input->set_datatype("INT64");
+  input->add_shape(1);
+  input->add_shape(3);
+  request.add_raw_input_contents(Int64s({101, 7, 102}));
+  grpc::ClientContext context;
+  inference::ModelInferResponse response;
+  std::thread cancel([&] {
+    while (!in_backend) absl::SleepFor(absl::Milliseconds(1));
+    context.TryCancel();
+  });
+  const grpc::Status status = stub_->ModelInfer(&context, request, &response);
+  cancel.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+  server_->Shutdown();  // the handler has returned: what it saw is final
+  server_.reset();
+  EXPECT_TRUE(live) << "the backend was given no live cancellation check";
+  EXPECT_TRUE(seen) << "the backend never saw the caller go away";
 }
 
 TEST_F(KServeServiceTest, HealthMetadataAndTheReadToken) {
