@@ -11,6 +11,7 @@
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_service.grpc.pb.h"
 
 namespace bertshard::server {
 namespace {
@@ -125,14 +126,40 @@ TEST_F(CoordinatorServerTest, ReflectionListsAndDescribesServices) {
   EXPECT_TRUE(names.count("bertshard.v1.Coordinator"));
   EXPECT_TRUE(names.count("grpc.health.v1.Health"));
   EXPECT_TRUE(names.count("grpc.reflection.v1alpha.ServerReflection"));
+  EXPECT_TRUE(names.count("inference.GRPCInferenceService"));
 
-  for (const char* symbol : {"bertshard.v1.Coordinator", "grpc.health.v1.Health"}) {
+  for (const char* symbol : {"bertshard.v1.Coordinator", "grpc.health.v1.Health", "inference.GRPCInferenceService"}) {
     SCOPED_TRACE(symbol);
     grpc::reflection::v1alpha::ServerReflectionRequest describe;
     describe.set_file_containing_symbol(symbol);
     auto described = Reflect(channel_.get(), describe);
     EXPECT_FALSE(described.has_error_response()) << described.error_response().error_message();
     EXPECT_GT(described.file_descriptor_response().file_descriptor_proto_size(), 0);
+  }
+}
+
+// KServe v2's gRPC service answers on the coordinator's own port, beside bertshard.v1, as
+// tritonclient.grpc expects: live with no job, a model not (yet) served not ready.
+TEST_F(CoordinatorServerTest, KServeAnswersOnTheSamePort) {
+  auto stub = inference::GRPCInferenceService::NewStub(channel_);
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    inference::ServerLiveResponse live;
+    const grpc::Status status = stub->ServerLive(&context, inference::ServerLiveRequest(), &live);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_TRUE(live.live());
+  }
+  {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    inference::ModelReadyRequest request;
+    request.set_name("no-such-model");
+    inference::ModelReadyResponse ready;
+    ready.set_ready(true);
+    const grpc::Status status = stub->ModelReady(&context, request, &ready);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_FALSE(ready.ready());  // not (yet) served: not ready, as Triton answers
   }
 }
 
