@@ -315,6 +315,11 @@ def check_workload(docs, overlay, workload, binaries, known_flags, tmp):
             check(ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/port") == str(metrics)
                   and ann.get("prometheus.io/path") == "/metrics",
                   f"{where}: scrape annotations do not point at :{metrics}/metrics: {ann}")
+        # The coordinator's HTTP API (--http_listen) has a containerPort named http on its port.
+        if role == "coordinator" and check("http_listen" in values, f"{where}: no --http_listen"):
+            _, http_port = host_port(values["http_listen"])
+            check(ports.get("http") == http_port,
+                  f"{where}: containerPort http {ports.get('http')} != --http_listen port {http_port}")
         drain = parse_duration_s(values.get("drain_timeout", "10s"))
         check(spec.get("terminationGracePeriodSeconds", 30) > drain,
               f"{where}: terminationGracePeriodSeconds {spec.get('terminationGracePeriodSeconds', 30)} <= --drain_timeout {drain}s")
@@ -443,6 +448,10 @@ def check_overlay(overlay, docs, binaries, known_flags, tmp):
             check(grpc.get("appProtocol") == "grpc", f"{overlay}: coordinator Service grpc port has no appProtocol: grpc")
             check(target_port(metrics, coord_c) == host_port(coord_flags["metrics_listen"])[1],
                   f"{overlay}: coordinator Service metrics targetPort != --metrics_listen port")
+            http = service_port(svc, "http")
+            check(http and "http_listen" in coord_flags
+                  and target_port(http, coord_c) == host_port(coord_flags["http_listen"])[1],
+                  f"{overlay}: coordinator Service has no http port to --http_listen's")
             # Workers reach the coordinator through this Service, by DNS name.
             host, port = host_port(worker_flags.get("coordinator", ":0"))
             check(host.split(".")[0] == svc["metadata"]["name"] and port == grpc["port"],
