@@ -5,14 +5,14 @@
 # fuzz/corpus/<target>/crash-<hash> so that `bazel test //fuzz:all` replays it from then on (give it
 # a name that says what it broke, and fix the code). Prints executions and new coverage per target.
 #
-#   bash tools/fuzz.sh [SECONDS] [TARGET...]     targets: plan_request hf_config safetensors tokenizer infer_request http_api
+#   bash tools/fuzz.sh [SECONDS] [TARGET...]     targets: plan_request hf_config safetensors tokenizer infer_request http_api kserve_raw
 # Needs clang and libclang-rt-14-dev: BERTSHARD_DEPS=fuzz bash tools/install_deps.sh installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(plan_request hf_config safetensors tokenizer infer_request http_api)
+[ ${#targets[@]} -gt 0 ] || targets=(plan_request hf_config safetensors tokenizer infer_request http_api kserve_raw)
 if ! command -v clang++ >/dev/null || ! ls /usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
   echo "fuzz: clang and libFuzzer are missing: BERTSHARD_DEPS=fuzz bash tools/install_deps.sh" >&2
   exit 2
