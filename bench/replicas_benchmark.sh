@@ -79,6 +79,15 @@ j = json.load(sys.stdin)
 print(j.get("restarts", 0), sum(1 for r in j.get("replica_status", []) if r.get("state") == "READY"))'
 }
 
+# The pid of the worker process (of workers NAME-1..NAME-N, started by start_bench_workers) whose
+# log names ADDRESS's port; "" when none does.
+worker_pid_at() {  # ADDRESS NAME N
+  local i
+  for i in $(seq "$3"); do
+    if grep -q "port ${1##*:}" "$WORK/worker-$2-$i.log"; then echo "${CLUSTER_PIDS[$i]}"; return; fi
+  done
+}
+
 run_load() {  # JOB -> embed_load's JSON line
   $load --job="$1" --clients="$CLIENTS" --sentences="$WORK/sentences.txt" --duration_s="$DURATION" --warmup=3 \
     --json > "$WORK/load.txt" || grep -m1 "first error" "$WORK/load.txt" >&2
@@ -102,11 +111,7 @@ start_coordinator
 start_bench_workers 3 failover
 job=$(submit 2)
 victim_addr=$($shardctl workers | grep -F " $job/replica-1 " | awk '{print $2; exit}')
-# The worker process whose log names the victim's port.
-victim_pid=
-for i in 1 2 3; do
-  if grep -q "port ${victim_addr##*:}" "$WORK/worker-failover-$i.log"; then victim_pid=${CLUSTER_PIDS[$i]}; fi
-done
+victim_pid=$(worker_pid_at "$victim_addr" failover 3)
 [ -n "$victim_pid" ] || { echo "replicas_benchmark: no worker serves $job/replica-1" >&2; exit 1; }
 $load --job="$job" --clients="$CLIENTS" --sentences="$WORK/sentences.txt" --duration_s="$DURATION" --warmup=3 \
   --json > "$WORK/failover.txt" &
@@ -168,10 +173,7 @@ full_read=$(shape_state "$job" | awk '{print $4}')
 victim_addr=$($shardctl job "$job" | /usr/bin/python3 -c '
 import json, sys
 print(next(r["worker_address"] for r in json.load(sys.stdin)["ranks"] if r.get("rank", 0) == 3))')
-victim_pid=
-for i in 1 2 3 4; do
-  if grep -q "port ${victim_addr##*:}" "$WORK/worker-smaller-$i.log"; then victim_pid=${CLUSTER_PIDS[$i]}; fi
-done
+victim_pid=$(worker_pid_at "$victim_addr" smaller 4)
 [ -n "$victim_pid" ] || { echo "replicas_benchmark: no worker serves rank 3 of $job" >&2; exit 1; }
 $load --job="$job" --clients="$CLIENTS" --sentences="$WORK/sentences.txt" --duration_s="$DURATION" --warmup=3 \
   --json > "$WORK/smaller.txt" &

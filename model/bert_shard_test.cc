@@ -72,6 +72,22 @@ absl::StatusOr<std::unique_ptr<BertShard>> LoadUnsharded(const std::string& dir)
   return BertShard::Load(plan, 0, *ckpt);
 }
 
+// The one-rank `shard`'s outputs for the test model in `dir` against its reference, within 1e-5.
+void ExpectReferenceOutputs(BertShard& shard, const std::string& dir, int micro_batches = 1) {
+  SingleRankCollectives single;
+  auto outputs = shard.Forward(ReadInputs(dir + "/input.json"), micro_batches, &single);
+  ASSERT_TRUE(outputs.ok()) << outputs.status();
+  const auto expected = ReadExpected(dir + "/expected.safetensors");
+  ASSERT_EQ(outputs->size(), expected.size());
+  for (const auto& [name, want] : expected) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(outputs->count(name));
+    const at::Tensor& got = outputs->at(name);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_LE((got - want).abs().max().item<float>(), 1e-5f);
+  }
+}
+
 class UnshardedReference : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(UnshardedReference, MatchesIndependentOutputs) {
@@ -85,20 +101,9 @@ TEST_P(UnshardedReference, MatchesIndependentOutputs) {
   auto shard = BertShard::Load(*plan, 0, **ckpt);
   ASSERT_TRUE(shard.ok()) << shard.status();
   EXPECT_EQ((*shard)->param_bytes(), plan->ranks(0).param_bytes());
-  SingleRankCollectives single;
-  const ModelInputs inputs = ReadInputs(dir + "/input.json");
   for (int micro_batches : {1, 2}) {
-    auto outputs = (*shard)->Forward(inputs, micro_batches, &single);
-    ASSERT_TRUE(outputs.ok()) << outputs.status();
-    const auto expected = ReadExpected(dir + "/expected.safetensors");
-    ASSERT_EQ(outputs->size(), expected.size());
-    for (const auto& [name, want] : expected) {
-      SCOPED_TRACE(name);
-      ASSERT_TRUE(outputs->count(name));
-      const at::Tensor& got = outputs->at(name);
-      ASSERT_EQ(got.sizes(), want.sizes());
-      EXPECT_LE((got - want).abs().max().item<float>(), 1e-5f);
-    }
+    SCOPED_TRACE(micro_batches);
+    ExpectReferenceOutputs(**shard, dir, micro_batches);
   }
 }
 
@@ -171,19 +176,6 @@ v1::ShardPlan PlanFor(const std::string& dir, int pp) {
   absl::StatusOr<v1::ShardPlan> plan = planner::Plan(request);
   EXPECT_TRUE(plan.ok()) << plan.status();
   return plan.ok() ? *plan : v1::ShardPlan();
-}
-
-void ExpectReferenceOutputs(BertShard& shard, const std::string& dir) {
-  SingleRankCollectives single;
-  auto outputs = shard.Forward(ReadInputs(dir + "/input.json"), 1, &single);
-  ASSERT_TRUE(outputs.ok()) << outputs.status();
-  const auto expected = ReadExpected(dir + "/expected.safetensors");
-  ASSERT_EQ(outputs->size(), expected.size());
-  for (const auto& [name, want] : expected) {
-    SCOPED_TRACE(name);
-    ASSERT_TRUE(outputs->count(name));
-    EXPECT_LE((outputs->at(name) - want).abs().max().item<float>(), 1e-5f);
-  }
 }
 
 class DonorLoad : public ::testing::TestWithParam<GemmPath> {

@@ -38,6 +38,19 @@ class KServeServiceTest : public ::testing::Test {
     for (const int64_t v : values) raw.append(reinterpret_cast<const char*>(&v), 8);  // little-endian here
     return raw;
   }
+  // An infer of `model` with one INT64 input_ids tensor [1, ids] in raw_input_contents, as
+  // tritonclient.grpc sends it.
+  static inference::ModelInferRequest IdsRequest(const std::string& model, std::initializer_list<int64_t> ids) {
+    inference::ModelInferRequest request;
+    request.set_model_name(model);
+    auto* input = request.add_inputs();
+    input->set_name("input_ids");
+    input->set_datatype("INT64");
+    input->add_shape(1);
+    input->add_shape(static_cast<int64_t>(ids.size()));
+    request.add_raw_input_contents(Int64s(ids));
+    return request;
+  }
 
   http::FakeBackend backend_;
   std::unique_ptr<KServeService> service_;
@@ -47,15 +60,8 @@ class KServeServiceTest : public ::testing::Test {
 
 TEST_F(KServeServiceTest, InferWithRawContentsAsTritonclientSends) {
   Start({});
-  inference::ModelInferRequest request;
-  request.set_model_name("minilm");
+  inference::ModelInferRequest request = IdsRequest("minilm", {101, 7592, 102});
   request.set_id("r1");
-  auto* ids = request.add_inputs();
-  ids->set_name("input_ids");
-  ids->set_datatype("INT64");
-  ids->add_shape(1);
-  ids->add_shape(3);
-  request.add_raw_input_contents(Int64s({101, 7592, 102}));
   grpc::ClientContext context;
   inference::ModelInferResponse response;
   const grpc::Status status = stub_->ModelInfer(&context, request, &response);
@@ -143,14 +149,7 @@ TEST_F(KServeServiceTest, ACallerThatGoesAwayIsSeenAsCancelled) {
       absl::SleepFor(absl::Milliseconds(10));
     }
   };
-  inference::ModelInferRequest request;
-  request.set_model_name("job-1");
-  auto* input = request.add_inputs();
-  input->set_name("input_ids");
-  input->set_datatype("INT64");
-  input->add_shape(1);
-  input->add_shape(3);
-  request.add_raw_input_contents(Int64s({101, 7, 102}));
+  const inference::ModelInferRequest request = IdsRequest("job-1", {101, 7, 102});
   grpc::ClientContext context;
   inference::ModelInferResponse response;
   std::thread cancel([&] {

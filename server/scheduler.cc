@@ -221,10 +221,7 @@ void Scheduler::ScheduleLocked() {
             : PlaceRanks(group.shape->backend, group.shape->plan.world_size(), free_workers).waiting_for;
     std::string reason = group.pending_note.empty() ? why : absl::StrCat(group.pending_note, "; ", why);
     int kept = 0;
-    for (const v1::RankAssignment& a : group.kept) {
-      const std::optional<v1::WorkerInfo> w = pool_->Find(a.worker_id());
-      kept += w.has_value() && w->healthy() ? 1 : 0;
-    }
+    for (const v1::RankAssignment& a : group.kept) kept += HealthyWorkerLocked(a.worker_id()).has_value() ? 1 : 0;
     if (kept > 0) absl::StrAppend(&reason, " (", kept, " of its own workers kept for it)");
     if (group.reason == reason) continue;
     group.reason = reason;

@@ -353,11 +353,21 @@ class Scheduler final : public ForwardTargets {
   void KeepWorkersLocked(const std::string& job_id, GroupRuntime& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Worker `worker_id` serves replica `key` no more: released, and told to drop its shard.
   void ReleaseWorkerLocked(const std::string& worker_id, const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Worker `w`, released from replica `key`, drops its shard: out of placement until its Unload
+  // call has answered (WorkerPool::BeginUnloadCall), the pool scheduled then.
+  void UnloadWorkerLocked(const WorkerStub& w, const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Worker `id` as a placement candidate, if it is in the pool and healthy.
+  std::optional<IdleWorker> HealthyWorkerLocked(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The replica's current placement ends (loads cancelled, the forward in flight aborted with
+  // `why`, the generation advanced so that late news of it changes nothing) and it is pending;
+  // its workers, ranks and shape are the caller's to settle.
+  void CutOffLocked(GroupRuntime& group, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A replica serving in a smaller shape whose own shape its workers and the idle ones fit again
   // grows back (at once, or when its forward in flight ends); one at a time.
   void GrowBackWhereRoomLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `group` serves in a smaller shape and its own would fit its workers and the idle ones.
-  bool RoomToGrowBackLocked(const JobRuntime& runtime, const GroupRuntime& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool RoomToGrowBackLocked(const JobRuntime& runtime, const GroupRuntime& group, const std::vector<IdleWorker>& idle)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Its load in a smaller shape failed: it is cut off (its workers unload), waits for its own
   // shape from now on, and no restart is spent on it (it recovers from the loss before).
   void GiveUpSmallerLocked(const std::string& job_id, JobRuntime& runtime, GroupRuntime& group,

@@ -168,16 +168,32 @@ void Scheduler::UpdateLanesLocked(JobRuntime& runtime) {
 void Scheduler::UnloadGroupLocked(const std::string& key) {
   // The workers drop their shard before they may be placed again (WorkerPool::SetUnloading): a
   // load of the same key on one of them would race the unload.
-  for (const WorkerStub& w : pool_->Release(key)) {
-    pool_->BeginUnloadCall(w.worker_id);
-    threads_.Start([this, w, key] {
-      // Failed: the worker is gone, or holds the shard still; it stays out of placement until a
-      // heartbeat shows the shard gone (MarkUnloadingLocked).
-      const bool unloaded = UnloadShard(*w.stub, key, options_.worker_token).ok();
-      absl::MutexLock lock(&mu_);
-      if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
-    });
-  }
+  for (const WorkerStub& w : pool_->Release(key)) UnloadWorkerLocked(w, key);
+}
+
+void Scheduler::UnloadWorkerLocked(const WorkerStub& w, const std::string& key) {
+  pool_->BeginUnloadCall(w.worker_id);
+  threads_.Start([this, w, key] {
+    // Failed: the worker is gone, or holds the shard still; it stays out of placement until a
+    // heartbeat shows the shard gone (MarkUnloadingLocked).
+    const bool unloaded = UnloadShard(*w.stub, key, options_.worker_token).ok();
+    absl::MutexLock lock(&mu_);
+    if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
+  });
+}
+
+void Scheduler::CutOffLocked(GroupRuntime& group, const std::string& why) {
+  group.lost_from = group.generation;
+  group.generation = ++generations_;
+  for (auto& context : group.load_contexts) context->TryCancel();
+  group.load_contexts.clear();
+  group.forward_abort->Abort(why);
+  group.forward_abort = std::make_shared<ForwardAbort>();
+  group.phase = GroupRuntime::Phase::kPending;
+  // The forward cut off was busy time too (the autoscaler's sample may have counted part of it).
+  if (group.forwarding) group.busy += absl::Now() - group.forward_started;
+  group.forwarding = false;
+  group.growing_back = false;
 }
 
 void Scheduler::DropGroupLocked(const std::string& job_id, JobRuntime& runtime, int32_t replica) {
@@ -449,7 +465,7 @@ void Scheduler::EndForward(const std::string& job_id, int32_t replica, int64_t g
   } else if (group->growing_back) {
     group->growing_back = false;
     // The room it was marked for may be gone (another replica took the idle workers, an update began).
-    if (RoomToGrowBackLocked(*it->second, *group)) {
+    if (RoomToGrowBackLocked(*it->second, *group, pool_->Idle())) {
       GrowBackLocked(job_id, *it->second, *group);  // signals
     } else {
       ScheduleLocked();  // another may grow back now; signals

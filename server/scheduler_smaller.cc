@@ -89,13 +89,7 @@ void Scheduler::KeepWorkersLocked(const std::string& job_id, GroupRuntime& group
   // Every other worker assigned to it (a lost one, a rank that came back to a restarted
   // coordinator) goes, as UnloadGroupLocked lets them go; the kept ones are its own again.
   for (const WorkerStub& w : pool_->Release(key)) {
-    if (keep.count(w.worker_id) > 0) continue;
-    pool_->BeginUnloadCall(w.worker_id);
-    threads_.Start([this, w, key] {
-      const bool unloaded = UnloadShard(*w.stub, key, options_.worker_token).ok();
-      absl::MutexLock lock(&mu_);
-      if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
-    });
+    if (keep.count(w.worker_id) == 0) UnloadWorkerLocked(w, key);
   }
   for (const v1::RankAssignment& a : group.kept) pool_->Assign(a.worker_id(), key, a.rank());
 }
@@ -106,14 +100,15 @@ void Scheduler::ReleaseWorkerLocked(const std::string& worker_id, const std::str
   pool_->Unassign(worker_id);
   // A silent one is told at its next heartbeat (its shard's replica does not claim it).
   if (!w->healthy()) return;
-  absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs({worker_id});
-  if (!stubs.ok()) return;
-  pool_->BeginUnloadCall(worker_id);
-  threads_.Start([this, w = (*stubs)[0], key] {
-    const bool unloaded = UnloadShard(*w.stub, key, options_.worker_token).ok();
-    absl::MutexLock lock(&mu_);
-    if (pool_->EndUnloadCall(w.worker_id, unloaded)) ScheduleLocked();
-  });
+  if (absl::StatusOr<std::vector<WorkerStub>> stubs = pool_->Stubs({worker_id}); stubs.ok()) {
+    UnloadWorkerLocked((*stubs)[0], key);
+  }
+}
+
+std::optional<IdleWorker> Scheduler::HealthyWorkerLocked(const std::string& id) const {
+  const std::optional<v1::WorkerInfo> w = pool_->Find(id);
+  if (!w.has_value() || !w->healthy()) return std::nullopt;
+  return IdleWorker{w->worker_id(), w->address(), w->device(), w->gpu_bus_id()};
 }
 
 std::vector<IdleWorker> Scheduler::PlaceKeepingLocked(const GroupRuntime& group, const JobShape& shape,
@@ -122,10 +117,10 @@ std::vector<IdleWorker> Scheduler::PlaceKeepingLocked(const GroupRuntime& group,
   std::vector<IdleWorker> kept;
   std::vector<int32_t> held_ranks;
   for (const v1::RankAssignment& a : group.kept) {
-    const std::optional<v1::WorkerInfo> w = pool_->Find(a.worker_id());
-    if (!w.has_value() || !w->healthy()) continue;
-    kept.push_back({w->worker_id(), w->address(), w->device(), w->gpu_bus_id()});
-    held_ranks.push_back(a.rank());
+    if (std::optional<IdleWorker> w = HealthyWorkerLocked(a.worker_id())) {
+      kept.push_back(*std::move(w));
+      held_ranks.push_back(a.rank());
+    }
   }
   const std::vector<int> assigned = AssignKeptWorkers(group.kept_from->plan, held_ranks, shape.plan);
   const int missing = static_cast<int>(std::count(assigned.begin(), assigned.end(), -1));
@@ -161,10 +156,7 @@ std::vector<IdleWorker> Scheduler::PlaceSmallerLocked(const JobRuntime& runtime,
     return {};
   }
   int candidates = static_cast<int>(idle.size());
-  for (const v1::RankAssignment& a : group.kept) {
-    const std::optional<v1::WorkerInfo> w = pool_->Find(a.worker_id());
-    candidates += w.has_value() && w->healthy() ? 1 : 0;
-  }
+  for (const v1::RankAssignment& a : group.kept) candidates += HealthyWorkerLocked(a.worker_id()).has_value() ? 1 : 0;
   const JobShape& own = *group.shape;
   for (int most = std::min(candidates, own.plan.world_size() - 1); most >= 1; --most) {
     std::optional<SmallerShape> smaller = LargestSmallerShape(own.request, own.plan, most);
@@ -190,7 +182,8 @@ std::vector<IdleWorker> Scheduler::PlaceSmallerLocked(const JobRuntime& runtime,
   return {};
 }
 
-bool Scheduler::RoomToGrowBackLocked(const JobRuntime& runtime, const GroupRuntime& group) {
+bool Scheduler::RoomToGrowBackLocked(const JobRuntime& runtime, const GroupRuntime& group,
+                                     const std::vector<IdleWorker>& idle) {
   if (group.smaller == nullptr || !group.serving() || group.retiring || runtime.ended || runtime.next != nullptr ||
       !runtime.Current(group)) {
     return false;
@@ -198,17 +191,16 @@ bool Scheduler::RoomToGrowBackLocked(const JobRuntime& runtime, const GroupRunti
   // Its own workers first, then the idle ones: would its own shape fit them?
   std::vector<IdleWorker> candidates;
   for (const std::string& id : group.WorkerIds()) {
-    if (std::optional<v1::WorkerInfo> w = pool_->Find(id); w.has_value() && w->healthy()) {
-      candidates.push_back({w->worker_id(), w->address(), w->device(), w->gpu_bus_id()});
-    }
+    if (std::optional<IdleWorker> w = HealthyWorkerLocked(id)) candidates.push_back(*std::move(w));
   }
-  const std::vector<IdleWorker> idle = pool_->Idle();
   candidates.insert(candidates.end(), idle.begin(), idle.end());
   return !PlaceRanks(group.shape->backend, group.shape->plan.world_size(), candidates).ranks.empty();
 }
 
 void Scheduler::GrowBackWhereRoomLocked() {
-  if (!options_.smaller_shapes || stopping_ || draining_ || pool_->Idle().empty()) return;
+  if (!options_.smaller_shapes || stopping_ || draining_) return;
+  const std::vector<IdleWorker> idle = pool_->Idle();
+  if (idle.empty()) return;
   // One at a time: the idle workers one counts are not there for the next, also while the one
   // marked to grow back waits for its forward to end.
   for (const auto& [job_id, runtime] : runtimes_) {
@@ -218,7 +210,7 @@ void Scheduler::GrowBackWhereRoomLocked() {
   }
   for (const auto& [job_id, runtime] : runtimes_) {
     for (const auto& [replica, group] : runtime->groups) {
-      if (!RoomToGrowBackLocked(*runtime, *group)) continue;
+      if (!RoomToGrowBackLocked(*runtime, *group, idle)) continue;
       if (group->forwarding) {
         group->growing_back = true;  // EndForward grows it back, if there is room still
       } else {
@@ -233,15 +225,7 @@ void Scheduler::GrowBackLocked(const std::string& job_id, JobRuntime& runtime, G
   const std::string was = ShapeText(group.smaller->request);
   // Cut off as a loss would (no load or forward of the smaller placement counts after), but not
   // counted as one: it still recovers from the loss that made it smaller.
-  group.lost_from = group.generation;
-  group.generation = ++generations_;
-  for (auto& context : group.load_contexts) context->TryCancel();
-  group.load_contexts.clear();
-  group.forward_abort->Abort(absl::StrCat("replica ", group.replica, " of job ", job_id, " grows back"));
-  group.forward_abort = std::make_shared<ForwardAbort>();
-  group.phase = GroupRuntime::Phase::kPending;
-  group.growing_back = false;
-  group.forwarding = false;
+  CutOffLocked(group, absl::StrCat("replica ", group.replica, " of job ", job_id, " grows back"));
   KeepWorkersLocked(job_id, group);  // before the shape and ranks it held go
   group.smaller.reset();
   group.ranks.clear();
@@ -270,15 +254,7 @@ void Scheduler::GiveUpSmallerLocked(const std::string& job_id, JobRuntime& runti
     return;
   }
   group.smaller_refused = true;
-  group.lost_from = group.generation;
-  group.generation = ++generations_;
-  for (auto& context : group.load_contexts) context->TryCancel();
-  group.load_contexts.clear();
-  group.forward_abort->Abort(absl::StrCat("replica ", group.replica, " of job ", job_id, ": ", cause));
-  group.forward_abort = std::make_shared<ForwardAbort>();
-  group.phase = GroupRuntime::Phase::kPending;
-  group.forwarding = false;
-  group.growing_back = false;
+  CutOffLocked(group, absl::StrCat("replica ", group.replica, " of job ", job_id, ": ", cause));
   group.kept.clear();  // what its workers held went with the failed load
   group.smaller.reset();
   group.ranks.clear();

@@ -344,16 +344,7 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
                                ? absl::StrCat("job ", job_id, " lost its group")
                                : absl::StrCat("replica ", replica, " of job ", job_id, " lost a worker");
   // The replica is cut off: nothing of this placement loads, finishes or answers after.
-  group->lost_from = group->generation;
-  group->generation = ++generations_;
-  for (auto& context : group->load_contexts) context->TryCancel();
-  group->load_contexts.clear();
-  group->forward_abort->Abort(absl::StrCat(what, ": ", cause));
-  group->forward_abort = std::make_shared<ForwardAbort>();
-  group->phase = GroupRuntime::Phase::kPending;
-  // The forward cut off was busy time too (the autoscaler's sample may have counted part of it).
-  if (group->forwarding) group->busy += absl::Now() - group->forward_started;
-  group->forwarding = false;
+  CutOffLocked(*group, absl::StrCat(what, ": ", cause));
   group->recovery.reset();
   if (keep_workers && KeepsWorkersLocked(*runtime, *group)) {
     KeepWorkersLocked(job_id, *group);  // the healthy ones keep their shards for the next placement
@@ -362,7 +353,6 @@ void Scheduler::LoseGroupLocked(const std::string& job_id, int32_t replica, int6
     UnloadGroupLocked(ReplicaKey(job_id, replica));
   }
   group->smaller.reset();  // placed again in its own shape where it fits
-  group->growing_back = false;
   group->ranks.clear();
   group->progress.clear();
   group->pending_note = absl::StrCat("recovering: ", group->restarts.Describe());
