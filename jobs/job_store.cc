@@ -68,6 +68,9 @@ absl::Status Exec(sqlite3* db, const char* sql) {
 bool TransitionAllowed(v1::JobState from, v1::JobState to) {
   if (Terminal(from) || from == to) return false;
   if (to == v1::FAILED || to == v1::CANCELLED) return true;
+  // READY from any earlier state: a live update switches the job to its new shape's replicas,
+  // which serve, whatever the old shape's had reached (lost, or placed again after a restart).
+  if (to == v1::READY && (from == v1::PENDING || from == v1::PLANNED || from == v1::LOADING)) return true;
   switch (from) {
     case v1::PENDING:
       return to == v1::PLANNED;
@@ -76,7 +79,7 @@ bool TransitionAllowed(v1::JobState from, v1::JobState to) {
     // A job's state is its most advanced replica's: it falls back when that one loses a worker
     // (to PENDING with one replica; to what the others have reached with several).
     case v1::LOADING:
-      return to == v1::READY || to == v1::PENDING || to == v1::PLANNED;
+      return to == v1::PENDING || to == v1::PLANNED;
     case v1::READY:
       return to == v1::PENDING || to == v1::PLANNED || to == v1::LOADING;
     default:

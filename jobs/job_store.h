@@ -13,6 +13,9 @@
 //   PENDING -> PLANNED -> LOADING -> READY        any non-terminal -> FAILED | CANCELLED
 //   PLANNED -> PENDING (workers lost before loading)
 //   LOADING, READY -> PENDING (a worker lost: the job is placed and loaded again)
+//   READY -> PLANNED | LOADING, LOADING -> PLANNED (its serving replica lost, the job is what its
+//     others have reached)
+//   PENDING, PLANNED -> READY (a live update switched over to new replicas that serve)
 //
 // Example:
 //   ASSIGN_OR_RETURN(auto store, JobStore::Open("/var/lib/bertshard/jobs.db"));

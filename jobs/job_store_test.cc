@@ -73,7 +73,7 @@ TEST(JobStore, EnforcesTheLifeCycle) {
   ASSERT_TRUE((*store)->Create(NewJob("j")).ok());
   EXPECT_EQ((*store)->Create(NewJob("j")).code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ((*store)->Create(NewJob("")).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ((*store)->Transition("j", v1::READY, "").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*store)->Transition("j", v1::LOADING, "").status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ((*store)->Transition("nope", v1::PLANNED, "").status().code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE((*store)->Transition("j", v1::PLANNED, "").ok());
   auto pending = (*store)->Transition("j", v1::PENDING, "worker w3 left before loading");
@@ -105,8 +105,21 @@ TEST(JobStore, ReadyAndLoadingJobsGoBackToPendingWhenAWorkerIsLost) {
   EXPECT_TRUE(TransitionAllowed(v1::LOADING, v1::PENDING));
   EXPECT_FALSE(TransitionAllowed(v1::FAILED, v1::PENDING));
   EXPECT_FALSE(TransitionAllowed(v1::PENDING, v1::LOADING));  // placed first
-  EXPECT_FALSE(TransitionAllowed(v1::PENDING, v1::READY));
-  EXPECT_FALSE(TransitionAllowed(v1::PLANNED, v1::READY));
+}
+
+// A live update that switches over makes the job READY (its new shape's replicas serve) whatever
+// the old shape had reached: lost (PENDING), or placed again after a coordinator restart (PLANNED).
+// Refused, the job stayed stored PLANNED while it served, and a watcher never saw it READY.
+TEST(JobStore, ASwitchedUpdateMakesTheJobReadyFromWhereTheOldShapeWas) {
+  auto store = JobStore::Open(":memory:");
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Create(NewJob("planned")).ok());
+  ASSERT_TRUE((*store)->Transition("planned", v1::PLANNED, "").ok());
+  EXPECT_TRUE((*store)->Transition("planned", v1::READY, "version 1: switched over").ok());
+  ASSERT_TRUE((*store)->Create(NewJob("pending")).ok());
+  EXPECT_TRUE((*store)->Transition("pending", v1::READY, "version 1: switched over").ok());
+  EXPECT_FALSE(TransitionAllowed(v1::FAILED, v1::READY));
+  EXPECT_FALSE(TransitionAllowed(v1::CANCELLED, v1::READY));
 }
 
 // A job's state is its most advanced replica's: when the only serving replica is lost while another
