@@ -120,10 +120,10 @@ TEST(RequestLimits, AHugeInferThroughALiveCoordinatorIsRefusedWithBoundedMemory)
       grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(cluster.port_), grpc::InsecureChannelCredentials(), args);
   const pid_t coordinator = cluster.coordinator_;
   const int64_t idle = StatusBytes(coordinator, "VmRSS");
-  // The 96 MB, and 288 MB: gRPC reads a message whole before it refuses it by its size, so
+  // The 96 MB, and 480 MB: gRPC reads a message whole before it refuses it by its size, so
   // without the transport's memory quota the second one costs its own size again.
   const char* rows_env = std::getenv("BERTSHARD_HUGE_ROWS");
-  for (const int64_t rows : std::vector<int64_t>{rows_env != nullptr ? std::atoll(rows_env) : 2'000'000, 6'000'000}) {
+  for (const int64_t rows : std::vector<int64_t>{rows_env != nullptr ? std::atoll(rows_env) : 2'000'000, 10'000'000}) {
     SCOPED_TRACE(rows);
     const std::string bytes = HugeInferBytes(job, rows, 16);
     const int64_t before = StatusBytes(coordinator, "VmRSS");
@@ -143,14 +143,18 @@ TEST(RequestLimits, AHugeInferThroughALiveCoordinatorIsRefusedWithBoundedMemory)
     // RESOURCE_EXHAUSTED: larger than --max_request_bytes once read, or reset by the quota.
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
     EXPECT_FALSE(refused.error_message().empty());
-    // Parsed, the arrays alone were 768 MB (844 MiB of growth); read, the messages are 96
-    // and 288 MB. The quota is 4 x the 33.6 MiB request limit.
+    // Parsed, the arrays alone were 768 MB (844 MiB of growth); read whole, the messages
+    // are 96 and 480 MB (458 MiB). The quota is 4 x the 33.6 MiB request limit (134 MiB), but gRPC
+    // enforces it softly: its reclaimer closes the connection some time after the quota is
+    // reached, and what arrives meanwhile is read too (+90 to +170 MiB seen idle and under three CPU
+    // burners, +202 MiB at 288 MB in a loaded CI run). The bound leaves room for that and is still
+    // far under the whole message.
 #if !defined(__SANITIZE_ADDRESS__)  // ASan's quarantine holds freed memory (the coordinator is an ASan build too)
-    EXPECT_LT(sampled - before, 160 << 20) << "the coordinator's RSS grew by " << MiB(sampled - before) << " MiB";
+    EXPECT_LT(sampled - before, 288 << 20) << "the coordinator's RSS grew by " << MiB(sampled - before) << " MiB";
 #endif
   }
 #if !defined(__SANITIZE_ADDRESS__)
-  EXPECT_LT(StatusBytes(coordinator, "VmHWM") - idle, 192 << 20)
+  EXPECT_LT(StatusBytes(coordinator, "VmHWM") - idle, 320 << 20)
       << "the coordinator's VmHWM is " << MiB(StatusBytes(coordinator, "VmHWM") - idle) << " MiB over its RSS";
 #endif
 
