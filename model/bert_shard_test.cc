@@ -234,7 +234,8 @@ TEST_P(DonorLoad, TheWholeModelShrinkingToAStageReadsNothingAndServesOnceItsDono
 
 TEST_P(DonorLoad, NothingIsTakenFromAShardOfAnotherDtype) {
   if (!GemmPathAvailable(GetParam(), at::kBFloat16).ok()) {
-    GTEST_SKIP() << "this CPU cannot run bf16 on the " << GemmPathName(GetParam()) << " path (Bf16Compute checks the refusal)";
+    GTEST_SKIP() << "this CPU cannot run bf16 on the " << GemmPathName(GetParam())
+                 << " path (Bf16Compute checks the refusal)";
   }
   v1::ShardPlan bf16 = PlanFor(dir_, 1);
   v1::PlanRequest request;
