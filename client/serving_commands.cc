@@ -220,15 +220,13 @@ std::string PoolingFlagName(v1::Pooling p) {
 
 }  // namespace
 
-// shardctl embed ID TEXT... | --file FILE | --input TOKENS.json
-absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
-  v1::EmbedRequest embed;
-  embed.set_job_id(JobId(cl));
-  if (embed.job_id().empty()) return absl::InvalidArgumentError("embed needs a job id");
-  const auto& v = cl.values;
+namespace {
+
+// The texts after the job id, then --file's lines ('-': stdin), each checked to be UTF-8.
+absl::StatusOr<std::vector<std::string>> ReadTexts(const CommandLine& cl) {
   std::vector<std::string> texts(cl.positional.begin() + std::min<size_t>(2, cl.positional.size()),
                                  cl.positional.end());
-  if (auto it = v.find("file"); it != v.end()) {
+  if (auto it = cl.values.find("file"); it != cl.values.end()) {
     std::string content;
     if (it->second == "-") {
       std::stringstream in;
@@ -239,6 +237,25 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
     }
     for (absl::string_view line : absl::StrSplit(content, '\n', absl::SkipEmpty())) texts.emplace_back(line);
   }
+  for (size_t i = 0; i < texts.size(); ++i) RETURN_IF_ERROR(CheckUtf8(texts[i], absl::StrCat("text ", i)));
+  return texts;
+}
+
+// A text cut to `width` columns for a table.
+std::string Shortened(std::string text, size_t width) {
+  if (text.size() > width) text = text.substr(0, width - 3) + "...";
+  return text;
+}
+
+}  // namespace
+
+// shardctl embed ID TEXT... | --file FILE | --input TOKENS.json
+absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
+  v1::EmbedRequest embed;
+  embed.set_job_id(JobId(cl));
+  if (embed.job_id().empty()) return absl::InvalidArgumentError("embed needs a job id");
+  const auto& v = cl.values;
+  ASSIGN_OR_RETURN(const std::vector<std::string> texts, ReadTexts(cl));
   if (texts.empty() == (v.count("input") == 0)) {
     return absl::InvalidArgumentError(
         "embed needs texts (arguments or --file, one per line) or --input TOKENS.json, not both");
@@ -246,10 +263,7 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
   if (v.count("input")) {
     RETURN_IF_ERROR(ReadTokenInputs(v.at("input"), embed.mutable_tokens()));
   } else {
-    for (size_t i = 0; i < texts.size(); ++i) {
-      RETURN_IF_ERROR(CheckUtf8(texts[i], absl::StrCat("text ", i)));
-      embed.mutable_text()->add_texts(texts[i]);
-    }
+    for (const std::string& text : texts) embed.mutable_text()->add_texts(text);
   }
   if (auto it = v.find("pooling"); it != v.end()) {
     ASSIGN_OR_RETURN(v1::Pooling pooling, ParsePoolingFlag(it->second));
@@ -278,9 +292,7 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
                n > 0 ? response.embeddings(0).values_size() : 0, PoolingFlagName(response.pooling()).c_str(),
                response.normalized() ? "" : "not ", response.max_length());
   auto label = [&](int i) {
-    std::string text = i < static_cast<int>(texts.size()) ? texts[static_cast<size_t>(i)] : absl::StrCat("row ", i);
-    if (text.size() > 48) text = text.substr(0, 45) + "...";
-    return text;
+    return Shortened(i < static_cast<int>(texts.size()) ? texts[static_cast<size_t>(i)] : absl::StrCat("row ", i), 48);
   };
   for (int i = 0; i < n; ++i) {
     const auto& e = response.embeddings(i);
@@ -304,6 +316,44 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
         std::fprintf(out, " %6.3f", serving::Cosine(vectors[static_cast<size_t>(i)], vectors[static_cast<size_t>(j)]));
       std::fprintf(out, "\n");
     }
+  }
+  return absl::OkStatus();
+}
+
+// shardctl rerank ID --query Q TEXT... | --file FILE
+absl::Status RerankCommand(const CommandLine& cl, std::FILE* out) {
+  v1::RerankRequest rerank;
+  rerank.set_job_id(JobId(cl));
+  if (rerank.job_id().empty()) return absl::InvalidArgumentError("rerank needs a job id");
+  const auto& v = cl.values;
+  if (auto it = v.find("query"); it != v.end()) rerank.set_query(it->second);
+  if (rerank.query().empty()) return absl::InvalidArgumentError("rerank needs --query, the text to rank against");
+  RETURN_IF_ERROR(CheckUtf8(rerank.query(), "--query"));
+  ASSIGN_OR_RETURN(const std::vector<std::string> texts, ReadTexts(cl));
+  if (texts.empty())
+    return absl::InvalidArgumentError("rerank needs texts to rank (arguments or --file, one per line)");
+  for (const std::string& text : texts) rerank.add_texts(text);
+  rerank.set_raw_scores(cl.switches.count("raw-scores") > 0);
+  rerank.set_truncate(cl.switches.count("truncate") > 0);
+  const std::string format = v.count("format") ? v.at("format") : "table";
+  if (format != "table" && format != "json") {
+    return absl::InvalidArgumentError(absl::StrCat("--format must be table or json, got '", format, "'"));
+  }
+  ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
+  v1::RerankResponse response;
+  RETURN_IF_ERROR(c.Check(c.stub()->Rerank(c.Context(600).get(), rerank, &response)));
+  if (format == "json") {
+    std::fprintf(out, "%s\n", common::ProtoToJson(response).c_str());
+    return absl::OkStatus();
+  }
+  std::fprintf(out, "%d text%s ranked against \"%s\" (%s)\n", response.results_size(),
+               response.results_size() == 1 ? "" : "s", Shortened(rerank.query(), 60).c_str(),
+               rerank.raw_scores() ? "raw logits" : "sigmoid scores");
+  for (int r = 0; r < response.results_size(); ++r) {
+    const v1::RerankResult& result = response.results(r);
+    const size_t index = static_cast<size_t>(result.index());
+    std::fprintf(out, "%3d. [%d] %10.6f  %s\n", r + 1, result.index(), result.score(),
+                 index < texts.size() ? Shortened(texts[index], 60).c_str() : "");
   }
   return absl::OkStatus();
 }
@@ -334,6 +384,19 @@ const std::vector<Flag>& EmbedFlags() {
            {"truncate", "", "cut texts longer than the model's maximum length instead of refusing them"},
            {"format", "table|json", "a table ending with the cosine-similarity matrix (default), or the response"},
        }}));
+  return *flags;
+}
+
+const std::vector<Flag>& RerankFlags() {
+  static const auto* flags = new std::vector<Flag>(
+      JoinFlags({ConnectionFlags(),
+                 {
+                     {"query", "TEXT", "what the texts are ranked against"},
+                     {"file", "FILE|-", "texts, one per line ('-' for stdin), after those given as arguments"},
+                     {"raw-scores", "", "scores are the model's logits instead of their sigmoid"},
+                     {"truncate", "", "cut pairs longer than the model's maximum length instead of refusing them"},
+                     {"format", "table|json", "the texts best first (default), or the response"},
+                 }}));
   return *flags;
 }
 

@@ -27,9 +27,11 @@ namespace bertshard::client {
 // The connection flags and each command's own.
 const std::vector<Flag>& InferFlags();
 const std::vector<Flag>& EmbedFlags();
+const std::vector<Flag>& RerankFlags();
 
 absl::Status InferCommand(const CommandLine& command_line, std::FILE* out);
 absl::Status EmbedCommand(const CommandLine& command_line, std::FILE* out);
+absl::Status RerankCommand(const CommandLine& command_line, std::FILE* out);
 
 }  // namespace bertshard::client
 

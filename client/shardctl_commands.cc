@@ -144,6 +144,12 @@ const std::vector<Subcommand>& Subcommands() {
                     "files say unless overridden; the table ends with the texts' cosine-similarity matrix.",
                     kCoordinatorNote),
        &EmbedFlags(), &OnCoordinator<EmbedCommand>},
+      {"rerank", "rerank ID --query \"...\" \"text\" [\"text\" ...] | --file FILE|- [flags]",
+       absl::StrCat("Rank texts against a query with a cross-encoder job (a BertForSequenceClassification with "
+                    "one label), best first: the sigmoid of each (query, text) pair's logit, or the logit with "
+                    "--raw-scores, as TEI's /rerank scores them.",
+                    kCoordinatorNote),
+       &RerankFlags(), &OnCoordinator<RerankCommand>},
   };
   return *commands;
 }

@@ -29,7 +29,7 @@ TEST(Shardctl, TheSubcommandsAreAllThere) {
   std::vector<std::string> names;
   for (const Subcommand& c : Subcommands()) names.push_back(c.name);
   EXPECT_EQ(names, (std::vector<std::string>{"plan", "run", "init-checkpoint", "submit", "jobs", "job", "watch",
-                                             "cancel", "scale", "update", "workers", "infer", "embed"}));
+                                             "cancel", "scale", "update", "workers", "infer", "embed", "rerank"}));
 }
 
 TEST(Shardctl, SubcommandHelpIsThatCommandsUsageAndFlagsOnly) {
@@ -90,7 +90,7 @@ TEST(Shardctl, AnUnknownCommandListsTheRealOnes) {
     EXPECT_TRUE(r.out.empty());
     EXPECT_EQ(r.err,
               "shardctl: unknown command 'frobnicate'; commands: plan, run, init-checkpoint, submit, jobs, job, "
-              "watch, cancel, scale, update, workers, infer, embed (see shardctl --help)\n");
+              "watch, cancel, scale, update, workers, infer, embed, rerank (see shardctl --help)\n");
   }
 }
 
@@ -139,6 +139,20 @@ TEST(Shardctl, ABadReplicaCountIsRefusedBeforeAnyCall) {
   const CapturedRun missing = Shardctl({"scale", "job-1", "--server", "127.0.0.1:1"});
   EXPECT_EQ(missing.exit_code, 2) << missing.err;
   EXPECT_TRUE(absl::StrContains(missing.err, "scale needs --replicas N")) << missing.err;
+}
+
+// rerank without a query or without texts is refused before any call (exit 2), saying what it needs.
+TEST(Shardctl, ARerankWithoutQueryOrTextsIsRefusedBeforeAnyCall) {
+  const CapturedRun no_query = Shardctl({"rerank", "job-1", "a text", "--server", "127.0.0.1:1"});
+  EXPECT_EQ(no_query.exit_code, 2) << no_query.err;
+  EXPECT_TRUE(absl::StrContains(no_query.err, "rerank needs --query")) << no_query.err;
+  const CapturedRun no_texts = Shardctl({"rerank", "job-1", "--query", "q", "--server", "127.0.0.1:1"});
+  EXPECT_EQ(no_texts.exit_code, 2) << no_texts.err;
+  EXPECT_TRUE(absl::StrContains(no_texts.err, "rerank needs texts")) << no_texts.err;
+  const CapturedRun bad_format =
+      Shardctl({"rerank", "job-1", "--query", "q", "t", "--format", "yaml", "--server", "127.0.0.1:1"});
+  EXPECT_EQ(bad_format.exit_code, 2) << bad_format.err;
+  EXPECT_TRUE(absl::StrContains(bad_format.err, "--format must be table or json")) << bad_format.err;
 }
 
 }  // namespace bertshard::client

@@ -1,7 +1,6 @@
 // TEI's routes of HttpApi (http_api.h), in the shapes of text-embeddings-inference's router
 // (router/src/http/server.rs, types.rs): what each takes, what it answers, and its errors.
 #include <algorithm>
-#include <cmath>
 #include <string>
 #include <vector>
 
@@ -11,6 +10,7 @@
 #include "http/api_support.h"
 #include "http/http_api.h"
 #include "http/json_body.h"
+#include "serving/rerank.h"
 
 namespace bertshard::http {
 namespace {
@@ -434,22 +434,18 @@ HttpResponse HttpApi::TeiRerank(const Struct& body, const CallContext& call) {
   if (logits == nullptr || logits->values_size() != n) {
     return TeiError(MakeError(TeiErrorType::kBackend, "the job answered without one logit per text"));
   }
-  // TEI's scores: the logit itself with raw_scores, else its sigmoid (one label).
-  std::vector<std::pair<float, int>> ranks;
-  for (int i = 0; i < n; ++i) {
-    const float logit = logits->values(i);
-    ranks.push_back({*raw_scores ? logit : static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(logit)))), i});
-  }
-  std::stable_sort(ranks.begin(), ranks.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  // TEI's scores: the logit itself with raw_scores, else its sigmoid (one label), as the gRPC
+  // Rerank ranks them.
+  const std::vector<serving::RankedText> ranks = serving::RankByScore(logits->values(), *raw_scores);
   std::string out = "[";
   for (size_t r = 0; r < ranks.size(); ++r) {
-    absl::StrAppend(&out, r > 0 ? "," : "", "{\"index\":", ranks[r].second);
+    absl::StrAppend(&out, r > 0 ? "," : "", "{\"index\":", ranks[r].index);
     if (*return_text) {
       out += ",\"text\":";
-      common::AppendJsonString(texts->items[static_cast<size_t>(ranks[r].second)].text, &out);
+      common::AppendJsonString(texts->items[static_cast<size_t>(ranks[r].index)].text, &out);
     }
     std::string score;
-    AppendFloatArray({&ranks[r].first, 1}, &score);
+    AppendFloatArray({&ranks[r].score, 1}, &score);
     absl::StrAppend(&out, ",\"score\":", score.substr(1, score.size() - 2), "}");
   }
   out.push_back(']');

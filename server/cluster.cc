@@ -155,6 +155,12 @@ absl::StatusOr<v1::EmbedResponse> Cluster::Embed(const v1::EmbedRequest& request
   return serving->Embed(request, deadline, cancelled, caller);
 }
 
+absl::StatusOr<v1::RerankResponse> Cluster::Rerank(const v1::RerankRequest& request, absl::Time deadline,
+                                                   const std::function<bool()>& cancelled, const Caller& caller) {
+  ASSIGN_OR_RETURN(std::shared_ptr<JobServing> serving, ServingFor(IdOf(request.job_id())));
+  return serving->Rerank(request, deadline, cancelled, caller);
+}
+
 std::string Cluster::IdOf(const std::string& job) {
   if (job.empty()) return job;
   absl::StatusOr<std::string> id = ResolveJob(job);

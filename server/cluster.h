@@ -130,6 +130,11 @@ class Cluster {
   // whose model has no encoder output.
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                           const std::function<bool()>& cancelled = nullptr, const Caller& caller = {});
+  // Texts ranked against a query by a cross-encoder job (a BertForSequenceClassification with one
+  // label), best first, batched like Infer. FAILED_PRECONDITION for any other model.
+  absl::StatusOr<v1::RerankResponse> Rerank(const v1::RerankRequest& request, absl::Time deadline,
+                                            const std::function<bool()>& cancelled = nullptr,
+                                            const Caller& caller = {});
 
   // Which job a request means (HTTP's `model`, docs/http.md): `job` is a job id, else the name
   // (SubmitJobRequest.name) of a job that has not ended. Empty `job`: `fallback` (--default_job,

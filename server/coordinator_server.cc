@@ -238,6 +238,14 @@ class CoordinatorServer::Service final : public v1::Coordinator::Service {
                      CallerOf(*context)),
                  response);
   }
+  grpc::Status Rerank(grpc::ServerContext* context, const v1::RerankRequest* request,
+                      v1::RerankResponse* response) override {
+    RETURN_IF_DENIED(context, common::Access::kRead);
+    return Reply(cluster_->Rerank(
+                     *request, Deadline(context, absl::Minutes(10)), [context] { return context->IsCancelled(); },
+                     CallerOf(*context)),
+                 response);
+  }
 
  private:
   Cluster* const cluster_;

@@ -9,6 +9,7 @@
 #include "planner/model_config.h"
 #include "server/input_preparation.h"
 #include "server/output_decoding.h"
+#include "serving/rerank.h"
 
 namespace bertshard::server {
 namespace {
@@ -251,6 +252,56 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
   for (bool t : input.truncated) response.add_truncated(t);
   *response.mutable_batch() = ToBatchInfo(result);
   response.mutable_batch()->set_tokenization_seconds(absl::ToDoubleSeconds(tokenization));
+  return response;
+}
+
+absl::StatusOr<v1::RerankResponse> JobServing::Rerank(const v1::RerankRequest& request, absl::Time deadline,
+                                                      const std::function<bool()>& cancelled, const Caller& caller) {
+  const JobAssets& assets = *assets_;
+  // A cross-encoder: one logit per pair (sentence-transformers' CrossEncoder, TEI's re-ranker).
+  const size_t labels = assets.labels.ok() ? assets.labels->names.size() : 0;
+  if (plan_.variant() != v1::BERT_FOR_SEQUENCE_CLASSIFICATION || labels != 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job ", request.job_id(), " runs ", planner::HfClassName(plan_.variant()),
+        plan_.variant() == v1::BERT_FOR_SEQUENCE_CLASSIFICATION ? absl::StrCat(" with ", labels, " labels") : "",
+        "; Rerank needs a cross-encoder: a BertForSequenceClassification with one label"));
+  }
+  if (request.query().empty()) return absl::InvalidArgumentError("Rerank needs a query (it is empty)");
+  if (request.texts().empty()) return absl::InvalidArgumentError("Rerank needs at least one text to rank");
+  v1::InferRequest infer;
+  infer.set_job_id(request.job_id());
+  infer.set_truncate(request.truncate());
+  infer.set_truncate_from_start(request.truncate_from_start());
+  for (int i = 0; i < request.texts_size(); ++i) {
+    if (request.texts(i).empty()) return absl::InvalidArgumentError(absl::StrCat("text ", i, " is empty"));
+    infer.mutable_text()->add_texts(request.query());
+    infer.mutable_text()->add_text_pairs(request.texts(i));
+  }
+  ASSIGN_OR_RETURN(v1::InferResponse answer, Infer(infer, deadline, cancelled, caller));
+  const v1::NamedTensor* logits = nullptr;
+  for (const v1::NamedTensor& t : answer.outputs()) {
+    if (t.name() == "logits") logits = &t;
+  }
+  if (logits == nullptr || logits->values_size() != request.texts_size()) {
+    return absl::InternalError(absl::StrCat("job ", request.job_id(), " answered without one logit per text"));
+  }
+  v1::RerankResponse response;
+  for (const serving::RankedText& r : serving::RankByScore(logits->values(), request.raw_scores())) {
+    v1::RerankResult* result = response.add_results();
+    result->set_index(r.index);
+    result->set_score(r.score);
+  }
+  // Each pair's real tokens: its row of the attention mask (PrepareInput always fills it for text).
+  const v1::TokenInputs& tokens = answer.tokens();
+  for (int64_t row = 0; row < tokens.rows(); ++row) {
+    int32_t n = 0;
+    for (int64_t k = row * tokens.seq(); k < (row + 1) * tokens.seq() && k < tokens.attention_mask_size(); ++k) {
+      n += tokens.attention_mask(static_cast<int>(k)) != 0 ? 1 : 0;
+    }
+    response.add_token_counts(n);
+  }
+  for (bool t : answer.truncated()) response.add_truncated(t);
+  *response.mutable_batch() = answer.batch();
   return response;
 }
 

@@ -120,6 +120,9 @@ class JobServing {
                                           const std::function<bool()>& cancelled, const Caller& caller = {});
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, absl::Time deadline,
                                           const std::function<bool()>& cancelled, const Caller& caller = {});
+  // See Cluster::Rerank: the (query, text) pairs run as one Infer on this path.
+  absl::StatusOr<v1::RerankResponse> Rerank(const v1::RerankRequest& request, absl::Time deadline,
+                                            const std::function<bool()>& cancelled, const Caller& caller = {});
 
   // The job's tokenizer on its own (no forward): `text` as the model would see it, with [CLS] and
   // [SEP] when `add_special_tokens`. FAILED_PRECONDITION when the checkpoint has no usable

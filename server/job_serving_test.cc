@@ -497,6 +497,82 @@ TEST_F(JobServingTest, EmbedCutsToDimensionsAndNormalisesTheCutAgain) {
   EXPECT_EQ(last_.requests().size(), 3u);
 }
 
+// Rerank (a cross-encoder: one label): the (query, text) pairs run as the rows of one forward and
+// come back ranked by their logits' sigmoids (or the logits), best first, with each pair's tokens.
+TEST(JobServingRerank, RanksThePairsOfOneForwardByTheirLogitsBestFirst) {
+  const std::vector<float> row_logits = {0.5f, 2.0f, -1.0f};
+  FakeWorker first(EarlierStage);
+  FakeWorker last([&](grpc::ServerContext*, const v1::ForwardRequest& request, v1::ForwardResponse* response) {
+    v1::NamedTensor* logits = response->add_outputs();
+    logits->set_name("logits");
+    logits->add_shape(request.inputs().rows());
+    logits->add_shape(1);
+    for (int64_t r = 0; r < request.inputs().rows(); ++r) logits->add_values(row_logits[static_cast<size_t>(r % 3)]);
+    return grpc::Status::OK;
+  });
+  Targets targets(std::vector<RankStub>{first.Rank("w0"), last.Rank("w1")});
+  std::shared_ptr<JobAssets> assets = SmallAssets();
+  serving::Labels one;
+  one.names = {"LABEL_0"};
+  assets->labels = one;
+  JobServing serving("job-1", SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION, 1), assets, &targets,
+                     JobServingOptions());
+  v1::RerankRequest request;
+  request.set_job_id("job-1");
+  request.set_query("the");
+  for (const char* text : {"play", "a x y", "unable"}) request.add_texts(text);
+  const absl::Time soon = absl::Now() + absl::Seconds(30);
+  absl::StatusOr<v1::RerankResponse> ranked = serving.Rerank(request, soon, nullptr);
+  ASSERT_TRUE(ranked.ok()) << ranked.status();
+  ASSERT_EQ(last.requests().size(), 1u);
+  EXPECT_EQ(last.requests()[0].inputs().rows(), 3);
+  ASSERT_EQ(ranked->results_size(), 3);
+  EXPECT_EQ(ranked->results(0).index(), 1);
+  EXPECT_EQ(ranked->results(1).index(), 0);
+  EXPECT_EQ(ranked->results(2).index(), 2);
+  EXPECT_FLOAT_EQ(ranked->results(0).score(), static_cast<float>(1.0 / (1.0 + std::exp(-2.0))));
+  EXPECT_FLOAT_EQ(ranked->results(2).score(), static_cast<float>(1.0 / (1.0 + std::exp(1.0))));
+  // [CLS] the [SEP] play [SEP]; [CLS] the [SEP] a x y [SEP]; [CLS] the [SEP] un ##able [SEP]
+  EXPECT_EQ(std::vector<int32_t>(ranked->token_counts().begin(), ranked->token_counts().end()),
+            (std::vector<int32_t>{5, 7, 6}));
+  EXPECT_EQ(ranked->batch().rows(), 3);
+  request.set_raw_scores(true);
+  ranked = serving.Rerank(request, soon, nullptr);
+  ASSERT_TRUE(ranked.ok()) << ranked.status();
+  EXPECT_FLOAT_EQ(ranked->results(0).score(), 2.0f);
+  EXPECT_FLOAT_EQ(ranked->results(2).score(), -1.0f);
+
+  // Refused before any forward: an empty query, no texts, an empty text.
+  const size_t forwards = last.requests().size();
+  v1::RerankRequest bad = request;
+  bad.clear_query();
+  EXPECT_EQ(serving.Rerank(bad, soon, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = request;
+  bad.clear_texts();
+  EXPECT_EQ(serving.Rerank(bad, soon, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  bad = request;
+  bad.add_texts("");
+  const absl::Status empty = serving.Rerank(bad, soon, nullptr).status();
+  EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(empty.message().find("text 3 is empty"), std::string::npos) << empty;
+  EXPECT_EQ(last.requests().size(), forwards);
+}
+
+// Only a cross-encoder reranks: a classifier with two labels and a BertModel are refused, saying why.
+TEST(JobServingRerank, RefusesAModelThatIsNotACrossEncoder) {
+  Targets targets(std::vector<RankStub>{});
+  v1::RerankRequest request;
+  request.set_job_id("job-1");
+  request.set_query("the");
+  request.add_texts("play");
+  for (const v1::ModelVariant variant : {v1::BERT_FOR_SEQUENCE_CLASSIFICATION, v1::BERT_MODEL}) {
+    JobServing serving("job-1", SmallPlan(variant), SmallAssets(), &targets, JobServingOptions());
+    const absl::Status refused = serving.Rerank(request, absl::Now() + absl::Seconds(30), nullptr).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_NE(refused.message().find("a BertForSequenceClassification with one label"), std::string::npos) << refused;
+  }
+}
+
 TEST(JobServingTokenizer, TokenizesAndDecodesWithTheJobsVocabulary) {
   Targets targets(std::vector<RankStub>{});
   JobServing serving("job-1", SmallPlan(v1::BERT_MODEL), SmallAssets(), &targets, {});

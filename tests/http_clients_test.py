@@ -163,6 +163,16 @@ class Checks:
         for r in ranks:
             logit = logits.json()[r["index"]][0]["score"]
             assert abs(r["score"] - 1 / (1 + math.exp(-logit))) < 1e-6, (r, logit)
+        # The gRPC Rerank (shardctl rerank) ranks the same pairs in the same order, with the same scores.
+        out = subprocess.run([self.shardctl, "rerank", "reranker", "--query", query, *texts, "--format=json",
+                              "--token-file=" + self.token_file], check=True, capture_output=True, text=True)
+        grpc_ranks = json.loads(out.stdout)["results"]
+        assert [g.get("index", 0) for g in grpc_ranks] == [r["index"] for r in ranks], (grpc_ranks, ranks)
+        for g, r in zip(grpc_ranks, ranks):
+            assert abs(g.get("score", 0.0) - r["score"]) < 1e-6, (g, r)
+        refused = subprocess.run([self.shardctl, "rerank", "sentiment", "--query", query, *texts,
+                                  "--token-file=" + self.token_file], capture_output=True, text=True)
+        assert refused.returncode == 1 and "with one label" in refused.stderr, (refused.returncode, refused.stderr)
         self.tei_error(self.post("/rerank", {"query": query, "texts": texts, "model": "sentiment"}), 424, "Backend",
                        "re-ranker")
         similar = self.post("/similarity", {"inputs": {"source_sentence": text, "sentences": ["b", text]}})
@@ -173,7 +183,8 @@ class Checks:
         assert info["model_id"] == "minilm" and info["model_type"] == {"embedding": {"pooling": "mean"}}, info
         assert info["max_client_batch_size"] == 4 and info["max_concurrent_requests"] == 1, info
         assert requests.get(self.base + "/health", timeout=30).status_code == 200
-        print("http_clients_test: TEI routes /embed /embed_all /predict /rerank /similarity /tokenize /decode /info /health")
+        print("http_clients_test: TEI routes /embed /embed_all /predict /rerank /similarity /tokenize /decode /info /health;"
+              " gRPC Rerank equal to /rerank")
 
     def tei_errors(self):
         self.tei_error(self.post("/embed", {"inputs": []}), 400, "Empty", "`inputs` cannot be empty")
