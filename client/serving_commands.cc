@@ -241,6 +241,14 @@ absl::StatusOr<std::vector<std::string>> ReadTexts(const CommandLine& cl) {
   return texts;
 }
 
+// --format: a table (false, the default) or the response as JSON (true).
+absl::StatusOr<bool> WantsJson(const CommandLine& cl) {
+  auto it = cl.values.find("format");
+  if (it == cl.values.end() || it->second == "table") return false;
+  if (it->second == "json") return true;
+  return absl::InvalidArgumentError(absl::StrCat("--format must be table or json, got '", it->second, "'"));
+}
+
 // A text cut to `width` columns for a table.
 std::string Shortened(std::string text, size_t width) {
   if (text.size() > width) text = text.substr(0, width - 3) + "...";
@@ -276,14 +284,11 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
     embed.set_normalize(it->second == "true" ? v1::NORMALIZE_ON : v1::NORMALIZE_OFF);
   }
   embed.set_truncate(cl.switches.count("truncate") > 0);
-  const std::string format = v.count("format") ? v.at("format") : "table";
-  if (format != "table" && format != "json") {
-    return absl::InvalidArgumentError(absl::StrCat("--format must be table or json, got '", format, "'"));
-  }
+  ASSIGN_OR_RETURN(const bool json, WantsJson(cl));
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
   v1::EmbedResponse response;
   RETURN_IF_ERROR(c.Check(c.stub()->Embed(c.Context(600).get(), embed, &response)));
-  if (format == "json") {
+  if (json) {
     std::fprintf(out, "%s\n", common::ProtoToJson(response).c_str());
     return absl::OkStatus();
   }
@@ -335,14 +340,11 @@ absl::Status RerankCommand(const CommandLine& cl, std::FILE* out) {
   for (const std::string& text : texts) rerank.add_texts(text);
   rerank.set_raw_scores(cl.switches.count("raw-scores") > 0);
   rerank.set_truncate(cl.switches.count("truncate") > 0);
-  const std::string format = v.count("format") ? v.at("format") : "table";
-  if (format != "table" && format != "json") {
-    return absl::InvalidArgumentError(absl::StrCat("--format must be table or json, got '", format, "'"));
-  }
+  ASSIGN_OR_RETURN(const bool json, WantsJson(cl));
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
   v1::RerankResponse response;
   RETURN_IF_ERROR(c.Check(c.stub()->Rerank(c.Context(600).get(), rerank, &response)));
-  if (format == "json") {
+  if (json) {
     std::fprintf(out, "%s\n", common::ProtoToJson(response).c_str());
     return absl::OkStatus();
   }
