@@ -284,6 +284,7 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
     embed.set_normalize(it->second == "true" ? v1::NORMALIZE_ON : v1::NORMALIZE_OFF);
   }
   embed.set_truncate(cl.switches.count("truncate") > 0);
+  if (auto it = v.find("prompt-name"); it != v.end()) embed.set_prompt_name(it->second);
   ASSIGN_OR_RETURN(const bool json, WantsJson(cl));
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
   v1::EmbedResponse response;
@@ -384,6 +385,7 @@ const std::vector<Flag>& EmbedFlags() {
            {"pooling", "mean|cls|max|mean_sqrt_len", "override the checkpoint's sentence-transformers pooling"},
            {"normalize", "true|false", "override whether vectors are L2-normalised"},
            {"truncate", "", "cut texts longer than the model's maximum length instead of refusing them"},
+           {"prompt-name", "NAME", "one of the checkpoint's sentence-transformers prompts (default: its default one)"},
            {"format", "table|json", "a table ending with the cosine-similarity matrix (default), or the response"},
        }}));
   return *flags;

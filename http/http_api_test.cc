@@ -108,6 +108,32 @@ TEST_F(TeiRoutesTest, EmbedPassesItsOptionsAndKeepsTheInputsOrder) {
   EXPECT_TRUE(backend_.infers.back().truncate_from_start());
 }
 
+// prompt_name goes to the request path (which knows the model's prompts) from /embed and
+// /similarity; the routes that take no prompt refuse one before anything runs.
+TEST_F(TeiRoutesTest, PromptNameReachesEmbedAndIsRefusedWhereNoRouteTakesIt) {
+  ASSERT_EQ(Post("/embed", R"({"inputs": "a", "prompt_name": "query"})").status, 200);
+  ASSERT_EQ(backend_.embeds.size(), 1u);
+  EXPECT_EQ(backend_.embeds.back().prompt_name(), "query");
+  ASSERT_EQ(Post("/similarity",
+                 R"({"inputs": {"source_sentence": "a", "sentences": ["b"]}, "parameters": {"prompt_name": "q"}})")
+                .status,
+            200);
+  EXPECT_EQ(backend_.embeds.back().prompt_name(), "q");
+  ASSERT_EQ(Post("/embed", R"({"inputs": "a"})").status, 200);
+  EXPECT_EQ(backend_.embeds.back().prompt_name(), "");  // the model's default prompt, if any
+  const size_t embeds = backend_.embeds.size(), infers = backend_.infers.size();
+  ExpectTeiError(Post("/embed_all", R"({"inputs": "a", "prompt_name": "query"})"), 422, "Validation",
+                 "not supported on /embed_all");
+  ExpectTeiError(Post("/predict", R"({"inputs": "a", "prompt_name": "query", "model": "sentiment"})"), 422,
+                 "Validation", "not supported on /predict");
+  ExpectTeiError(Post("/rerank", R"({"query": "q", "texts": ["a"], "prompt_name": "query", "model": "reranker"})"), 422,
+                 "Validation", "not supported on /rerank");
+  ExpectTeiError(Post("/tokenize", R"({"inputs": "a", "prompt_name": "query"})"), 422, "Validation",
+                 "not supported on /tokenize");
+  EXPECT_EQ(backend_.embeds.size(), embeds);
+  EXPECT_EQ(backend_.infers.size(), infers);
+}
+
 TEST_F(TeiRoutesTest, PadsTokenRowsAndMasksThePadding) {
   ASSERT_EQ(Post("/embed", R"({"inputs": [[101, 7, 102], [101, 102]]})").status, 200);
   const v1::TokenInputs& tokens = backend_.embeds[0].tokens();
@@ -151,7 +177,7 @@ TEST_F(TeiRoutesTest, RefusesAsTeiDoes) {
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "normalize": "yes"})"), 422, "Validation", "`normalize`");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "truncation_direction": "up"})"), 422, "Validation",
                  "expected `Left` or `Right`");
-  ExpectTeiError(Post("/embed", R"({"inputs": "a", "prompt_name": "query"})"), 422, "Validation", "prompt_name");
+  ExpectTeiError(Post("/embed", R"({"inputs": "a", "prompt_name": 7})"), 422, "Validation", "prompt_name");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "dimensions": 0})"), 422, "Validation", "`dimensions`");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "model": "nope"})"), 422, "Validation", "no job has");
   EXPECT_TRUE(backend_.embeds.empty());  // none of them reached the request path

@@ -34,7 +34,8 @@ HttpResponse HttpApi::TeiTokenize(const Struct& body) {
     if (!s.ok()) return TeiError(MalformedRequest(std::string(s.message())));
   }
   if (Field(body, "prompt_name") != nullptr) {
-    return TeiError(MalformedRequest("prompt_name is not supported: bertshard reads no sentence-transformers prompts"));
+    return TeiError(
+        MalformedRequest("prompt_name is not supported on /tokenize (it applies to /embed and /similarity)"));
   }
   absl::StatusOr<std::string> job = ResolveModel(backend_, *model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);

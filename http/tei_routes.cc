@@ -18,13 +18,22 @@ namespace {
 using google::protobuf::Struct;
 using google::protobuf::Value;
 
-// The options TEI's embedding routes share. Prompts are refused: bertshard reads no
-// sentence-transformers prompts yet (docs/http.md).
+// The options TEI's embedding routes share.
 struct EncodeOptions {
   bool truncate = false;
   bool from_start = false;  // truncation_direction "Left"
   std::string model;
+  // A sentence-transformers prompt of the model's (EmbedRequest.prompt_name): /embed and
+  // /similarity take it; the routes that do not embed refuse it (NoPrompt).
+  std::string prompt_name;
 };
+
+// Refuses a prompt_name on a route that does not take one.
+absl::Status NoPrompt(const EncodeOptions& options, const char* route) {
+  if (options.prompt_name.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("prompt_name is not supported on ", route, " (it applies to /embed and /similarity)"));
+}
 
 absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body) {
   EncodeOptions options;
@@ -38,9 +47,9 @@ absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body) {
     return absl::InvalidArgumentError(
         absl::StrCat("truncation_direction: unknown variant `", *direction, "`, expected `Left` or `Right`"));
   }
-  if (Field(body, "prompt_name") != nullptr) {
-    return absl::InvalidArgumentError("prompt_name is not supported: bertshard reads no sentence-transformers prompts");
-  }
+  absl::StatusOr<std::string> prompt_name = StringField(body, "prompt_name", "");
+  if (!prompt_name.ok()) return prompt_name.status();
+  options.prompt_name = *prompt_name;
   absl::StatusOr<std::string> model = StringField(body, "model", "");
   if (!model.ok()) return model.status();
   options.model = *model;
@@ -157,6 +166,7 @@ HttpResponse HttpApi::TeiEmbed(const Struct& body, const CallContext& call) {
   base.set_truncate(encode->truncate);
   base.set_truncate_from_start(encode->from_start);
   base.set_dimensions(static_cast<int32_t>(dimensions->value_or(0)));
+  base.set_prompt_name(encode->prompt_name);
   absl::StatusOr<EmbedOutcome> outcome = EmbedItems(backend_, *job, inputs->items, base, call);
   if (!outcome.ok()) return TeiError(FromStatus(outcome.status()));
   std::string out = "[";
@@ -177,6 +187,8 @@ HttpResponse HttpApi::TeiEmbedAll(const Struct& body, const CallContext& call) {
   if (!CheckInputs(*inputs, options_.max_client_batch_size, &error).ok()) return TeiError(error);
   absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body);
   if (!encode.ok()) return TeiError(MalformedRequest(std::string(encode.status().message())));
+  if (absl::Status s = NoPrompt(*encode, "/embed_all"); !s.ok())
+    return TeiError(MalformedRequest(std::string(s.message())));
   absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
   if (!ModelOfKind(backend_, *job, v1::BERT_MODEL, "an embedding", &error).ok()) return TeiError(error);
@@ -253,6 +265,8 @@ HttpResponse HttpApi::TeiPredict(const Struct& body, const CallContext& call) {
   for (const absl::Status& s : {encode.status(), raw_scores.status()}) {
     if (!s.ok()) return TeiError(MalformedRequest(std::string(s.message())));
   }
+  if (absl::Status s = NoPrompt(*encode, "/predict"); !s.ok())
+    return TeiError(MalformedRequest(std::string(s.message())));
   absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
   absl::StatusOr<ModelInfo> model =
@@ -357,6 +371,7 @@ HttpResponse HttpApi::TeiSimilarity(const Struct& body, const CallContext& call)
   base.set_normalize(v1::NORMALIZE_ON);  // cosine similarity: dot products of unit vectors
   base.set_truncate(encode->truncate);
   base.set_truncate_from_start(encode->from_start);
+  base.set_prompt_name(encode->prompt_name);
   absl::StatusOr<EmbedOutcome> outcome = EmbedItems(backend_, *job, all.items, base, call);
   if (!outcome.ok()) return TeiError(FromStatus(outcome.status()));
   std::vector<float> similarities;
@@ -405,6 +420,8 @@ HttpResponse HttpApi::TeiRerank(const Struct& body, const CallContext& call) {
   for (const absl::Status& s : {encode.status(), raw_scores.status(), return_text.status()}) {
     if (!s.ok()) return TeiError(MalformedRequest(std::string(s.message())));
   }
+  if (absl::Status s = NoPrompt(*encode, "/rerank"); !s.ok())
+    return TeiError(MalformedRequest(std::string(s.message())));
   absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
   // TEI's re-ranker: a sequence classifier with one label (sentence-transformers' CrossEncoder).

@@ -9,6 +9,7 @@
 #include "planner/model_config.h"
 #include "server/input_preparation.h"
 #include "server/output_decoding.h"
+#include "serving/pooling.h"
 #include "serving/rerank.h"
 
 namespace bertshard::server {
@@ -225,11 +226,27 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
                                       plan_.config().max_position_embeddings());
   ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
   RETURN_IF_ERROR(CheckDimensions(request.dimensions(), plan_.config().hidden_size()));
+  if (request.has_tokens() && !request.prompt_name().empty()) {
+    return absl::InvalidArgumentError("prompt_name applies to text input; token rows are taken as they are");
+  }
+  // The prompt goes before each text, as sentence-transformers puts it (the pair's second
+  // segment, if any, stays as it is).
+  const v1::TextInput* text = request.has_text() ? &request.text() : nullptr;
+  v1::TextInput prompted;
+  if (text != nullptr) {
+    ASSIGN_OR_RETURN(const std::string prompt, serving::PromptFor(config, request.prompt_name()));
+    if (!prompt.empty()) {
+      // Refused from its counts first, as PrepareInput would: a huge request is never copied.
+      RETURN_IF_ERROR(CheckInputBounds(nullptr, text, input_bounds_));
+      prompted = *text;
+      for (std::string& t : *prompted.mutable_texts()) t.insert(0, prompt);
+      text = &prompted;
+    }
+  }
   const absl::Time prepare_start = absl::Now();
-  ASSIGN_OR_RETURN(
-      PreparedInput input,
-      PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, request.has_text() ? &request.text() : nullptr,
-                   plan_, *assets, max_length, request.truncate(), input_bounds_, request.truncate_from_start()));
+  ASSIGN_OR_RETURN(PreparedInput input,
+                   PrepareInput(request.has_tokens() ? &request.tokens() : nullptr, text, plan_, *assets, max_length,
+                                request.truncate(), input_bounds_, request.truncate_from_start()));
   const absl::Duration tokenization = absl::Now() - prepare_start;
   if (request.has_tokens() && input.tokens.seq() > max_length) {
     // Token rows are the caller's own; the embedding model's limit still holds for them.

@@ -17,6 +17,7 @@ namespace bertshard::server {
 namespace {
 
 constexpr int kHiddenSize = 8;  // SmallPlan's
+constexpr int64_t kA = 6;       // "a" in SmallAssets' vocabulary
 
 // The cluster's side: the job's groups of ranks, one serving at a time, and each group lost. A lost
 // group is replaced by the next one given (as the scheduler places the job again); with none left
@@ -495,6 +496,64 @@ TEST_F(JobServingTest, EmbedCutsToDimensionsAndNormalisesTheCutAgain) {
     EXPECT_NE(refused.message().find("dimensions must be in 1..8"), std::string::npos) << refused;
   }
   EXPECT_EQ(last_.requests().size(), 3u);
+}
+
+// Prompts (config_sentence_transformers.json): the named prompt's text goes before each text, the
+// default one when the request names none; an unknown name, a name on token rows, and a model that
+// pools without the prompt's tokens are refused before any forward.
+TEST(JobServingPrompts, ThePromptGoesBeforeEachTextTheDefaultOneWhenNoneIsNamed) {
+  FakeWorker first(EarlierStage);
+  FakeWorker last(LastStage);
+  Targets targets(std::vector<RankStub>{first.Rank("w0"), last.Rank("w1")});
+  std::shared_ptr<JobAssets> assets = SmallAssets();
+  serving::EmbeddingConfig config;
+  config.prompts = {{"query", "the "}, {"doc", "a "}, {"none", ""}};
+  config.default_prompt_name = "query";
+  assets->embedding = config;
+  JobServing serving("job-1", SmallPlan(v1::BERT_MODEL), assets, &targets, JobServingOptions());
+  const absl::Time soon = absl::Now() + absl::Seconds(30);
+  // The ids of the one row sent in forward `n`, padding dropped.
+  auto row_ids = [&](size_t n) {
+    std::vector<int64_t> ids;
+    const v1::ForwardRequest sent = last.requests().at(n);
+    for (int64_t id : sent.inputs().input_ids()) {
+      if (id != kPad) ids.push_back(id);
+    }
+    return ids;
+  };
+  v1::EmbedRequest request;
+  request.set_job_id("job-1");
+  request.mutable_text()->add_texts("play");
+  for (const auto& [name, want] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+           {"", {kCls, kThe, kPlay, kSep}},  // the default prompt, "the "
+           {"doc", {kCls, kA, kPlay, kSep}},
+           {"none", {kCls, kPlay, kSep}}}) {
+    SCOPED_TRACE(name);
+    request.set_prompt_name(name);
+    const size_t n = last.requests().size();
+    absl::StatusOr<v1::EmbedResponse> embedded = serving.Embed(request, soon, nullptr);
+    ASSERT_TRUE(embedded.ok()) << embedded.status();
+    EXPECT_EQ(row_ids(n), want);
+    EXPECT_EQ(embedded->token_counts(0), static_cast<int32_t>(want.size()));
+  }
+  const size_t forwards = last.requests().size();
+  request.set_prompt_name("passage");
+  const absl::Status unknown = serving.Embed(request, soon, nullptr).status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument) << unknown;
+  EXPECT_NE(unknown.message().find("doc, none, query"), std::string::npos) << unknown;
+  v1::EmbedRequest ids;
+  ids.set_job_id("job-1");
+  *ids.mutable_tokens() = TwoRows();
+  ids.set_prompt_name("query");
+  EXPECT_EQ(serving.Embed(ids, soon, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  config.include_prompt = false;
+  assets->embedding = config;
+  JobServing excluding("job-1", SmallPlan(v1::BERT_MODEL), assets, &targets, JobServingOptions());
+  request.set_prompt_name("");
+  EXPECT_EQ(excluding.Embed(request, soon, nullptr).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(last.requests().size(), forwards);
+  ids.clear_prompt_name();  // token rows take no default prompt
+  EXPECT_TRUE(excluding.Embed(ids, soon, nullptr).ok());
 }
 
 // Rerank (a cross-encoder: one label): the (query, text) pairs run as the rows of one forward and

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/checkpoint_dir.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -95,6 +96,37 @@ absl::StatusOr<Pooling> PoolingFromConfig(const json& config, const std::string&
   return *on.front()->pooling;
 }
 
+// config_sentence_transformers.json (optional): `prompts` and `default_prompt_name`, which must be
+// one of them (sentence-transformers refuses such a model at load too).
+absl::Status ReadPrompts(const common::CheckpointDir& dir, EmbeddingConfig* config) {
+  const std::string path = dir.path() + "/config_sentence_transformers.json";
+  ASSIGN_OR_RETURN(const std::optional<json> st, ReadJsonFile(dir, "config_sentence_transformers.json"));
+  if (!st.has_value()) return absl::OkStatus();
+  if (!st->is_object()) return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
+  if (st->contains("prompts") && !(*st)["prompts"].is_null()) {
+    const json& prompts = (*st)["prompts"];
+    if (!prompts.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": prompts must be an object"));
+    for (const auto& [name, text] : prompts.items()) {
+      if (!text.is_string()) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ": prompt \"", name, "\" must be a string"));
+      }
+      config->prompts[name] = text.get<std::string>();
+    }
+  }
+  if (st->contains("default_prompt_name") && !(*st)["default_prompt_name"].is_null()) {
+    const json& name = (*st)["default_prompt_name"];
+    if (!name.is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": default_prompt_name must be a string or null"));
+    }
+    config->default_prompt_name = name.get<std::string>();
+    if (config->prompts.count(config->default_prompt_name) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": default_prompt_name \"", config->default_prompt_name, "\" is not one of its prompts"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckDims(int64_t rows, int64_t seq, int64_t dim) {
   if (rows < 0 || seq < 1 || dim < 1) {
     return absl::InvalidArgumentError(
@@ -156,6 +188,8 @@ absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const common::CheckpointDir&
     }
   }
 
+  RETURN_IF_ERROR(ReadPrompts(dir, &config));
+
   const std::string modules_path = checkpoint_dir + "/modules.json";
   ASSIGN_OR_RETURN(const std::optional<json> modules, ReadJsonFile(dir, "modules.json"));
   if (!modules.has_value()) return config;
@@ -207,7 +241,34 @@ absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const common::CheckpointDir&
     }
     config.word_embedding_dimension = d.get<int64_t>();
   }
+  if (pooling->contains("include_prompt") && !(*pooling)["include_prompt"].is_null()) {
+    if (!(*pooling)["include_prompt"].is_boolean()) {
+      return absl::InvalidArgumentError(absl::StrCat(pooling_path, ": include_prompt must be true or false"));
+    }
+    config.include_prompt = (*pooling)["include_prompt"].get<bool>();
+  }
   return config;
+}
+
+absl::StatusOr<std::string> PromptFor(const EmbeddingConfig& config, const std::string& name) {
+  const std::string& chosen = name.empty() ? config.default_prompt_name : name;
+  if (chosen.empty()) return std::string();
+  auto it = config.prompts.find(chosen);
+  if (it == config.prompts.end()) {
+    std::vector<std::string> names;
+    for (const auto& [known, text] : config.prompts) names.push_back(known);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt_name `", chosen, "` is not one of the model's prompts (",
+        names.empty() ? "it has none"
+                      : absl::StrCat("config_sentence_transformers.json has: ", absl::StrJoin(names, ", ")),
+        ")"));
+  }
+  if (!it->second.empty() && !config.include_prompt) {
+    return absl::FailedPreconditionError(
+        "the model's Pooling config has include_prompt false (pool without the prompt's tokens), which bertshard "
+        "does not do yet: embedding with a prompt would differ from sentence-transformers");
+  }
+  return it->second;
 }
 
 absl::StatusOr<std::vector<std::vector<float>>> Pool(const float* hidden, int64_t rows, int64_t seq, int64_t dim,

@@ -17,6 +17,7 @@
 #define BERTSHARD_SERVING_POOLING_H_
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,16 +51,28 @@ struct EmbeddingConfig {
   // pooling, no normalisation, what sentence-transformers itself uses for a plain HF model), and
   // a caller may prefer to ask the user for a pooling mode, as TEI does.
   bool from_files = false;
+  // config_sentence_transformers.json's `prompts` (name -> text put before each input text) and
+  // `default_prompt_name` (used when a request names none; empty: none), as
+  // SentenceTransformer.encode applies them.
+  std::map<std::string, std::string> prompts;
+  std::string default_prompt_name;
+  // The Pooling config's include_prompt: false pools without the prompt's tokens.
+  bool include_prompt = true;
 };
 
-// Reads `checkpoint_dir`/modules.json, the Pooling module's `<path>/config.json` and
-// sentence_bert_config.json (optional). INVALID_ARGUMENT, naming the file, for malformed JSON, a
-// Pooling config without exactly one supported mode set (weighted mean and last-token pooling
-// are named as unsupported), modules.json without a Pooling module, or any module besides
-// Transformer, Pooling and Normalize (e.g. Dense): those would change the vectors, and ignoring
-// them would serve wrong embeddings. Without modules.json: defaults, from_files = false. Each file
-// is read through `dir`'s descriptor, a regular file of at most its max_json_bytes (a FIFO or a
-// sparse giant is INVALID_ARGUMENT at once; common/checkpoint_dir.h).
+// The text to put before each input for a request naming prompt `name` ("": the default prompt,
+// if any): "" when none applies. INVALID_ARGUMENT for a name that is not one of the prompts
+// (listing them); FAILED_PRECONDITION when a prompt applies and the pooling excludes its tokens
+// (include_prompt false), which bertshard does not do yet.
+absl::StatusOr<std::string> PromptFor(const EmbeddingConfig& config, const std::string& name);
+
+// Reads `checkpoint_dir`/modules.json, the Pooling module's `<path>/config.json`,
+// sentence_bert_config.json and config_sentence_transformers.json (both optional). INVALID_ARGUMENT, naming the file,
+// for malformed JSON, a Pooling config without exactly one supported mode set (weighted mean and last-token pooling are
+// named as unsupported), modules.json without a Pooling module, or any module besides Transformer, Pooling and
+// Normalize (e.g. Dense): those would change the vectors, and ignoring them would serve wrong embeddings. Without
+// modules.json: defaults, from_files = false. Each file is read through `dir`'s descriptor, a regular file of at most
+// its max_json_bytes (a FIFO or a sparse giant is INVALID_ARGUMENT at once; common/checkpoint_dir.h).
 absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const common::CheckpointDir& dir);
 // As above, `checkpoint_dir` opened unconfined.
 absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const std::string& checkpoint_dir);

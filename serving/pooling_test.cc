@@ -193,6 +193,53 @@ TEST_F(Checkpoint, ReadsSentenceTransformersFiles) {
   EXPECT_TRUE(config->from_files);
 }
 
+// config_sentence_transformers.json's prompts as sentence-transformers saves them (e.g. the E5 and
+// BGE families), and which one a request gets.
+TEST_F(Checkpoint, ReadsPromptsAndChoosesTheNamedOrTheDefaultOne) {
+  WriteModules(/*normalize=*/true);
+  WritePooling("mean_tokens");
+  Write("config_sentence_transformers.json",
+        R"({"__version__": {"sentence_transformers": "3.0.1"}, "prompts": {"query": "query: ", "passage": "passage: "},
+            "default_prompt_name": "query", "similarity_fn_name": "cosine"})");
+  auto config = ReadEmbeddingConfig(dir());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->prompts.size(), 2u);
+  EXPECT_EQ(config->default_prompt_name, "query");
+  EXPECT_TRUE(config->include_prompt);
+  EXPECT_EQ(PromptFor(*config, "").value_or("?"), "query: ");
+  EXPECT_EQ(PromptFor(*config, "passage").value_or("?"), "passage: ");
+  const absl::Status unknown = PromptFor(*config, "document").status();
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unknown.message().find("passage, query"), std::string::npos) << unknown;
+  // No default: no prompt unless one is named; none at all: every name is unknown.
+  config->default_prompt_name.clear();
+  EXPECT_EQ(PromptFor(*config, "").value_or("?"), "");
+  EXPECT_EQ(PromptFor(EmbeddingConfig(), "query").status().code(), absl::StatusCode::kInvalidArgument);
+  // A pooling without the prompt's tokens is not done: refused once a prompt applies.
+  Write("1_Pooling/config.json", R"({"word_embedding_dimension": 384, "pooling_mode_mean_tokens": true,
+                                     "include_prompt": false})");
+  config = ReadEmbeddingConfig(dir());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_FALSE(config->include_prompt);
+  EXPECT_EQ(PromptFor(*config, "passage").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(Checkpoint, MalformedPromptsNameTheFile) {
+  WriteModules(/*normalize=*/false);
+  WritePooling("mean_tokens");
+  for (const char* bad :
+       {R"({"prompts": ["query: "]})", R"({"prompts": {"query": 1}})",
+        R"({"prompts": {"query": "q: "}, "default_prompt_name": "passage"})", R"({"default_prompt_name": 3})", "[]"}) {
+    SCOPED_TRACE(bad);
+    Write("config_sentence_transformers.json", bad);
+    const absl::Status refused = ReadEmbeddingConfig(dir()).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.message().find("config_sentence_transformers.json"), std::string::npos) << refused;
+  }
+  Write("config_sentence_transformers.json", R"({"prompts": {}, "default_prompt_name": null})");
+  EXPECT_TRUE(ReadEmbeddingConfig(dir()).ok());
+}
+
 TEST_F(Checkpoint, EachSupportedMode) {
   WriteModules(/*normalize=*/false);
   const std::pair<const char*, Pooling> modes[] = {{"cls_token", Pooling::kCls},
