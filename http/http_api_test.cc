@@ -178,6 +178,7 @@ TEST_F(TeiRoutesTest, RefusesAsTeiDoes) {
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "truncation_direction": "up"})"), 422, "Validation",
                  "expected `Left` or `Right`");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "prompt_name": 7})"), 422, "Validation", "prompt_name");
+  ExpectTeiError(Post("/embed", R"({"inputs": "a", "prompt_name": ""})"), 422, "Validation", "prompt_name is empty");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "dimensions": 0})"), 422, "Validation", "`dimensions`");
   ExpectTeiError(Post("/embed", R"({"inputs": "a", "model": "nope"})"), 422, "Validation", "no job has");
   EXPECT_TRUE(backend_.embeds.empty());  // none of them reached the request path

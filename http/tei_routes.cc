@@ -49,6 +49,10 @@ absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body) {
   }
   absl::StatusOr<std::string> prompt_name = StringField(body, "prompt_name", "");
   if (!prompt_name.ok()) return prompt_name.status();
+  // Present, it names a prompt (an empty name is none of the model's); absent, the default applies.
+  if (Field(body, "prompt_name") != nullptr && prompt_name->empty()) {
+    return absl::InvalidArgumentError("prompt_name is empty: name one of the model's prompts, or leave it out");
+  }
   options.prompt_name = *prompt_name;
   absl::StatusOr<std::string> model = StringField(body, "model", "");
   if (!model.ok()) return model.status();

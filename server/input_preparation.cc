@@ -12,26 +12,27 @@
 
 namespace bertshard::server {
 
+absl::Status CheckTextBounds(int64_t texts, int64_t bytes, const InputBounds& bounds) {
+  // Every text takes [CLS], a token and [SEP] at least (empty texts are refused).
+  if (bounds.max_tokens > 0 && texts > bounds.max_tokens / 3) {
+    return absl::InvalidArgumentError(absl::StrCat("the request has ", texts, " texts, which take at least ", texts * 3,
+                                                   " tokens; one batch holds ", bounds.max_tokens,
+                                                   " (--max_batch_tokens); send fewer texts"));
+  }
+  if (bounds.max_text_bytes > 0 && bytes > bounds.max_text_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the request's texts are ", bytes, " bytes together, more than ",
+                                                   bounds.max_text_bytes,
+                                                   " (--max_request_text_bytes); send less text"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckInputBounds(const v1::TokenInputs* tokens, const v1::TextInput* text, const InputBounds& bounds) {
   if (text != nullptr) {
-    const int64_t texts = text->texts_size();
-    // Every text takes [CLS], a token and [SEP] at least (empty texts are refused).
-    if (bounds.max_tokens > 0 && texts > bounds.max_tokens / 3) {
-      return absl::InvalidArgumentError(absl::StrCat("the request has ", texts, " texts, which take at least ",
-                                                     texts * 3, " tokens; one batch holds ", bounds.max_tokens,
-                                                     " (--max_batch_tokens); send fewer texts"));
-    }
-    if (bounds.max_text_bytes > 0) {
-      int64_t bytes = 0;
-      for (const std::string& t : text->texts()) bytes += static_cast<int64_t>(t.size());
-      for (const std::string& t : text->text_pairs()) bytes += static_cast<int64_t>(t.size());
-      if (bytes > bounds.max_text_bytes) {
-        return absl::InvalidArgumentError(absl::StrCat("the request's texts are ", bytes, " bytes together, more than ",
-                                                       bounds.max_text_bytes,
-                                                       " (--max_request_text_bytes); send less text"));
-      }
-    }
-    return absl::OkStatus();
+    int64_t bytes = 0;
+    for (const std::string& t : text->texts()) bytes += static_cast<int64_t>(t.size());
+    for (const std::string& t : text->text_pairs()) bytes += static_cast<int64_t>(t.size());
+    return CheckTextBounds(text->texts_size(), bytes, bounds);
   }
   if (tokens == nullptr) return absl::OkStatus();
   const int64_t rows = tokens->rows();

@@ -57,6 +57,10 @@ absl::StatusOr<PreparedInput> PrepareInput(const v1::TokenInputs* tokens, const 
 // rows >= 1, seq >= 1, arrays of rows x seq (mask and types may be empty) and rows x seq within
 // bounds.max_tokens; text within the text and byte bounds.
 absl::Status CheckInputBounds(const v1::TokenInputs* tokens, const v1::TextInput* text, const InputBounds& bounds);
+// Its text checks from the counts alone: `texts` texts (a pair counts once) of `bytes` bytes
+// together, texts and pairs. For a request that has not been made into a TextInput yet (Rerank's
+// pairs repeat the query: checked before it is copied once per text).
+absl::Status CheckTextBounds(int64_t texts, int64_t bytes, const InputBounds& bounds);
 
 }  // namespace bertshard::server
 

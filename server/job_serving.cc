@@ -229,12 +229,19 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
   if (request.has_tokens() && !request.prompt_name().empty()) {
     return absl::InvalidArgumentError("prompt_name applies to text input; token rows are taken as they are");
   }
-  // The prompt goes before each text, as sentence-transformers puts it (the pair's second
-  // segment, if any, stays as it is).
+  // The prompt goes before each text, as sentence-transformers puts it; pairs take none.
   const v1::TextInput* text = request.has_text() ? &request.text() : nullptr;
   v1::TextInput prompted;
   if (text != nullptr) {
     ASSIGN_OR_RETURN(const std::string prompt, serving::PromptFor(config, request.prompt_name()));
+    const bool applies = !request.prompt_name().empty() || !config.default_prompt_name.empty();
+    if (applies && text->text_pairs_size() > 0) {
+      // As TEI refuses it: sentence-transformers says nothing of where a prompt goes in a pair.
+      return absl::InvalidArgumentError(
+          absl::StrCat("a prompt (", request.prompt_name().empty() ? "the model's default, " : "",
+                       request.prompt_name().empty() ? config.default_prompt_name : request.prompt_name(),
+                       ") cannot be applied to text pairs"));
+    }
     if (!prompt.empty()) {
       // Refused from its counts first, as PrepareInput would: a huge request is never copied.
       RETURN_IF_ERROR(CheckInputBounds(nullptr, text, input_bounds_));
@@ -285,6 +292,11 @@ absl::StatusOr<v1::RerankResponse> JobServing::Rerank(const v1::RerankRequest& r
   }
   if (request.query().empty()) return absl::InvalidArgumentError("Rerank needs a query (it is empty)");
   if (request.texts().empty()) return absl::InvalidArgumentError("Rerank needs at least one text to rank");
+  // The query goes into every pair: the bounds hold for what the pairs will be before it is
+  // copied (a long query and many short texts must not cost their product first).
+  int64_t bytes = static_cast<int64_t>(request.query().size()) * request.texts_size();
+  for (const std::string& text : request.texts()) bytes += static_cast<int64_t>(text.size());
+  RETURN_IF_ERROR(CheckTextBounds(request.texts_size(), bytes, input_bounds_));
   v1::InferRequest infer;
   infer.set_job_id(request.job_id());
   infer.set_truncate(request.truncate());

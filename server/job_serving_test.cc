@@ -541,6 +541,12 @@ TEST(JobServingPrompts, ThePromptGoesBeforeEachTextTheDefaultOneWhenNoneIsNamed)
   const absl::Status unknown = serving.Embed(request, soon, nullptr).status();
   EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument) << unknown;
   EXPECT_NE(unknown.message().find("doc, none, query"), std::string::npos) << unknown;
+  v1::EmbedRequest pairs = request;  // the default prompt applies, and pairs take none (as TEI)
+  pairs.set_prompt_name("");
+  pairs.mutable_text()->add_text_pairs("a");
+  const absl::Status paired = serving.Embed(pairs, soon, nullptr).status();
+  EXPECT_EQ(paired.code(), absl::StatusCode::kInvalidArgument) << paired;
+  EXPECT_NE(paired.message().find("the model's default, query"), std::string::npos) << paired;
   v1::EmbedRequest ids;
   ids.set_job_id("job-1");
   *ids.mutable_tokens() = TwoRows();
@@ -624,12 +630,48 @@ TEST(JobServingRerank, RefusesAModelThatIsNotACrossEncoder) {
   request.set_job_id("job-1");
   request.set_query("the");
   request.add_texts("play");
+  std::shared_ptr<JobAssets> assets = SmallAssets();
+  serving::Labels two;
+  two.names = {"NEGATIVE", "POSITIVE"};
+  assets->labels = two;
   for (const v1::ModelVariant variant : {v1::BERT_FOR_SEQUENCE_CLASSIFICATION, v1::BERT_MODEL}) {
-    JobServing serving("job-1", SmallPlan(variant), SmallAssets(), &targets, JobServingOptions());
+    JobServing serving("job-1", SmallPlan(variant), assets, &targets, JobServingOptions());
     const absl::Status refused = serving.Rerank(request, absl::Now() + absl::Seconds(30), nullptr).status();
     EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
     EXPECT_NE(refused.message().find("a BertForSequenceClassification with one label"), std::string::npos) << refused;
+    if (variant == v1::BERT_FOR_SEQUENCE_CLASSIFICATION) {
+      EXPECT_NE(refused.message().find("with 2 labels"), std::string::npos) << refused;
+    }
   }
+}
+
+// The query goes into every pair: a long query with many short texts is refused from the counts,
+// before the query is copied once per text (here 1 GB of copies).
+TEST(JobServingRerank, ALongQueryTimesManyTextsIsRefusedBeforeItIsCopied) {
+  FakeWorker last(LastStage);
+  Targets targets(std::vector<RankStub>{last.Rank("w0")});
+  std::shared_ptr<JobAssets> assets = SmallAssets();
+  serving::Labels one;
+  one.names = {"LABEL_0"};
+  assets->labels = one;
+  JobServingOptions options;  // --max_request_text_bytes 32 MiB, --max_batch_tokens 16384
+  JobServing serving("job-1", SmallPlan(v1::BERT_FOR_SEQUENCE_CLASSIFICATION, 1), assets, &targets, options);
+  v1::RerankRequest request;
+  request.set_job_id("job-1");
+  request.set_query(std::string(1 << 20, 'x'));
+  for (int i = 0; i < 1000; ++i) request.add_texts("a");
+  const int64_t before = PeakRss(true);
+  const absl::Status refused = serving.Rerank(request, absl::Now() + absl::Seconds(30), nullptr).status();
+  const int64_t growth = PeakRss(false) - before;
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("--max_request_text_bytes"), std::string::npos) << refused;
+  EXPECT_LT(growth, 100 << 20) << "peak RSS grew by " << growth / (1 << 20) << " MiB";
+  request.set_query("q");
+  for (int i = 0; i < 6000; ++i) request.add_texts("a");  // 7000 pairs: over 16384 / 3
+  const absl::Status many = serving.Rerank(request, absl::Now() + absl::Seconds(30), nullptr).status();
+  EXPECT_EQ(many.code(), absl::StatusCode::kInvalidArgument) << many;
+  EXPECT_NE(many.message().find("--max_batch_tokens"), std::string::npos) << many;
+  EXPECT_TRUE(last.requests().empty());
 }
 
 TEST(JobServingTokenizer, TokenizesAndDecodesWithTheJobsVocabulary) {

@@ -188,12 +188,12 @@ absl::StatusOr<EmbeddingConfig> ReadEmbeddingConfig(const common::CheckpointDir&
     }
   }
 
-  RETURN_IF_ERROR(ReadPrompts(dir, &config));
-
   const std::string modules_path = checkpoint_dir + "/modules.json";
   ASSIGN_OR_RETURN(const std::optional<json> modules, ReadJsonFile(dir, "modules.json"));
   if (!modules.has_value()) return config;
   config.from_files = true;
+  // sentence-transformers reads its prompts only for a model it loads from its own files.
+  RETURN_IF_ERROR(ReadPrompts(dir, &config));
   if (!modules->is_array()) return absl::InvalidArgumentError(absl::StrCat(modules_path, " is not a JSON list"));
 
   std::optional<std::string> pooling_dir;
@@ -263,7 +263,7 @@ absl::StatusOr<std::string> PromptFor(const EmbeddingConfig& config, const std::
                       : absl::StrCat("config_sentence_transformers.json has: ", absl::StrJoin(names, ", ")),
         ")"));
   }
-  if (!it->second.empty() && !config.include_prompt) {
+  if (!config.include_prompt) {
     return absl::FailedPreconditionError(
         "the model's Pooling config has include_prompt false (pool without the prompt's tokens), which bertshard "
         "does not do yet: embedding with a prompt would differ from sentence-transformers");

@@ -62,8 +62,9 @@ struct EmbeddingConfig {
 
 // The text to put before each input for a request naming prompt `name` ("": the default prompt,
 // if any): "" when none applies. INVALID_ARGUMENT for a name that is not one of the prompts
-// (listing them); FAILED_PRECONDITION when a prompt applies and the pooling excludes its tokens
-// (include_prompt false), which bertshard does not do yet.
+// (listing them); FAILED_PRECONDITION when a prompt applies (even an empty one: sentence-transformers
+// then drops [CLS]) and the pooling excludes its tokens (include_prompt false), which bertshard does
+// not do yet.
 absl::StatusOr<std::string> PromptFor(const EmbeddingConfig& config, const std::string& name);
 
 // Reads `checkpoint_dir`/modules.json, the Pooling module's `<path>/config.json`,

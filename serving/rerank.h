@@ -2,11 +2,14 @@
 // -----------------------------------------------------------------------------
 // Re-ranking with a cross-encoder: a sequence classifier with one label (sentence-transformers'
 // CrossEncoder, TEI's re-ranker) gives one logit per (query, text) pair, and the texts are ranked
-// by it, best first. The one place both the gRPC Rerank (server/job_serving.h) and HTTP's /rerank
-// (http/tei_routes.cc) turn logits into ranks, so the two always agree. Plain C++ on floats.
+// by it, best first, scored as TEI's /rerank scores them: the sigmoid, or the logit with
+// raw_scores (what CrossEncoder.predict gives for checkpoints whose activation is Identity, such
+// as the cross-encoder/ms-marco-* family; the order is the same either way). The one place both the gRPC Rerank
+// (server/job_serving.h) and HTTP's /rerank (http/tei_routes.cc) turn logits into ranks, so the two always agree. Plain
+// C++ on floats.
 //
 // Example:
-//   ASSIGN_OR_RETURN(std::vector<RankedText> ranks, RankByScore(logits, /*raw_scores=*/false));
+//   const std::vector<RankedText> ranks = RankByScore(logits, /*raw_scores=*/false);
 //   for (const RankedText& r : ranks) printf("%d %f\n", r.index, r.score);
 //
 // Failure model: none (any finite or non-finite logits are ranked; NaN sorts last).
