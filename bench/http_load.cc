@@ -116,7 +116,8 @@ class Connection {
     while (buffer_.size() < header_end + 4 + length) {
       if (!Fill(error)) return -1;
     }
-    if (status != 200) *error = absl::StrCat(status, ": ", buffer_.substr(header_end + 4, std::min<size_t>(length, 300)));
+    if (status != 200)
+      *error = absl::StrCat(status, ": ", buffer_.substr(header_end + 4, std::min<size_t>(length, 300)));
     buffer_.erase(0, header_end + 4 + length);
     return status;
   }
@@ -210,7 +211,9 @@ int main(int argc, char** argv) {
   const double seconds = absl::GetFlag(FLAGS_duration_s);
   const double rps = static_cast<double>(latencies.size()) / seconds;
   auto pct = [&](double p) {
-    return latencies.empty() ? 0.0 : 1e3 * latencies[std::min(latencies.size() - 1, static_cast<size_t>(p * latencies.size()))];
+    return latencies.empty()
+               ? 0.0
+               : 1e3 * latencies[std::min(latencies.size() - 1, static_cast<size_t>(p * latencies.size()))];
   };
   std::printf("%s at %s: %d client%s, %zu requests in %.2f s, %d error%s\n", absl::GetFlag(FLAGS_path).c_str(),
               address.c_str(), clients, clients == 1 ? "" : "s", latencies.size(), seconds, errors.load(),

@@ -30,12 +30,14 @@
 namespace bertshard::testing {
 namespace {
 
-// How far above idle the coordinator's RSS may stay. Under ASan its quarantine holds freed memory
-// (and the coordinator is an ASan build too): the memory bound does not apply there.
+// How far above idle the coordinator's RSS may stay. glibc keeps some freed memory in its
+// per-thread arenas: +26.7 MiB stayed after the release in a loaded CI run (2026-12-07), against
+// the +125 MiB the held answers took, so the slack is 40 MiB. Under ASan its quarantine holds
+// freed memory (and the coordinator is an ASan build too): the memory bound does not apply there.
 #if defined(__SANITIZE_ADDRESS__)
 constexpr int64_t kRssSlack = int64_t{1} << 40;
 #else
-constexpr int64_t kRssSlack = 24 << 20;
+constexpr int64_t kRssSlack = 40 << 20;
 #endif
 
 // Polls `done` every 20 ms for up to `limit`; whether it came true.
