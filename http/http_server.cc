@@ -99,15 +99,22 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
   // Keep-alive on: clients that send many small requests (OpenAI's SDK, a TEI client) reuse one
   // connection. Each kept connection holds a civetweb thread while it waits for the next request,
   // so an idle one is dropped after keep_alive_timeout_ms (a pool of idle SDK connections would
-  // otherwise hold the threads that answer 429 and /health).
-  const char* civet_options[] = {"listening_ports", listening.c_str(), "num_threads", threads.c_str(),
-                                 "request_timeout_ms", timeout.c_str(), "keep_alive_timeout_ms", keep_alive.c_str(),
-                                 "enable_keep_alive", "yes",
-                                 // Answers go out at once: with Nagle's algorithm on, the part of an
-                                 // answer after its first write waited for the client's delayed ACK
-                                 // (+60 ms per request for TEI's /embed on a kept connection,
-                                 // bench/http_benchmark.sh).
-                                 "tcp_nodelay", "1", nullptr};
+  // otherwise hold the threads that answer 429 and /health). tcp_nodelay: answers go out at once;
+  // with Nagle's algorithm on, the part of an answer after its first write waited for the client's
+  // delayed ACK (+60 ms per request for TEI's /embed on a kept connection, bench/http_benchmark.sh).
+  const char* civet_options[] = {"listening_ports",
+                                 listening.c_str(),
+                                 "num_threads",
+                                 threads.c_str(),
+                                 "request_timeout_ms",
+                                 timeout.c_str(),
+                                 "keep_alive_timeout_ms",
+                                 keep_alive.c_str(),
+                                 "enable_keep_alive",
+                                 "yes",
+                                 "tcp_nodelay",
+                                 "1",
+                                 nullptr};
   mg_callbacks callbacks{};
   char error_text[256] = "";
   unsigned error_code = 0;

@@ -24,18 +24,12 @@ struct EncodeOptions {
   bool from_start = false;  // truncation_direction "Left"
   std::string model;
   // A sentence-transformers prompt of the model's (EmbedRequest.prompt_name): /embed and
-  // /similarity take it; the routes that do not embed refuse it (NoPrompt).
+  // /similarity take it.
   std::string prompt_name;
 };
 
-// Refuses a prompt_name on a route that does not take one.
-absl::Status NoPrompt(const EncodeOptions& options, const char* route) {
-  if (options.prompt_name.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("prompt_name is not supported on ", route, " (it applies to /embed and /similarity)"));
-}
-
-absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body) {
+// `route_without_prompts`: the route, when it takes no prompt_name (refused, naming it).
+absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body, const char* route_without_prompts = nullptr) {
   EncodeOptions options;
   absl::StatusOr<bool> truncate = BoolField(body, "truncate", false);
   if (!truncate.ok()) return truncate.status();
@@ -52,6 +46,10 @@ absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body) {
   // Present, it names a prompt (an empty name is none of the model's); absent, the default applies.
   if (Field(body, "prompt_name") != nullptr && prompt_name->empty()) {
     return absl::InvalidArgumentError("prompt_name is empty: name one of the model's prompts, or leave it out");
+  }
+  if (route_without_prompts != nullptr && !prompt_name->empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt_name is not supported on ", route_without_prompts,
+                                                   " (it applies to /embed and /similarity)"));
   }
   options.prompt_name = *prompt_name;
   absl::StatusOr<std::string> model = StringField(body, "model", "");
@@ -189,10 +187,8 @@ HttpResponse HttpApi::TeiEmbedAll(const Struct& body, const CallContext& call) {
   absl::StatusOr<ParsedInputs> inputs = ParseInputs(body, "inputs");
   if (!inputs.ok()) return TeiError(MalformedRequest(std::string(inputs.status().message())));
   if (!CheckInputs(*inputs, options_.max_client_batch_size, &error).ok()) return TeiError(error);
-  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body);
+  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body, "/embed_all");
   if (!encode.ok()) return TeiError(MalformedRequest(std::string(encode.status().message())));
-  if (absl::Status s = NoPrompt(*encode, "/embed_all"); !s.ok())
-    return TeiError(MalformedRequest(std::string(s.message())));
   absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
   if (!ModelOfKind(backend_, *job, v1::BERT_MODEL, "an embedding", &error).ok()) return TeiError(error);
@@ -264,13 +260,11 @@ HttpResponse HttpApi::TeiPredict(const Struct& body, const CallContext& call) {
     }
     characters += CountCharacters({{false, s.text, {}}, {false, s.pair, {}}});
   }
-  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body);
+  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body, "/predict");
   absl::StatusOr<bool> raw_scores = BoolField(body, "raw_scores", false);
   for (const absl::Status& s : {encode.status(), raw_scores.status()}) {
     if (!s.ok()) return TeiError(MalformedRequest(std::string(s.message())));
   }
-  if (absl::Status s = NoPrompt(*encode, "/predict"); !s.ok())
-    return TeiError(MalformedRequest(std::string(s.message())));
   absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
   absl::StatusOr<ModelInfo> model =
@@ -418,14 +412,12 @@ HttpResponse HttpApi::TeiRerank(const Struct& body, const CallContext& call) {
       return TeiError(MakeError(TeiErrorType::kEmpty, "Input validation error: `inputs` cannot be empty"));
     }
   }
-  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body);
+  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body, "/rerank");
   absl::StatusOr<bool> raw_scores = BoolField(body, "raw_scores", false);
   absl::StatusOr<bool> return_text = BoolField(body, "return_text", false);
   for (const absl::Status& s : {encode.status(), raw_scores.status(), return_text.status()}) {
     if (!s.ok()) return TeiError(MalformedRequest(std::string(s.message())));
   }
-  if (absl::Status s = NoPrompt(*encode, "/rerank"); !s.ok())
-    return TeiError(MalformedRequest(std::string(s.message())));
   absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
   // TEI's re-ranker: a sequence classifier with one label (sentence-transformers' CrossEncoder).

@@ -234,13 +234,12 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
   v1::TextInput prompted;
   if (text != nullptr) {
     ASSIGN_OR_RETURN(const std::string prompt, serving::PromptFor(config, request.prompt_name()));
-    const bool applies = !request.prompt_name().empty() || !config.default_prompt_name.empty();
-    if (applies && text->text_pairs_size() > 0) {
+    const bool by_default = request.prompt_name().empty();
+    const std::string& chosen = by_default ? config.default_prompt_name : request.prompt_name();
+    if (!chosen.empty() && text->text_pairs_size() > 0) {
       // As TEI refuses it: sentence-transformers says nothing of where a prompt goes in a pair.
-      return absl::InvalidArgumentError(
-          absl::StrCat("a prompt (", request.prompt_name().empty() ? "the model's default, " : "",
-                       request.prompt_name().empty() ? config.default_prompt_name : request.prompt_name(),
-                       ") cannot be applied to text pairs"));
+      return absl::InvalidArgumentError(absl::StrCat("a prompt (", by_default ? "the model's default, " : "", chosen,
+                                                     ") cannot be applied to text pairs"));
     }
     if (!prompt.empty()) {
       // Refused from its counts first, as PrepareInput would: a huge request is never copied.
@@ -322,12 +321,10 @@ absl::StatusOr<v1::RerankResponse> JobServing::Rerank(const v1::RerankRequest& r
   }
   // Each pair's real tokens: its row of the attention mask (PrepareInput always fills it for text).
   const v1::TokenInputs& tokens = answer.tokens();
-  for (int64_t row = 0; row < tokens.rows(); ++row) {
-    int32_t n = 0;
-    for (int64_t k = row * tokens.seq(); k < (row + 1) * tokens.seq() && k < tokens.attention_mask_size(); ++k) {
-      n += tokens.attention_mask(static_cast<int>(k)) != 0 ? 1 : 0;
-    }
-    response.add_token_counts(n);
+  const auto& mask = tokens.attention_mask();
+  for (int64_t row = 0; row < tokens.rows() && (row + 1) * tokens.seq() <= mask.size(); ++row) {
+    response.add_token_counts(static_cast<int32_t>(std::count_if(
+        mask.begin() + row * tokens.seq(), mask.begin() + (row + 1) * tokens.seq(), [](int64_t m) { return m != 0; })));
   }
   for (bool t : answer.truncated()) response.add_truncated(t);
   *response.mutable_batch() = answer.batch();
