@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
@@ -96,6 +97,17 @@ absl::StatusOr<TensorLocation> Checkpoint::Find(const std::string& name,
                                                 const std::vector<std::string>& aliases) const {
   std::vector<std::string> tried = {name};
   tried.insert(tried.end(), aliases.begin(), aliases.end());
+  // Checkpoints converted from BERT's TensorFlow original name LayerNorm's parameters gamma and
+  // beta; transformers' from_pretrained reads them as weight and bias, and so does this.
+  for (size_t i = 0, n = tried.size(); i < n; ++i) {
+    for (const auto& [now, legacy] :
+         {std::pair<absl::string_view, absl::string_view>{"LayerNorm.weight", "LayerNorm.gamma"},
+          {"LayerNorm.bias", "LayerNorm.beta"}}) {
+      if (absl::EndsWith(tried[i], now)) {
+        tried.push_back(absl::StrCat(tried[i].substr(0, tried[i].size() - now.size()), legacy));
+      }
+    }
+  }
   for (const std::string& candidate : tried) {
     auto it = index_.find(candidate);
     if (it != index_.end()) return TensorLocation{it->second, it->second->Find(candidate)};

@@ -45,7 +45,8 @@ class Checkpoint {
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const common::CheckpointDir& dir);
 
   // The tensor stored under `name`, or else under the first of `aliases` that is stored (HF
-  // stores tied tensors once). NOT_FOUND names the tensor and the aliases tried.
+  // stores tied tensors once), or else under the legacy LayerNorm names (gamma, beta) of these.
+  // NOT_FOUND names the tensor and the aliases tried.
   absl::StatusOr<TensorLocation> Find(const std::string& name, const std::vector<std::string>& aliases) const;
 
   // Bytes copied out of all shard files so far.

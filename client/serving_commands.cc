@@ -285,6 +285,10 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
   }
   embed.set_truncate(cl.switches.count("truncate") > 0);
   if (auto it = v.find("prompt-name"); it != v.end()) embed.set_prompt_name(it->second);
+  embed.set_sparse(cl.switches.count("sparse") > 0);
+  if (embed.sparse() && (v.count("pooling") > 0 || v.count("normalize") > 0)) {
+    return absl::InvalidArgumentError("--sparse takes no --pooling or --normalize: SPLADE pools by its maximum");
+  }
   ASSIGN_OR_RETURN(const bool json, WantsJson(cl));
   ASSIGN_OR_RETURN(const CoordinatorConnection c, CoordinatorConnection::Open(cl, ResolveServerAddress(cl)));
   v1::EmbedResponse response;
@@ -294,12 +298,35 @@ absl::Status EmbedCommand(const CommandLine& cl, std::FILE* out) {
     return absl::OkStatus();
   }
   const int n = response.embeddings_size();
-  std::fprintf(out, "%d embedding%s of %d dimensions (pooling %s, %snormalized, max length %d)\n", n, n == 1 ? "" : "s",
-               n > 0 ? response.embeddings(0).values_size() : 0, PoolingFlagName(response.pooling()).c_str(),
-               response.normalized() ? "" : "not ", response.max_length());
   auto label = [&](int i) {
     return Shortened(i < static_cast<int>(texts.size()) ? texts[static_cast<size_t>(i)] : absl::StrCat("row ", i), 48);
   };
+  if (embed.sparse()) {
+    std::fprintf(out, "%d sparse embedding%s (SPLADE, max length %d); the heaviest vocabulary ids of each\n", n,
+                 n == 1 ? "" : "s", response.max_length());
+    for (int i = 0; i < n; ++i) {
+      const v1::Embedding& e = response.embeddings(i);
+      std::vector<int> order(static_cast<size_t>(e.values_size()));
+      for (size_t k = 0; k < order.size(); ++k) order[k] = static_cast<int>(k);
+      const size_t shown = std::min<size_t>(6, order.size());
+      std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(shown), order.end(),
+                        [&e](int a, int b) { return e.values(a) > e.values(b); });
+      order.resize(shown);
+      std::fprintf(out, "[%d] %-48s %3d tokens%s  %d non-zero  {%s%s}\n", i, label(i).c_str(),
+                   i < response.token_counts_size() ? response.token_counts(i) : 0,
+                   i < response.truncated_size() && response.truncated(i) ? " (truncated)" : "", e.values_size(),
+                   absl::StrJoin(order, ", ",
+                                 [&e](std::string* o, int k) {
+                                   absl::StrAppend(o, e.indices(k), ": ", absl::StrFormat("%.4f", e.values(k)));
+                                 })
+                       .c_str(),
+                   static_cast<int>(shown) < e.values_size() ? ", ..." : "");
+    }
+    return absl::OkStatus();
+  }
+  std::fprintf(out, "%d embedding%s of %d dimensions (pooling %s, %snormalized, max length %d)\n", n, n == 1 ? "" : "s",
+               n > 0 ? response.embeddings(0).values_size() : 0, PoolingFlagName(response.pooling()).c_str(),
+               response.normalized() ? "" : "not ", response.max_length());
   for (int i = 0; i < n; ++i) {
     const auto& e = response.embeddings(i);
     std::vector<float> head(e.values().begin(), e.values().begin() + std::min(4, e.values_size()));
@@ -386,6 +413,7 @@ const std::vector<Flag>& EmbedFlags() {
            {"normalize", "true|false", "override whether vectors are L2-normalised"},
            {"truncate", "", "cut texts longer than the model's maximum length instead of refusing them"},
            {"prompt-name", "NAME", "one of the checkpoint's sentence-transformers prompts (default: its default one)"},
+           {"sparse", "", "SPLADE sparse embeddings of a BertForMaskedLM job: vocabulary ids and weights"},
            {"format", "table|json", "a table ending with the cosine-similarity matrix (default), or the response"},
        }}));
   return *flags;

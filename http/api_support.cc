@@ -221,6 +221,7 @@ absl::StatusOr<EmbedOutcome> EmbedItems(InferenceBackend* backend, const std::st
                                         const CallContext& call) {
   EmbedOutcome outcome;
   outcome.vectors.resize(items.size());
+  if (base.sparse()) outcome.indices.resize(items.size());
   ASSIGN_OR_RETURN(std::vector<InputGroup> groups, GroupInputs(items, call.max_padded_ids));
   for (InputGroup& group : groups) {
     v1::EmbedRequest request = base;
@@ -239,6 +240,11 @@ absl::StatusOr<EmbedOutcome> EmbedItems(InferenceBackend* backend, const std::st
     for (size_t r = 0; r < group.index.size(); ++r) {
       const auto& values = response->embeddings(static_cast<int>(r)).values();
       outcome.vectors[group.index[r]].assign(values.begin(), values.end());
+      if (base.sparse()) {
+        const auto& ids = response->embeddings(static_cast<int>(r)).indices();
+        if (ids.size() != values.size()) return absl::InternalError("Embed answered a sparse vector of unequal parts");
+        outcome.indices[group.index[r]].assign(ids.begin(), ids.end());
+      }
     }
     for (const int32_t n : response->token_counts()) outcome.tokens += n;
     outcome.times.Add(response->batch());

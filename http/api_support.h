@@ -101,6 +101,7 @@ absl::StatusOr<std::vector<InputGroup>> GroupInputs(const std::vector<InputItem>
 // input and `job_id`. The first refusal is returned.
 struct EmbedOutcome {
   std::vector<std::vector<float>> vectors;
+  std::vector<std::vector<int32_t>> indices;  // sparse embeddings (EmbedRequest.sparse): vectors' ids
   int64_t tokens = 0;
   CallTimes times;
 };

@@ -42,6 +42,13 @@ class FakeBackend : public InferenceBackend {
     reranker.job_id = "job-3";
     reranker.name = "reranker";
     reranker.labels = {"LABEL_0"};
+    splade.job_id = "job-4";
+    splade.name = "splade";
+    splade.variant = v1::BERT_FOR_MASKED_LM;
+    splade.architecture = "BertForMaskedLM";
+    splade.max_input_length = 512;
+    splade.hidden_size = 4;
+    splade.dtype = "float32";
   }
 
   absl::StatusOr<std::string> ResolveJob(const std::string& model) override {
@@ -49,6 +56,7 @@ class FakeBackend : public InferenceBackend {
     if (model.empty() || model == "minilm" || model == "job-1") return std::string("job-1");
     if (model == "sentiment" || model == "job-2") return std::string("job-2");
     if (model == "reranker" || model == "job-3") return std::string("job-3");
+    if (model == "splade" || model == "job-4") return std::string("job-4");
     if (model == "ended") return std::string("job-9");    // a job that no longer serves
     if (model == "loading") return std::string("job-8");  // a job that does not serve yet
     return absl::NotFoundError(absl::StrCat("no job has the id or name '", model, "'"));
@@ -57,13 +65,15 @@ class FakeBackend : public InferenceBackend {
     if (job_id == "job-1") return embedding;
     if (job_id == "job-2") return classifier;
     if (job_id == "job-3") return reranker;
+    if (job_id == "job-4") return splade;
     if (job_id == "job-9") return absl::FailedPreconditionError("job job-9 is CANCELLED: cancelled by request");
     if (job_id == "job-8") return absl::UnavailableError("job job-8 is LOADING and does not serve yet; retry");
     return absl::NotFoundError("no such job");
   }
   std::vector<ModelInfo> ServingModels() override { return {embedding, classifier}; }  // not the reranker
 
-  // Row r of a call gets {call, r, 0.5, -1} (dimensions: the first that many), unless `embed_error`.
+  // Row r of a call gets {call, r, 0.5, -1} (dimensions: the first that many), unless `embed_error`;
+  // sparse: ids {r, 100 + call} with weights {0.5, call}.
   absl::StatusOr<v1::EmbedResponse> Embed(const v1::EmbedRequest& request, const CallContext& context) override {
     embeds.push_back(request);
     contexts.push_back(context);
@@ -76,7 +86,15 @@ class FakeBackend : public InferenceBackend {
     }
     v1::EmbedResponse response;
     const int64_t rows = request.has_text() ? request.text().texts_size() : request.tokens().rows();
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows && request.sparse(); ++r) {
+      v1::Embedding* e = response.add_embeddings();
+      e->add_indices(static_cast<int32_t>(r));
+      e->add_indices(100 + static_cast<int32_t>(embeds.size()));
+      e->add_values(0.5f);
+      e->add_values(static_cast<float>(embeds.size()));
+      response.add_token_counts(3);
+    }
+    for (int64_t r = 0; r < rows && !request.sparse(); ++r) {
       auto* values = response.add_embeddings()->mutable_values();
       for (const float v : {static_cast<float>(embeds.size()), static_cast<float>(r), 0.5f, -1.0f}) values->Add(v);
       if (request.dimensions() > 0) values->Truncate(request.dimensions());
@@ -159,7 +177,7 @@ class FakeBackend : public InferenceBackend {
     return absl::StrCat("decoded ", ids.size());
   }
 
-  ModelInfo embedding, classifier, reranker;
+  ModelInfo embedding, classifier, reranker, splade;
   std::vector<std::string> resolved;
   std::vector<std::string> tokenized;
   std::vector<v1::EmbedRequest> embeds;

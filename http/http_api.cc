@@ -80,6 +80,8 @@ HttpResponse HttpApi::Handle(const HttpRequest& request) {
     inference = &HttpApi::TeiEmbed;
   } else if (path == "/embed_all") {
     inference = &HttpApi::TeiEmbedAll;
+  } else if (path == "/embed_sparse") {
+    inference = &HttpApi::TeiEmbedSparse;
   } else if (path == "/predict") {
     inference = &HttpApi::TeiPredict;
   } else if (path == "/rerank") {

@@ -4,7 +4,7 @@
 // same request path as gRPC (http/inference_backend.h, implemented over server/cluster.h):
 //   - Hugging Face text-embeddings-inference's routes, with TEI's request and response shapes,
 //     error codes and bodies ({"error": ..., "error_type": "Validation"}) and timing headers:
-//     POST /embed, /embed_all, /predict, /rerank, /similarity, /tokenize, /decode, GET /info, /health,
+//     POST /embed, /embed_all, /embed_sparse, /predict, /rerank, /similarity, /tokenize, /decode, GET /info, /health,
 //     and POST / (the serving model's own task, where Hugging Face's InferenceClient posts).
 //   - OpenAI's POST /v1/embeddings (also TEI's alias /embeddings) and GET /v1/models[/ID], with
 //     OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}).
@@ -80,6 +80,7 @@ class HttpApi {
   // TEI's routes (tei_routes.cc; tokenizer, info and health: tei_meta_routes.cc).
   HttpResponse TeiEmbed(const Struct& body, const CallContext& call);
   HttpResponse TeiEmbedAll(const Struct& body, const CallContext& call);
+  HttpResponse TeiEmbedSparse(const Struct& body, const CallContext& call);
   HttpResponse TeiPredict(const Struct& body, const CallContext& call);
   HttpResponse TeiSimilarity(const Struct& body, const CallContext& call);
   HttpResponse TeiRerank(const Struct& body, const CallContext& call);

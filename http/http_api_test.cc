@@ -2,6 +2,7 @@
 // request path for, and TEI's shapes, statuses and error bodies in return.
 #include "http/http_api.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <string>
@@ -260,6 +261,40 @@ TEST_F(TeiRoutesTest, EmbedAllAnswersEachInputsRealTokens) {
   EXPECT_FALSE(backend_.infers[0].predictions_only());
   ExpectTeiError(Post("/embed_all", R"({"inputs": "a", "model": "sentiment"})"), 424, "Backend",
                  "model is not an embedding model");
+}
+
+TEST_F(TeiRoutesTest, EmbedSparseAnswersTeisIndexValueListsInTheInputsOrder) {
+  const HttpResponse response =
+      Post("/embed_sparse", R"({"inputs": ["a", [101, 102], "b"], "truncate": true, "truncation_direction": "Left",
+                           "prompt_name": "query", "model": "splade"})");
+  ASSERT_EQ(response.status, 200) << response.body;
+  // Texts in one Embed (call 1: rows 0, 1), token rows in another (call 2: row 0).
+  EXPECT_EQ(json::parse(response.body), json::parse(R"([[{"index": 0, "value": 0.5}, {"index": 101, "value": 1}],
+                                                        [{"index": 0, "value": 0.5}, {"index": 102, "value": 2}],
+                                                        [{"index": 1, "value": 0.5}, {"index": 101, "value": 1}]])"));
+  ASSERT_EQ(backend_.embeds.size(), 2u);
+  const v1::EmbedRequest& asked = backend_.embeds[0];
+  EXPECT_TRUE(asked.sparse());
+  EXPECT_EQ(asked.job_id(), "job-4");
+  EXPECT_TRUE(asked.truncate());
+  EXPECT_TRUE(asked.truncate_from_start());
+  EXPECT_EQ(asked.prompt_name(), "query");
+  EXPECT_EQ(asked.pooling(), v1::POOLING_UNSPECIFIED);
+  EXPECT_EQ(asked.normalize(), v1::NORMALIZE_UNSPECIFIED);
+  EXPECT_EQ(Headers(response)["x-compute-tokens"], "9");
+  // The root route is a SPLADE model's own task; /info says so as TEI does.
+  const HttpResponse root = Post("/", R"({"inputs": "a", "model": "splade"})");
+  ASSERT_EQ(root.status, 200) << root.body;
+  EXPECT_EQ(json::parse(root.body)[0][0]["index"], 0);
+  ExpectTeiError(Post("/embed_sparse", R"({"inputs": "a"})"), 424, "Backend", "model is not a SPLADE model");
+  ExpectTeiError(Post("/embed_sparse", R"({"inputs": "", "model": "splade"})"), 400, "Empty", "cannot be empty");
+  ExpectTeiError(Post("/embed_sparse", R"({"inputs": "a", "model": "splade", "truncation_direction": "Up"})"), 422,
+                 "Validation", "truncation_direction");
+  EXPECT_TRUE(std::all_of(backend_.embeds.begin(), backend_.embeds.end(),
+                          [](const v1::EmbedRequest& r) { return r.sparse(); }));
+  api_.reset();
+  options_.default_job = "splade";
+  EXPECT_EQ(json::parse(Get("/info").body)["model_type"], json::parse(R"({"embedding": {"pooling": "splade"}})"));
 }
 
 TEST_F(TeiRoutesTest, PredictsSinglesPairsAndBatches) {

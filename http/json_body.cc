@@ -138,6 +138,20 @@ void AppendFloatArray(absl::Span<const float> values, std::string* out) {
   out->push_back(']');
 }
 
+void AppendSparseVector(absl::Span<const int32_t> indices, absl::Span<const float> values, std::string* out) {
+  out->push_back('[');
+  std::string number;
+  for (size_t i = 0; i < indices.size() && i < values.size(); ++i) {
+    if (i > 0) out->push_back(',');
+    absl::StrAppend(out, "{\"index\":", indices[i], ",\"value\":");
+    number.clear();
+    AppendFloatArray(values.subspan(i, 1), &number);
+    out->append(number, 1, number.size() - 2);  // the float without its brackets
+    out->push_back('}');
+  }
+  out->push_back(']');
+}
+
 std::string Base64(absl::string_view bytes) {
   static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
   std::string out;

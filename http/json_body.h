@@ -67,6 +67,9 @@ absl::StatusOr<ParsedInputs> ParseInputs(const google::protobuf::Struct& object,
 
 // Appends `[v0,v1,...]`, each float in its shortest form that reads back as the same float.
 void AppendFloatArray(absl::Span<const float> values, std::string* out);
+// Appends TEI's sparse vector: `[{"index":i0,"value":v0},...]`, the floats as AppendFloatArray's.
+// `indices` and `values` are of one length.
+void AppendSparseVector(absl::Span<const int32_t> indices, absl::Span<const float> values, std::string* out);
 // Standard base64 (RFC 4648, padded) of `bytes`.
 std::string Base64(absl::string_view bytes);
 

@@ -127,6 +127,8 @@ HttpResponse HttpApi::TeiInfo() {
     out += "{\"embedding\":{\"pooling\":";
     common::AppendJsonString(model->pooling, &out);
     out += "}}";
+  } else if (model->variant == v1::BERT_FOR_MASKED_LM) {
+    out += "{\"embedding\":{\"pooling\":\"splade\"}}";  // as TEI describes a model it serves /embed_sparse for
   } else if (model->variant == v1::BERT_FOR_SEQUENCE_CLASSIFICATION) {
     std::string id2label = "{", label2id = "{";
     for (size_t i = 0; i < model->labels.size(); ++i) {

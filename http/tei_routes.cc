@@ -49,7 +49,7 @@ absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body, const char* 
   }
   if (route_without_prompts != nullptr && !prompt_name->empty()) {
     return absl::InvalidArgumentError(absl::StrCat("prompt_name is not supported on ", route_without_prompts,
-                                                   " (it applies to /embed and /similarity)"));
+                                                   " (it applies to /embed, /embed_sparse and /similarity)"));
   }
   options.prompt_name = *prompt_name;
   absl::StatusOr<std::string> model = StringField(body, "model", "");
@@ -175,6 +175,34 @@ HttpResponse HttpApi::TeiEmbed(const Struct& body, const CallContext& call) {
   for (size_t i = 0; i < outcome->vectors.size(); ++i) {
     if (i > 0) out.push_back(',');
     AppendFloatArray(outcome->vectors[i], &out);
+  }
+  out.push_back(']');
+  return JsonResponse(std::move(out),
+                      TimingHeaders(start, outcome->times, CountCharacters(inputs->items), outcome->tokens));
+}
+
+HttpResponse HttpApi::TeiEmbedSparse(const Struct& body, const CallContext& call) {
+  const absl::Time start = absl::Now();
+  ApiError error;
+  absl::StatusOr<ParsedInputs> inputs = ParseInputs(body, "inputs");
+  if (!inputs.ok()) return TeiError(MalformedRequest(std::string(inputs.status().message())));
+  if (!CheckInputs(*inputs, options_.max_client_batch_size, &error).ok()) return TeiError(error);
+  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body);
+  if (!encode.ok()) return TeiError(MalformedRequest(std::string(encode.status().message())));
+  absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
+  if (!job.ok()) return TeiError(error);
+  if (!ModelOfKind(backend_, *job, v1::BERT_FOR_MASKED_LM, "a SPLADE", &error).ok()) return TeiError(error);
+  v1::EmbedRequest base;
+  base.set_sparse(true);
+  base.set_truncate(encode->truncate);
+  base.set_truncate_from_start(encode->from_start);
+  base.set_prompt_name(encode->prompt_name);
+  absl::StatusOr<EmbedOutcome> outcome = EmbedItems(backend_, *job, inputs->items, base, call);
+  if (!outcome.ok()) return TeiError(FromStatus(outcome.status()));
+  std::string out = "[";
+  for (size_t i = 0; i < outcome->vectors.size(); ++i) {
+    if (i > 0) out.push_back(',');
+    AppendSparseVector(outcome->indices[i], outcome->vectors[i], &out);
   }
   out.push_back(']');
   return JsonResponse(std::move(out),
@@ -482,6 +510,7 @@ HttpResponse HttpApi::TeiDefaultRoute(const Struct& body, const CallContext& cal
   if (info->variant == v1::BERT_FOR_SEQUENCE_CLASSIFICATION) {
     return info->labels.size() == 1 ? TeiRerank(body, call) : TeiPredict(body, call);
   }
+  if (info->variant == v1::BERT_FOR_MASKED_LM) return TeiEmbedSparse(body, call);  // a SPLADE model's task
   return TeiEmbed(body, call);  // other heads are refused there, with TEI's 424
 }
 

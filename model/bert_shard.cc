@@ -103,9 +103,11 @@ BertShard::Impl::Impl(const v1::ShardPlan& plan, int rank, c10::Device device, G
 }
 
 absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Impl::Forward(const ModelInputs& in, int micro_batches,
-                                                                           Collectives* comm) {
-  RETURN_IF_ERROR(Validate(in, micro_batches, comm));
+                                                                           Collectives* comm,
+                                                                           const ForwardOptions& options) {
+  RETURN_IF_ERROR(Validate(in, micro_batches, comm, options));
   comm_ = comm;
+  options_ = options;
   const int64_t rows = in.input_ids.size(0);
   const int64_t batch = rows / in.choices;
   std::vector<ModelInputs> mbs;
@@ -129,10 +131,15 @@ absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Impl::Forward(const
   return outputs;
 }
 
-absl::Status BertShard::Impl::Validate(const ModelInputs& in, int micro_batches, Collectives* comm) const {
+absl::Status BertShard::Impl::Validate(const ModelInputs& in, int micro_batches, Collectives* comm,
+                                       const ForwardOptions& options) const {
   const v1::BertConfig& c = plan_.config();
   if (comm == nullptr || comm->tp_size() != tp_ || comm->tp_rank() != tp_rank_) {
     return absl::InternalError("collectives do not match the plan's tensor-parallel group");
+  }
+  if (options.splade && !planner::IsLmVariant(plan_.variant())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SPLADE sparse embeddings need an LM head; ", planner::HfClassName(plan_.variant()), " has none"));
   }
   if (in.input_ids.dim() != 2 || in.input_ids.sizes() != in.attention_mask.sizes() ||
       in.input_ids.sizes() != in.token_type_ids.sizes()) {
@@ -228,7 +235,7 @@ absl::StatusOr<std::map<std::string, std::vector<at::Tensor>>> BertShard::Impl::
       ASSIGN_OR_RETURN(h, RunSlot(slot, h, ext_masks[static_cast<size_t>(m)]));
       if (k == slots - 1) {
         std::map<std::string, at::Tensor> outputs;
-        ASSIGN_OR_RETURN(outputs, Heads(h, mb.choices));
+        ASSIGN_OR_RETURN(outputs, Heads(h, mb));
         for (auto& [name, t] : outputs) pieces[name].push_back(t);
         h = at::Tensor();
       } else if (route_[static_cast<size_t>(k) + 1].stage != stage_) {
@@ -296,9 +303,17 @@ GemmChoice PickGemmPathForPlan(const v1::ShardPlan& plan) {
 
 absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs, int micro_batches,
                                                                      Collectives* collectives) {
+  return Forward(inputs, micro_batches, collectives, ForwardOptions());
+}
+
+VocabSlice BertShard::lm_vocab_slice() const { return impl_->LmVocabSlice(); }
+
+absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Forward(const ModelInputs& inputs, int micro_batches,
+                                                                     Collectives* collectives,
+                                                                     const ForwardOptions& options) {
   absl::StatusOr<std::map<std::string, at::Tensor>> outputs;
   try {
-    outputs = impl_->Forward(inputs, micro_batches, collectives);
+    outputs = impl_->Forward(inputs, micro_batches, collectives, options);
   } catch (const std::exception& e) {
     // Shapes and ids are validated first, so an escaped torch error is our bug, or the device's
     // memory running out (RESOURCE_EXHAUSTED).

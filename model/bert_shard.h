@@ -42,6 +42,23 @@ struct ModelInputs {
   int64_t choices = 1;
 };
 
+// What a forward returns besides (or instead of) the variant's outputs.
+struct ForwardOptions {
+  // LM heads (BertForMaskedLM, BertLMHeadModel, BertForPreTraining) only: instead of the head's
+  // outputs, every tensor-parallel rank of the head stage returns "sparse_embedding" [rows, n] for
+  // its own slice of the vocabulary (BertShard::lm_vocab_slice: n ids from `first`), never
+  // gathered: SPLADE's max over a row's attended positions of log(1 + relu(logit)), in float32.
+  // INVALID_ARGUMENT, before any compute, for other variants.
+  bool splade = false;
+};
+
+// The ids of the vocabulary whose LM logits a rank computes: [first, first + size), padding rows
+// excluded (size may be 0 on a rank that holds only padding).
+struct VocabSlice {
+  int64_t first = 0;
+  int64_t size = 0;
+};
+
 class BertShard {
  public:
   // Reads the tensors rank `rank` holds in `plan` from `checkpoint` (only the byte ranges of its
@@ -106,6 +123,14 @@ class BertShard {
   // is UNAVAILABLE; the device's memory running out is RESOURCE_EXHAUSTED.
   absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& inputs, int micro_batches,
                                                             Collectives* collectives);
+  // As above, with `options` (ForwardOptions::splade: "sparse_embedding" on every rank of the head
+  // stage, each for its lm_vocab_slice()).
+  absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& inputs, int micro_batches,
+                                                            Collectives* collectives, const ForwardOptions& options);
+
+  // This rank's slice of the LM head's vocabulary; {0, 0} for variants without an LM head and on
+  // ranks of other stages.
+  VocabSlice lm_vocab_slice() const;
 
  private:
   class Impl;

@@ -11,7 +11,7 @@
 // Example (what BertShard::Load and BertShard::Forward do):
 //   auto impl = std::make_unique<BertShard::Impl>(plan, rank, device, GemmPath::kBlas);
 //   RETURN_IF_ERROR(impl->LoadTensors(checkpoint, /*progress=*/nullptr, &param_bytes));
-//   ASSIGN_OR_RETURN(auto outputs, impl->Forward(inputs, /*micro_batches=*/2, &collectives));
+//   ASSIGN_OR_RETURN(auto outputs, impl->Forward(inputs, /*micro_batches=*/2, &collectives, {}));
 //
 // Failure model: statuses for bad input (a rank outside the plan, a missing or misshaped tensor,
 // inputs the plan cannot run, a failed collective); LibTorch errors escape as exceptions, which
@@ -52,10 +52,12 @@ class BertShard::Impl {
   int64_t padding_bytes() const { return padding_bytes_; }
   GemmPath gemm_path() const { return gemm_; }
   at::ScalarType dtype() const { return dtype_; }
+  // This rank's slice of the LM head's vocabulary (BertShard::lm_vocab_slice).
+  VocabSlice LmVocabSlice() const;
 
   // The forward (bert_shard.cc).
-  absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& in, int micro_batches,
-                                                            Collectives* comm);
+  absl::StatusOr<std::map<std::string, at::Tensor>> Forward(const ModelInputs& in, int micro_batches, Collectives* comm,
+                                                            const ForwardOptions& options);
 
  private:
   // One pipeline slot in route order: which stage runs it and the layers it covers.
@@ -127,9 +129,10 @@ class BertShard::Impl {
 
   // --- The forward's schedule (bert_shard.cc) ---
 
-  // INVALID_ARGUMENT for inputs the plan cannot run (shapes, ids, lengths, micro-batches); INTERNAL
-  // for collectives of another tensor-parallel group.
-  absl::Status Validate(const ModelInputs& in, int micro_batches, Collectives* comm) const;
+  // INVALID_ARGUMENT for inputs the plan cannot run (shapes, ids, lengths, micro-batches) and for
+  // options its variant has no head for; INTERNAL for collectives of another tensor-parallel group.
+  absl::Status Validate(const ModelInputs& in, int micro_batches, Collectives* comm,
+                        const ForwardOptions& options) const;
 
   // Inputs reach a GPU from pinned (page-locked) host memory, copied asynchronously: the host goes
   // on queueing kernels instead of staging a pageable copy. On CPU: the tensor itself.
@@ -200,12 +203,19 @@ class BertShard::Impl {
   // softmax(q k^T / sqrt(head_dim) + mask) v per head, as HF's BertSelfAttention.
   at::Tensor Attention(const at::Tensor& qkv, const at::Tensor& ext_mask, int64_t heads, int64_t head_dim) const;
 
+  // The LM head's transform and this rank's rows of the decoder: [mb, seq, padded vocab / tp]
+  // logits in the dtype, ungathered.
+  at::Tensor LocalLmLogits(const at::Tensor& hidden) const;
+
   // The LM head's logits over the real vocabulary (the padding rows cut off after the gather).
   absl::StatusOr<at::Tensor> LmLogits(const at::Tensor& hidden);
 
-  // The variant's outputs by HF name, from the last slot's hidden state; `choices` regroups
-  // BertForMultipleChoice's rows.
-  absl::StatusOr<std::map<std::string, at::Tensor>> Heads(const at::Tensor& hidden, int64_t choices);
+  // ForwardOptions::splade on this rank's vocabulary slice: [mb, lm_vocab_slice().size].
+  at::Tensor SpladeSlice(const at::Tensor& hidden, const at::Tensor& attention_mask) const;
+
+  // The variant's outputs by HF name, from the last slot's hidden state of micro-batch `mb`
+  // (its choices regroup BertForMultipleChoice's rows; its mask pools SPLADE's maximum).
+  absl::StatusOr<std::map<std::string, at::Tensor>> Heads(const at::Tensor& hidden, const ModelInputs& mb);
 
   const v1::ShardPlan plan_;
   const int rank_;
@@ -229,6 +239,7 @@ class BertShard::Impl {
   at::Tensor load_scratch_;
   std::shared_ptr<WeightArena> arena_;  // what ReadTransposed writes into
   Collectives* comm_ = nullptr;         // set for the duration of Forward
+  ForwardOptions options_;              // the running Forward's
   int64_t padding_bytes_ = 0;
   int64_t kept_bytes_ = 0;  // of param bytes: taken from a donor, not read
 };

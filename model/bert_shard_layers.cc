@@ -12,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -182,23 +183,53 @@ at::Tensor BertShard::Impl::Attention(const at::Tensor& qkv, const at::Tensor& e
       .reshape({mb, seq, width});
 }
 
-absl::StatusOr<at::Tensor> BertShard::Impl::LmLogits(const at::Tensor& hidden) {
+at::Tensor BertShard::Impl::LocalLmLogits(const at::Tensor& hidden) const {
   at::Tensor t = Act(Linear(hidden, "cls.predictions.transform.dense"));
   t = Norm(t, "cls.predictions.transform.LayerNorm").to(dtype_);  // float32 out of the norm
+  return gemm_ == GemmPath::kOneDnn
+             ? OneDnnLinear(t, packed_.at("cls.predictions.decoder.weight"), P("cls.predictions.bias"))
+             : at::linear(t, P("cls.predictions.decoder.weight"), P("cls.predictions.bias"));
+}
+
+absl::StatusOr<at::Tensor> BertShard::Impl::LmLogits(const at::Tensor& hidden) {
   // VocabParallelLMHead1D with gather_output (PaddingLMHead without TP): padded rows are zero
   // weights and bias, and are cut off after the gather.
-  at::Tensor logits = gemm_ == GemmPath::kOneDnn
-                          ? OneDnnLinear(t, packed_.at("cls.predictions.decoder.weight"), P("cls.predictions.bias"))
-                          : at::linear(t, P("cls.predictions.decoder.weight"), P("cls.predictions.bias"));
+  at::Tensor logits = LocalLmLogits(hidden);
   if (tp_ > 1) {
     ASSIGN_OR_RETURN(logits, comm_->AllGather(logits, logits.dim() - 1));
   }
   return logits.narrow(-1, 0, plan_.config().vocab_size()).contiguous();
 }
 
-absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Impl::Heads(const at::Tensor& hidden, int64_t choices) {
+VocabSlice BertShard::Impl::LmVocabSlice() const {
+  // The decoder's bias is sliced as its weight is (which the oneDNN path holds packed only).
+  const auto bias = params_.find("cls.predictions.bias");
+  if (!holds_heads() || bias == params_.end()) return {};
+  // Each rank holds an equal run of the padded vocabulary's rows, in rank order.
+  const int64_t rows = bias->second.size(0);
+  const int64_t first = tp_rank_ * rows;
+  return {first, std::clamp<int64_t>(plan_.config().vocab_size() - first, 0, rows)};
+}
+
+at::Tensor BertShard::Impl::SpladeSlice(const at::Tensor& hidden, const at::Tensor& attention_mask) const {
+  // Never gathered: each rank pools its own ids, so a forward moves [mb, vocab / tp] floats per
+  // rank, not [mb, seq, vocab] to each. Padded positions weigh 0, as SPLADE's mask multiplies them
+  // out (log(1 + relu(x)) >= 0, so a row's maximum is unchanged by them).
+  const VocabSlice slice = LmVocabSlice();
+  const at::Tensor logits = LocalLmLogits(hidden).narrow(-1, 0, slice.size).to(at::kFloat);
+  const at::Tensor weights = at::log1p(at::relu(logits)) * attention_mask.unsqueeze(-1).to(at::kFloat);
+  return std::get<0>(weights.max(1)).contiguous();
+}
+
+absl::StatusOr<std::map<std::string, at::Tensor>> BertShard::Impl::Heads(const at::Tensor& hidden,
+                                                                         const ModelInputs& mb) {
   std::map<std::string, at::Tensor> out;
   const v1::ModelVariant v = plan_.variant();
+  const int64_t choices = mb.choices;
+  if (options_.splade) {  // Validate checked the variant has an LM head
+    out["sparse_embedding"] = SpladeSlice(hidden, mb.attention_mask);
+    return out;
+  }
   at::Tensor pooled;
   if (planner::HasPooler(v)) {
     pooled = at::tanh(Linear(hidden.select(1, 0), prefix_ + "pooler.dense"));

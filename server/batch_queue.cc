@@ -161,7 +161,7 @@ v1::ForwardWant EveryOutput() {
 
 bool CompatibleWants(const v1::ForwardWant& a, const v1::ForwardWant& b) {
   if (a.has_embeddings() != b.has_embeddings() || a.has_masked_lm() != b.has_masked_lm() ||
-      a.has_answer_spans() != b.has_answer_spans()) {
+      a.has_answer_spans() != b.has_answer_spans() || a.has_sparse() != b.has_sparse()) {
     return false;
   }
   if (a.embeddings().pooling() != b.embeddings().pooling() ||

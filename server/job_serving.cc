@@ -158,6 +158,17 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
   BatchOutputs out;
   for (auto& rr : outcome.responses) {
     out.response_bytes += static_cast<int64_t>(rr.ByteSizeLong());
+    if (want.has_sparse()) {
+      // Every rank of the last stage answers for its slice of the vocabulary, in rank order.
+      if (rr.rows_size() > 0) {
+        if (absl::Status s = JoinSparseRows(&rr, &out.rows); !s.ok()) {
+          return absl::InternalError(absl::StrCat("the workers' sparse rows for forward ", forward.sequence(),
+                                                  " do not fit together, not served: ", s.message()));
+        }
+      }
+      out.forward_seconds = std::max(out.forward_seconds, rr.forward_seconds());
+      continue;
+    }
     // The rank holding the heads answers with the results; a want of nothing leaves its time.
     if (rr.outputs_size() > 0 || rr.rows_size() > 0) {
       out.outputs.assign(std::make_move_iterator(rr.mutable_outputs()->begin()),
@@ -210,22 +221,40 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
                                                     const std::function<bool()>& cancelled, const Caller& caller) {
   CallCount count(&calls_);
   const std::shared_ptr<const JobAssets>& assets = assets_;
-  if (plan_.variant() != v1::BERT_MODEL) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job ", request.job_id(), " runs ", planner::HfClassName(plan_.variant()),
-                     ", whose outputs are the head's, not the encoder's hidden states; Embed needs a BertModel job"));
+  // Sparse embeddings read the sentence-transformers files where they can (prompts, the maximum
+  // length); a SPLADE checkpoint saved as sentence-transformers' SparseEncoder has modules this
+  // reader does not know, and is served as a plain HF checkpoint.
+  const serving::EmbeddingConfig plain;
+  const serving::EmbeddingConfig* config = assets->embedding.ok() ? &*assets->embedding : &plain;
+  EmbeddingMode mode;
+  if (request.sparse()) {
+    if (plan_.variant() != v1::BERT_FOR_MASKED_LM) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", request.job_id(), " runs ", planner::HfClassName(plan_.variant()),
+                       "; sparse embeddings (SPLADE) need a BertForMaskedLM job, whose LM head scores the vocabulary"));
+    }
+    if (request.pooling() != v1::POOLING_UNSPECIFIED || request.normalize() != v1::NORMALIZE_UNSPECIFIED ||
+        request.dimensions() != 0) {
+      return absl::InvalidArgumentError(
+          "pooling, normalize and dimensions do not apply to sparse embeddings (SPLADE pools by its maximum)");
+    }
+  } else {
+    if (plan_.variant() != v1::BERT_MODEL) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", request.job_id(), " runs ", planner::HfClassName(plan_.variant()),
+                       ", whose outputs are the head's, not the encoder's hidden states; Embed needs a BertModel job"));
+    }
+    if (!assets->embedding.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the checkpoint's sentence-transformers configuration: ", assets->embedding.status().message()));
+    }
+    ASSIGN_OR_RETURN(mode, ResolveEmbeddingMode(request, *config));
+    RETURN_IF_ERROR(CheckDimensions(request.dimensions(), plan_.config().hidden_size()));
   }
-  if (!assets->embedding.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the checkpoint's sentence-transformers configuration: ", assets->embedding.status().message()));
-  }
-  const serving::EmbeddingConfig& config = *assets->embedding;
   // sentence-transformers truncates at max_seq_length (the length the model was trained for); the
   // position table bounds the rest.
-  const int64_t max_length = std::min(config.max_seq_length.value_or(plan_.config().max_position_embeddings()),
+  const int64_t max_length = std::min(config->max_seq_length.value_or(plan_.config().max_position_embeddings()),
                                       plan_.config().max_position_embeddings());
-  ASSIGN_OR_RETURN(const EmbeddingMode mode, ResolveEmbeddingMode(request, config));
-  RETURN_IF_ERROR(CheckDimensions(request.dimensions(), plan_.config().hidden_size()));
   if (request.has_tokens() && !request.prompt_name().empty()) {
     return absl::InvalidArgumentError("prompt_name applies to text input; token rows are taken as they are");
   }
@@ -233,9 +262,9 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
   const v1::TextInput* text = request.has_text() ? &request.text() : nullptr;
   v1::TextInput prompted;
   if (text != nullptr) {
-    ASSIGN_OR_RETURN(const std::string prompt, serving::PromptFor(config, request.prompt_name()));
+    ASSIGN_OR_RETURN(const std::string prompt, serving::PromptFor(*config, request.prompt_name()));
     const bool by_default = request.prompt_name().empty();
-    const std::string& chosen = by_default ? config.default_prompt_name : request.prompt_name();
+    const std::string& chosen = by_default ? config->default_prompt_name : request.prompt_name();
     if (!chosen.empty() && text->text_pairs_size() > 0) {
       // As TEI refuses it: sentence-transformers says nothing of where a prompt goes in a pair.
       return absl::InvalidArgumentError(absl::StrCat("a prompt (", by_default ? "the model's default, " : "", chosen,
@@ -265,11 +294,19 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
     }
   }
   const int64_t rows = input.tokens.rows();
-  ASSIGN_OR_RETURN(BatchResult result,
-                   queue_.Submit(std::move(input.tokens), deadline, cancelled, 0, EmbedWant(mode), caller));
+  v1::ForwardWant want = EmbedWant(mode);
+  if (request.sparse()) {
+    want.Clear();
+    want.mutable_sparse();
+  }
+  ASSIGN_OR_RETURN(BatchResult result, queue_.Submit(std::move(input.tokens), deadline, cancelled, 0, want, caller));
   v1::EmbedResponse response;
-  RETURN_IF_ERROR(SetEmbeddings(mode, rows, result.rows, &response));
-  RETURN_IF_ERROR(TruncateEmbeddings(request.dimensions(), &response));
+  if (request.sparse()) {
+    RETURN_IF_ERROR(SetSparseEmbeddings(rows, &result.rows, &response));
+  } else {
+    RETURN_IF_ERROR(SetEmbeddings(mode, rows, result.rows, &response));
+    RETURN_IF_ERROR(TruncateEmbeddings(request.dimensions(), &response));
+  }
   response.set_max_length(static_cast<int32_t>(max_length));
   for (int32_t n : input.token_counts) response.add_token_counts(n);
   for (bool t : input.truncated) response.add_truncated(t);

@@ -154,6 +154,19 @@ absl::Status CheckRow(const v1::ShardPlan& plan, const v1::TokenInputs& inputs, 
     }
     if (FirstNonFinite(mask.scores()) >= 0) return absl::InternalError(where + " has a non-finite [MASK] score");
   }
+  if (row.sparse_indices_size() != row.sparse_values_size() || (!want.has_sparse() && row.sparse_indices_size() > 0)) {
+    return absl::InternalError(absl::StrCat(where, " has ", row.sparse_indices_size(), " sparse ids and ",
+                                            row.sparse_values_size(), " weights", want.has_sparse() ? "" : " unasked"));
+  }
+  for (int i = 0; i < row.sparse_indices_size(); ++i) {
+    const int32_t id = row.sparse_indices(i);
+    const float w = row.sparse_values(i);
+    if (id < 0 || id >= plan.config().vocab_size() || (i > 0 && id <= row.sparse_indices(i - 1)) || !std::isfinite(w) ||
+        w <= 0) {
+      return absl::InternalError(absl::StrCat(where, " has a sparse entry that does not fit (id ", id, ", weight ", w,
+                                              "): ids ascend within the vocabulary, weights are finite and > 0"));
+    }
+  }
   if (row.has_span() && row.span().start() >= 0) {
     const v1::SpanResult& span = row.span();
     if (span.end() < span.start() || span.end() >= inputs.seq() || !std::isfinite(span.score())) {
@@ -170,7 +183,7 @@ absl::Status CheckForwardResponse(const v1::ShardPlan& plan, const v1::TokenInpu
                                   const v1::ForwardResponse& response) {
   for (const v1::NamedTensor& t : response.outputs()) RETURN_IF_ERROR(CheckOutput(plan, inputs, t));
   if (response.rows_size() == 0) return absl::OkStatus();
-  if (!want.has_embeddings() && !want.has_masked_lm() && !want.has_answer_spans()) {
+  if (!want.has_embeddings() && !want.has_masked_lm() && !want.has_answer_spans() && !want.has_sparse()) {
     return absl::InternalError(absl::StrCat(response.rows_size(), " per-row results that were not asked for"));
   }
   if (response.rows_size() != inputs.rows()) {
@@ -417,6 +430,43 @@ absl::Status TruncateEmbeddings(int32_t dimensions, v1::EmbedResponse* response)
     // torch.nn.functional.normalize's eps: an all-zero cut stays zero instead of NaN.
     const double scale = 1.0 / std::max(norm, 1e-12);
     for (float& v : *values) v = static_cast<float>(v * scale);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JoinSparseRows(v1::ForwardResponse* response, std::vector<v1::ForwardRow>* rows) {
+  if (response->rows_size() == 0) return absl::OkStatus();  // a rank of another stage
+  if (rows->empty()) {
+    rows->assign(std::make_move_iterator(response->mutable_rows()->begin()),
+                 std::make_move_iterator(response->mutable_rows()->end()));
+    return absl::OkStatus();
+  }
+  if (static_cast<size_t>(response->rows_size()) != rows->size()) {
+    return absl::InternalError(
+        absl::StrCat("a rank returned sparse rows for ", response->rows_size(), " rows, another for ", rows->size()));
+  }
+  for (size_t r = 0; r < rows->size(); ++r) {
+    v1::ForwardRow& into = (*rows)[r];
+    const v1::ForwardRow& from = response->rows(static_cast<int>(r));
+    if (into.sparse_indices_size() > 0 && from.sparse_indices_size() > 0 &&
+        from.sparse_indices(0) <= into.sparse_indices(into.sparse_indices_size() - 1)) {
+      return absl::InternalError(absl::StrCat("the ranks' vocabulary slices overlap in row ", r, " (id ",
+                                              from.sparse_indices(0), " after ",
+                                              into.sparse_indices(into.sparse_indices_size() - 1), ")"));
+    }
+    into.mutable_sparse_indices()->Add(from.sparse_indices().begin(), from.sparse_indices().end());
+    into.mutable_sparse_values()->Add(from.sparse_values().begin(), from.sparse_values().end());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SetSparseEmbeddings(int64_t expected_rows, std::vector<v1::ForwardRow>* rows,
+                                 v1::EmbedResponse* response) {
+  RETURN_IF_ERROR(CheckRows(*rows, expected_rows, "sparse embeddings"));
+  for (v1::ForwardRow& row : *rows) {
+    v1::Embedding* e = response->add_embeddings();
+    e->mutable_indices()->Swap(row.mutable_sparse_indices());
+    e->mutable_values()->Swap(row.mutable_sparse_values());
   }
   return absl::OkStatus();
 }

@@ -38,7 +38,8 @@ bool PerTokenOutput(v1::ModelVariant variant, const std::string& name);
 // output with a batch axis of the batch's rows (rows / choices for multiple-choice logits), the
 // padded seq at dim 1 for per-token outputs, the hidden size where the plan fixes it, as many
 // values as its shape says; per-row results one per row when `want` asks for them (embeddings of
-// the hidden size, [MASK] positions and ids inside the row and vocabulary, no more than top_k);
+// the hidden size, [MASK] positions and ids inside the row and vocabulary, no more than top_k,
+// sparse ids ascending inside the vocabulary with weights > 0);
 // and every float finite. INTERNAL saying what is wrong (the caller names the worker).
 absl::Status CheckForwardResponse(const v1::ShardPlan& plan, const v1::TokenInputs& inputs, const v1::ForwardWant& want,
                                   const v1::ForwardResponse& response);
@@ -72,6 +73,17 @@ v1::ForwardWant EmbedWant(const EmbeddingMode& mode);
 // per row of the request: INTERNAL otherwise).
 absl::Status SetEmbeddings(const EmbeddingMode& mode, int64_t expected_rows, const std::vector<v1::ForwardRow>& rows,
                            v1::EmbedResponse* response);
+
+// SPLADE (EmbedRequest.sparse): every rank of the last stage answers with sparse rows for its own
+// slice of the vocabulary. Appends `response`'s rows to `rows` (moves them in when `rows` is empty;
+// a response without rows, from another stage, adds nothing), joining each row's entries. Called
+// in rank order, the ids stay ascending; INTERNAL when they would not (slices that overlap) or the
+// row counts differ.
+absl::Status JoinSparseRows(v1::ForwardResponse* response, std::vector<v1::ForwardRow>* rows);
+
+// Fills `response`'s embeddings from the joined sparse rows (one per row of the request: INTERNAL
+// otherwise), taking their entries.
+absl::Status SetSparseEmbeddings(int64_t expected_rows, std::vector<v1::ForwardRow>* rows, v1::EmbedResponse* response);
 
 // Matryoshka (EmbedRequest.dimensions): keeps the first `dimensions` values of every embedding,
 // L2-normalised again when `response` is normalised (normalising the whole vector and then its cut

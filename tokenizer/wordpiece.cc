@@ -248,11 +248,48 @@ absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromVoca
   return FromVocab(VocabLines(*std::move(text)), options);
 }
 
+absl::StatusOr<std::vector<std::string>> VocabFromTokenizerJson(absl::string_view text) {
+  const nlohmann::json doc = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  constexpr absl::string_view kWhere = "tokenizer.json: ";
+  if (!doc.is_object()) return absl::InvalidArgumentError(absl::StrCat(kWhere, "not a JSON object"));
+  const auto model = doc.find("model");
+  if (model == doc.end() || !model->is_object() || model->value("type", std::string()) != "WordPiece") {
+    return absl::InvalidArgumentError(absl::StrCat(kWhere, "its model is not WordPiece (BERT's tokenizer)"));
+  }
+  const auto vocab = model->find("vocab");
+  if (vocab == model->end() || !vocab->is_object() || vocab->empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(kWhere, "model.vocab is not a non-empty map of token to id"));
+  }
+  // Ids 0..n-1, each once: vocab.txt's line numbers.
+  std::vector<std::string> tokens(vocab->size());
+  std::vector<bool> seen(vocab->size(), false);
+  for (const auto& [token, id] : vocab->items()) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= static_cast<int64_t>(tokens.size()) ||
+        seen[id.get<size_t>()]) {
+      return absl::InvalidArgumentError(absl::StrCat(kWhere, "model.vocab gives '", token, "' the id ", id.dump(),
+                                                     "; ids must be 0..", tokens.size() - 1, ", each once"));
+    }
+    seen[id.get<size_t>()] = true;
+    tokens[id.get<size_t>()] = token;
+  }
+  return tokens;
+}
+
 absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> WordPieceTokenizer::FromCheckpoint(
     const common::CheckpointDir& dir, const TokenizerOptions& options) {
   absl::StatusOr<std::string> text = dir.ReadSmallFile("vocab.txt", dir.limits().max_vocab_bytes);
   if (text.status().code() == absl::StatusCode::kNotFound) {
-    return absl::NotFoundError(absl::StrCat("cannot read vocabulary ", dir.path(), "/vocab.txt"));
+    // Checkpoints saved by a fast tokenizer may carry only tokenizer.json: its WordPiece
+    // vocabulary is the same list (the rest of it, normalizer and template, is what
+    // tokenizer_config.json and BERT's rules already say).
+    absl::StatusOr<std::string> json = dir.ReadSmallFile("tokenizer.json", dir.limits().max_vocab_bytes);
+    if (json.status().code() == absl::StatusCode::kNotFound) {
+      return absl::NotFoundError(
+          absl::StrCat("cannot read vocabulary ", dir.path(), "/vocab.txt (nor tokenizer.json)"));
+    }
+    if (!json.ok()) return json.status();
+    ASSIGN_OR_RETURN(std::vector<std::string> tokens, VocabFromTokenizerJson(*json));
+    return FromVocab(std::move(tokens), options);
   }
   if (!text.ok()) return text.status();
   return FromVocab(VocabLines(*std::move(text)), options);

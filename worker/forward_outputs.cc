@@ -35,6 +35,10 @@ absl::Span<const int64_t> Span(const google::protobuf::RepeatedField<int64_t>& v
 }  // namespace
 
 absl::Status CheckForwardWant(const v1::ForwardWant& want) {
+  if (want.has_sparse() && (want.all_outputs() || want.outputs_size() > 0 || want.has_embeddings() ||
+                            want.has_masked_lm() || want.has_answer_spans())) {
+    return absl::InvalidArgumentError("a sparse want is asked alone: its forward returns no other output");
+  }
   if (want.has_embeddings()) RETURN_IF_ERROR(serving::ParsePooling(want.embeddings().pooling()).status());
   if (want.has_masked_lm()) {
     const v1::MaskedLmWant& m = want.masked_lm();
@@ -42,6 +46,24 @@ absl::Status CheckForwardWant(const v1::ForwardWant& want) {
     if (m.top_k() < 1) return absl::InvalidArgumentError(absl::StrCat("masked LM top_k must be >= 1, got ", m.top_k()));
     if (m.vocab_limit() < 0) {
       return absl::InvalidArgumentError(absl::StrCat("masked LM vocab_limit must be >= 0, got ", m.vocab_limit()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AddSparseRows(absl::Span<const float> weights, int64_t rows, int64_t width, int64_t first_id,
+                           v1::ForwardResponse* response) {
+  if (rows < 0 || width < 0 || static_cast<int64_t>(weights.size()) != rows * width) {
+    return absl::InternalError(
+        absl::StrCat("sparse_embedding holds ", weights.size(), " values, not ", rows, " rows x ", width));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    v1::ForwardRow* row = response->add_rows();
+    const float* w = weights.data() + r * width;
+    for (int64_t i = 0; i < width; ++i) {
+      if (w[i] == 0.0f) continue;
+      row->add_sparse_indices(static_cast<int32_t>(first_id + i));
+      row->add_sparse_values(w[i]);
     }
   }
   return absl::OkStatus();

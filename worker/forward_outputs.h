@@ -5,7 +5,9 @@
 // masked LM top-k ids and probabilities, the best answer span), computed here with the very
 // functions the coordinator used before (serving/pooling.h, serving/heads.h), so that a 12 MB
 // last_hidden_state crosses the network as 49 KB of vectors. Token texts and label names are the
-// coordinator's (it has the tokenizer and the labels); results carry ids and scores. Plain
+// coordinator's (it has the tokenizer and the labels); results carry ids and scores. SPLADE's
+// sparse rows come from every tensor-parallel rank of the last stage, each for its own slice of
+// the vocabulary (AddSparseRows). Plain
 // protobuf and floats: no LibTorch here.
 //
 // Example:
@@ -22,13 +24,20 @@
 #define BERTSHARD_WORKER_FORWARD_OUTPUTS_H_
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "bertshard/v1/worker.pb.h"
 
 namespace bertshard::worker {
 
 // INVALID_ARGUMENT for an unknown pooling, a masked LM want with top_k < 1 or vocab_limit < 0, or
-// one without its output's name.
+// one without its output's name, and a sparse want with anything else asked beside it.
 absl::Status CheckForwardWant(const v1::ForwardWant& want);
+
+// SparseWant's rows: `weights` is this rank's "sparse_embedding" ([rows, width] row-major, for the
+// vocabulary ids first_id .. first_id + width - 1); adds one ForwardRow per row to `response` with
+// the ids whose weight is not 0, ascending. INTERNAL for a size that is not rows x width.
+absl::Status AddSparseRows(absl::Span<const float> weights, int64_t rows, int64_t width, int64_t first_id,
+                           v1::ForwardResponse* response);
 
 // Adds to `response` (holding the model's outputs for `inputs`) one ForwardRow per input row when
 // `want` asks for per-row results, then drops the outputs `want` does not ask for.

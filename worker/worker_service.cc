@@ -398,7 +398,9 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
                             std::max<int64_t>(1, in.choices())};
   SetMathThreads(job->threads, job->shard->gemm_path() == model::GemmPath::kBlas);
   const auto start = std::chrono::steady_clock::now();
-  auto outputs = job->shard->Forward(inputs, std::max(1, request->micro_batches()), job->comm.get());
+  model::ForwardOptions options;
+  options.splade = request->want().has_sparse();
+  auto outputs = job->shard->Forward(inputs, std::max(1, request->micro_batches()), job->comm.get(), options);
   ++job->next_sequence;
   if (!outputs.ok()) {
     // Bad inputs are refused by every rank alike before any collective; anything else leaves the
@@ -414,6 +416,19 @@ grpc::Status WorkerService::Forward(grpc::ServerContext* context, const v1::Forw
   if (job->metrics.forward_seconds != nullptr) {
     job->metrics.forward_seconds->Observe(seconds);
     job->metrics.forward_rows->Observe(static_cast<double>(in.rows()));
+  }
+  if (options.splade) {
+    // Every rank of the last stage answers for its own slice of the vocabulary.
+    const auto weights = outputs->find("sparse_embedding");
+    if (weights == outputs->end()) return grpc::Status::OK;  // a rank of another stage
+    const at::Tensor w = weights->second.contiguous();
+    const model::VocabSlice slice = job->shard->lm_vocab_slice();
+    if (absl::Status s = AddSparseRows({w.data_ptr<float>(), static_cast<size_t>(w.numel())}, w.size(0), w.size(1),
+                                       slice.first, response);
+        !s.ok()) {
+      return common::ToGrpcStatus(s);
+    }
+    return grpc::Status::OK;
   }
   if (job->comm->tp_rank() == 0) {
     for (const auto& [name, t] : *outputs) {
