@@ -13,7 +13,8 @@ heads_parity_test.sh (a coordinator with four workers).
     all-MiniLM-L6-v2. The reference is its logit per (query, text) pair, and TEI's sigmoid of it.
 
 Each is served unsharded, TP 2, PP 2 and TP 2 x PP 2 (`shardctl submit`), and asked through
-`shardctl embed --sparse` and `shardctl rerank` (with --raw-scores too). Every weight and score must
+`shardctl embed --sparse` and `shardctl rerank` (with --raw-scores too), and through TEI's
+`/embed_sparse` and `/rerank` on the coordinator's HTTP port. Every weight and score must
 be within TOLERANCE of the reference, the ranking must be the reference's, and the sparse ids must be
 exactly the reference's non-zero ones apart from weights below TOLERANCE.
 """
@@ -23,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 
 import numpy as np
 import torch
@@ -112,9 +114,32 @@ def cancel(opts, job):
     subprocess.run([opts.shardctl, "cancel", job, "--server", opts.server], capture_output=True, timeout=60)
 
 
+def post(opts, route, body):
+    request = urllib.request.Request("http://%s%s" % (opts.http, route), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.loads(answer.read())
+
+
+def same_pairs(a, b):
+    """Lists of (id, float) lists: the same ids in order, the floats within 1e-6 (JSON's float text
+    differs between protobuf's printer and the HTTP layer's)."""
+    return len(a) == len(b) and all(
+        [i for i, _ in x] == [i for i, _ in y] and all(abs(float(u) - float(v)) <= 1e-6 for (_, u), (_, v) in zip(x, y))
+        for x, y in zip(a, b))
+
+
 def check_sparse(opts, job, reference, counts, where, failures):
     response = json.loads(run_tool([opts.shardctl, "embed", job, "--sparse", "--format", "json", "--server",
                                     opts.server] + SPARSE_TEXTS))
+    # TEI's shape: per input, [{"index", "value"}, ...]; the same ids and weights as gRPC's.
+    tei = post(opts, "/embed_sparse", {"inputs": SPARSE_TEXTS, "model": job})
+    grpc_pairs = [list(zip([int(x) for x in e.get("indices", [])], e.get("values", [])))
+                  for e in response.get("embeddings", [])]
+    tei_pairs = [[(int(v["index"]), v["value"]) for v in row] for row in tei]
+    if not same_pairs(tei_pairs, grpc_pairs):
+        failures.append("%s: /embed_sparse differs from shardctl embed --sparse: %s against %s" % (
+            where, str(tei_pairs)[:200], str(grpc_pairs)[:200]))
     embeddings = response.get("embeddings", [])
     if len(embeddings) != len(SPARSE_TEXTS):
         failures.append("%s: %d sparse embeddings for %d texts" % (where, len(embeddings), len(SPARSE_TEXTS)))
@@ -156,6 +181,12 @@ def check_rerank(opts, job, logits, counts, where, failures):
             worst = max(worst, abs(float(r.get("score", 0.0)) - expected[int(r.get("index", 0))]))
         if [int(c) for c in response.get("token_counts", [])] != counts:
             failures.append("%s: token counts %s, HF's %s" % (where, response.get("token_counts"), counts))
+        tei = post(opts, "/rerank", {"query": QUERY, "texts": PASSAGES, "raw_scores": raw, "model": job})
+        tei_pairs = [[(r["index"], r["score"]) for r in tei]]
+        grpc_pairs = [[(int(r.get("index", 0)), r.get("score")) for r in response.get("results", [])]]
+        if not same_pairs(tei_pairs, grpc_pairs):
+            failures.append("%s: /rerank differs from shardctl rerank (raw_scores %s): %s against %s" % (
+                where, raw, tei_pairs, grpc_pairs))
     if not worst <= TOLERANCE:
         failures.append("%s: rerank scores differ from HF's by %.3g" % (where, worst))
     return worst
@@ -165,6 +196,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shardctl", required=True)
     parser.add_argument("--server", required=True)
+    parser.add_argument("--http", required=True, help="the coordinator's HTTP address")
     parser.add_argument("--splade", required=True, help="the splade-tiny checkpoint directory")
     parser.add_argument("--vocab-from", required=True, help="a checkpoint with the bert-base-uncased vocab.txt")
     parser.add_argument("--work", required=True)

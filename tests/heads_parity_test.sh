@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reranking and SPLADE sparse embeddings against HuggingFace transformers (tests/heads_parity_test.py),
-# unsharded, TP 2, PP 2 and TP 2 x PP 2, on a coordinator with four workers started here.
+# unsharded, TP 2, PP 2 and TP 2 x PP 2, on a coordinator with four workers started here: through
+# shardctl (gRPC) and TEI's /embed_sparse and /rerank on the coordinator's HTTP port.
 #
 # Needs the HF venv (BERTSHARD_HF_VENV, from `tools/python_env.sh hf`), the SPLADE checkpoint
 # (BERTSHARD_SPLADE_DIR, from `tools/fetch_model.sh splade-tiny`) and all-MiniLM-L6-v2 for its
@@ -31,10 +32,12 @@ COORDINATOR_BIN=server/bertshard-coordinator
 WORKER_BIN=worker/shard-worker
 source tools/local_cluster.sh
 trap 'status=$?; stop_cluster || true; [ "$status" -eq 0 ] || tail -n 40 "$WORK"/*.log >&2; exit "$status"' EXIT
+COORDINATOR_FLAGS="--http_listen=127.0.0.1:0"
 start_coordinator
+http_port=$(wait_for_logged_port "$WORK/coordinator.log" 's/^http listening on port \([0-9]*\).*/\1/p')
 start_workers 4
 
 mkdir -p "$WORK/heads"
 "$hf_venv/bin/python" tests/heads_parity_test.py --shardctl "$PWD/client/shardctl" --server "$BERTSHARD_SERVER" \
-  --splade "$splade" --vocab-from "$model" --work "$WORK/heads"
+  --http "127.0.0.1:$http_port" --splade "$splade" --vocab-from "$model" --work "$WORK/heads"
 stop_cluster

@@ -17,9 +17,9 @@ wait_for_logged_port() {
   return 1
 }
 
-# The port a server printed ("listening on port N") in LOG; not its metrics line.
+# The port a server printed ("listening on port N") in LOG; not its metrics or HTTP line.
 wait_for_port() {
-  wait_for_logged_port "$1" '/^metrics /!s/.*listening on port \([0-9]*\).*/\1/p'
+  wait_for_logged_port "$1" '/^\(metrics\|http\) /!s/.*listening on port \([0-9]*\).*/\1/p'
 }
 
 # The metrics port a server printed ("metrics listening on port N") in LOG.
