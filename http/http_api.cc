@@ -69,6 +69,14 @@ HttpResponse HttpApi::Handle(const HttpRequest& request) {
     return response;
   }
   if (path == "/info") return get ? TeiInfo() : MethodNotAllowed("GET");
+  if (path == "/metrics" && options_.metrics) {
+    if (!get) return MethodNotAllowed("GET");
+    HttpResponse response;
+    response.status = 200;
+    response.content_type = "text/plain; version=0.0.4; charset=utf-8";  // Prometheus' text format
+    response.body = options_.metrics();
+    return response;
+  }
   if (path == "/v1/models" || absl::StartsWith(path, "/v1/models/")) {
     if (!get) return MethodNotAllowed("GET");
     return OpenAiModels(path.size() > 11 ? path.substr(11) : "");

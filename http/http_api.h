@@ -37,6 +37,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/time/time.h"
@@ -60,6 +61,9 @@ struct HttpApiOptions {
   // How long one request may take (HTTP has no deadline header).
   absl::Duration request_timeout = absl::Minutes(10);
   std::string version;  // /info's version
+  // GET /metrics (TEI serves it on its port too): the coordinator's Prometheus text, behind the
+  // read token as the routes are. Unset: 404.
+  std::function<std::string()> metrics;
 };
 
 class HttpApi {

@@ -297,6 +297,21 @@ TEST_F(TeiRoutesTest, EmbedSparseAnswersTeisIndexValueListsInTheInputsOrder) {
   EXPECT_EQ(json::parse(Get("/info").body)["model_type"], json::parse(R"({"embedding": {"pooling": "splade"}})"));
 }
 
+TEST_F(TeiRoutesTest, ServesTheCoordinatorsMetricsBehindTheReadToken) {
+  EXPECT_EQ(Get("/metrics").status, 404);  // no registry given: no route
+  api_.reset();
+  int renders = 0;
+  options_.metrics = [&renders] { return "# TYPE x counter\nx " + std::to_string(++renders) + "\n"; };
+  options_.read_token = "reader";
+  EXPECT_EQ(Get("/metrics").status, 401);  // it names jobs, which only readers see
+  const HttpResponse scraped = Get("/metrics", "Bearer reader");
+  ASSERT_EQ(scraped.status, 200);
+  EXPECT_EQ(scraped.content_type, "text/plain; version=0.0.4; charset=utf-8");
+  EXPECT_EQ(scraped.body, "# TYPE x counter\nx 1\n");
+  EXPECT_EQ(Post("/metrics", "{}", "Bearer reader").status, 405);
+  EXPECT_EQ(renders, 1);
+}
+
 TEST_F(TeiRoutesTest, PredictsSinglesPairsAndBatches) {
   const std::string scores = R"([{"score": 0.75, "label": "POS"}, {"score": 0.25, "label": "NEG"}])";
   HttpResponse single = Post("/predict", R"({"inputs": "I like it", "model": "sentiment"})");

@@ -327,6 +327,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(cons
     http::HttpApiOptions api_options = options.http_api;
     api_options.admin_token = options.auth.admin_token;
     api_options.read_token = options.auth.read_token;
+    if (common::MetricsRegistry* registry = options.metrics; registry != nullptr) {
+      api_options.metrics = [registry] { return registry->Render(); };
+    }
     server->http_api_ = std::make_unique<http::HttpApi>(server->http_backend_.get(), api_options);
     http::HttpApi* api = server->http_api_.get();
     absl::StatusOr<std::unique_ptr<http::HttpServer>> listener =

@@ -56,7 +56,8 @@ struct CoordinatorOptions {
   absl::Duration keepalive_timeout = absl::Seconds(20);
   ClusterOptions cluster;
   // Optional, not owned, must outlive the server: gets the per-call gRPC metrics and the
-  // coordinator's own (bertshard_coordinator_jobs{state}, bertshard_coordinator_workers{health}).
+  // coordinator's own (bertshard_coordinator_jobs{state}, bertshard_coordinator_workers{health});
+  // with an HTTP listener, served there too as GET /metrics (TEI's route).
   common::MetricsRegistry* metrics = nullptr;
   // Bearer tokens the RPCs need (common/grpc_auth.h); off by default. The admin token is also what
   // the coordinator presents to the workers (cluster.worker_token).

@@ -301,6 +301,8 @@ int RunServer(ServeOptions serve) {
     metrics_endpoint = *std::move(endpoint);
     serve.coordinator.metrics = &metrics;
   }
+  // TEI's GET /metrics on the HTTP port reads the same registry.
+  if (!serve.coordinator.http.listen.empty()) serve.coordinator.metrics = &metrics;
   auto server = CoordinatorServer::Start(serve.coordinator);
   if (!server.ok()) {
     std::fprintf(stderr, "bertshard-coordinator: %s\n", server.status().ToString().c_str());

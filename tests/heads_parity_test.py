@@ -231,6 +231,12 @@ def main():
                 cancel(opts, job)  # frees the workers for the next job
             rows.append((kind, name, diff, time.time() - started))
 
+    # TEI's GET /metrics on the same port: the coordinator's Prometheus registry.
+    with urllib.request.urlopen("http://%s/metrics" % opts.http, timeout=30) as answer:
+        metrics = answer.read().decode()
+    if "bertshard_coordinator_jobs{" not in metrics or "bertshard_grpc_requests_total{" not in metrics:
+        failures.append("GET /metrics on the HTTP port lacks the coordinator's series: %s" % metrics[:300])
+
     log("")
     log("max abs diff vs HuggingFace (tolerance %.0e):" % TOLERANCE)
     for kind, name, diff, seconds in rows:
