@@ -1,7 +1,11 @@
 #include "checkpoint/checkpoint.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "gtest/gtest.h"
@@ -125,6 +129,68 @@ TEST(Checkpoint, RefusesIndexesThatNameNoUsableShard) {
   std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map": {"x": "p.safetensors"}})";
   ExpectStatus(Checkpoint::Open(dir).status(), absl::StatusCode::kInvalidArgument,
                "safetensors file " + dir + "/p.safetensors: file is 3 bytes, shorter than the 8-byte header length");
+}
+
+// The value of a one-element tensor found under `name` (and `aliases`), and the name it is stored
+// under; NaN and "" when it is not found.
+std::pair<float, std::string> FoundValue(const Checkpoint& ckpt, const std::string& name,
+                                         const std::vector<std::string>& aliases = {}) {
+  auto where = ckpt.Find(name, aliases);
+  EXPECT_TRUE(where.ok()) << where.status();
+  if (!where.ok()) return {std::nanf(""), ""};
+  float value = 0;
+  EXPECT_TRUE(where->file->ReadSlice(*where->info, {}, &value).ok());
+  return {value, where->info->name};
+}
+
+// Checkpoints converted from TensorFlow's BERT name LayerNorm's parameters gamma and beta;
+// transformers reads them as weight and bias, and so must Find.
+TEST(Checkpoint, FindsLayerNormWeightAndBiasUnderTheirLegacyNames) {
+  const std::string dir = MakeDir("legacy_layer_norm");
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", {{"x.LayerNorm.gamma", {1}, {1}},
+                                                            {"x.LayerNorm.beta", {1}, {2}},
+                                                            {"tied.LayerNorm.gamma", {1}, {3}},
+                                                            {"y.weight", {1}, {4}}})
+                  .ok());
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ(FoundValue(**ckpt, "x.LayerNorm.weight"), std::make_pair(1.f, std::string("x.LayerNorm.gamma")));
+  EXPECT_EQ(FoundValue(**ckpt, "x.LayerNorm.bias"), std::make_pair(2.f, std::string("x.LayerNorm.beta")));
+  // The legacy name of an alias is tried too.
+  EXPECT_EQ(FoundValue(**ckpt, "other.LayerNorm.weight", {"tied.LayerNorm.weight"}),
+            std::make_pair(3.f, std::string("tied.LayerNorm.gamma")));
+  // Only LayerNorm's parameters have legacy names: a plain weight is not looked for as gamma.
+  EXPECT_EQ((*ckpt)->Find("y.LayerNorm.beta", {}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*ckpt)->Find("tied.weight", {}).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Checkpoint, PrefersTheModernLayerNormNamesWhenBothAreStored) {
+  const std::string dir = MakeDir("both_layer_norm_names");
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", {{"x.LayerNorm.gamma", {1}, {1}},
+                                                            {"x.LayerNorm.weight", {1}, {2}},
+                                                            {"x.LayerNorm.beta", {1}, {3}},
+                                                            {"x.LayerNorm.bias", {1}, {4}},
+                                                            {"a.LayerNorm.gamma", {1}, {5}},
+                                                            {"b.LayerNorm.weight", {1}, {6}}})
+                  .ok());
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ(FoundValue(**ckpt, "x.LayerNorm.weight"), std::make_pair(2.f, std::string("x.LayerNorm.weight")));
+  EXPECT_EQ(FoundValue(**ckpt, "x.LayerNorm.bias"), std::make_pair(4.f, std::string("x.LayerNorm.bias")));
+  // An alias stored under the modern name wins over the name's own legacy one.
+  EXPECT_EQ(FoundValue(**ckpt, "a.LayerNorm.weight", {"b.LayerNorm.weight"}),
+            std::make_pair(6.f, std::string("b.LayerNorm.weight")));
+}
+
+TEST(Checkpoint, NotFoundListsTheLegacyLayerNormNamesTried) {
+  const std::string dir = MakeDir("no_layer_norm");
+  ASSERT_TRUE(WriteSafetensors(dir + "/model.safetensors", {{"a.weight", {1}, {1}}}).ok());
+  auto ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  ExpectStatus((*ckpt)->Find("x.LayerNorm.weight", {"y.LayerNorm.weight"}).status(), absl::StatusCode::kNotFound,
+               "has no tensor x.LayerNorm.weight or y.LayerNorm.weight or x.LayerNorm.gamma or y.LayerNorm.gamma");
+  ExpectStatus((*ckpt)->Find("x.LayerNorm.bias", {}).status(), absl::StatusCode::kNotFound,
+               "has no tensor x.LayerNorm.bias or x.LayerNorm.beta");
 }
 
 }  // namespace

@@ -263,6 +263,28 @@ absl::StatusOr<std::string> ResolveModel(InferenceBackend* backend, const std::s
   return job;
 }
 
+bool PromptInputs(InferenceBackend* backend, const std::string& prompt_name, const std::string& job,
+                  std::vector<InputItem>* items, ApiError* error) {
+  for (const InputItem& item : *items) {
+    if (item.is_ids && !prompt_name.empty()) {
+      *error = MalformedRequest("prompt_name applies to text input; token ids are taken as they are");
+      return false;
+    }
+  }
+  absl::StatusOr<std::string> prompt = backend->Prompt(job, prompt_name);
+  if (!prompt.ok()) {
+    *error = prompt.status().code() == absl::StatusCode::kInvalidArgument
+                 ? MalformedRequest(std::string(prompt.status().message()))
+                 : FromStatus(prompt.status());
+    return false;
+  }
+  if (prompt->empty()) return true;
+  for (InputItem& item : *items) {
+    if (!item.is_ids) item.text.insert(0, *prompt);
+  }
+  return true;
+}
+
 HttpResponse JsonResponse(std::string body, std::vector<std::pair<std::string, std::string>> headers) {
   HttpResponse response;
   response.status = 200;

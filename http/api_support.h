@@ -114,6 +114,13 @@ absl::StatusOr<EmbedOutcome> EmbedItems(InferenceBackend* backend, const std::st
 absl::StatusOr<std::string> ResolveModel(InferenceBackend* backend, const std::string& model,
                                          const std::string& default_job, ApiError* error);
 
+// Puts the job's prompt `prompt_name` ("": its default, if any; InferenceBackend::Prompt) before
+// each text of `items`, as Embed does, for the routes that send text on as it is (/embed_all,
+// /tokenize). False with `error` set (422 Validation) for a name the job lacks or a name with token
+// ids; the backend's other refusals as FromStatus maps them.
+bool PromptInputs(InferenceBackend* backend, const std::string& prompt_name, const std::string& job,
+                  std::vector<InputItem>* items, ApiError* error);
+
 // A response with a JSON body.
 HttpResponse JsonResponse(std::string body, std::vector<std::pair<std::string, std::string>> headers = {});
 

@@ -177,6 +177,16 @@ class FakeBackend : public InferenceBackend {
     return absl::StrCat("decoded ", ids.size());
   }
 
+  // The embedding job's prompts: "query" ("query: "), and `default_prompt` for no name.
+  absl::StatusOr<std::string> Prompt(const std::string& job_id, const std::string& prompt_name) override {
+    prompts_asked.push_back(prompt_name);
+    if (prompt_name.empty()) return job_id == "job-1" ? default_prompt : std::string();
+    if (job_id == "job-1" && prompt_name == "query") return std::string("query: ");
+    return absl::InvalidArgumentError(absl::StrCat("the model has no prompt named '", prompt_name, "'"));
+  }
+  std::string default_prompt;  // the embedding job's default prompt's text ("": none)
+  std::vector<std::string> prompts_asked;
+
   ModelInfo embedding, classifier, reranker, splade;
   std::vector<std::string> resolved;
   std::vector<std::string> tokenized;

@@ -110,7 +110,8 @@ TEST_F(TeiRoutesTest, EmbedPassesItsOptionsAndKeepsTheInputsOrder) {
 }
 
 // prompt_name goes to the request path (which knows the model's prompts) from /embed and
-// /similarity; the routes that take no prompt refuse one before anything runs.
+// /similarity; /embed_all and /tokenize put the prompt's text before each text themselves; the
+// routes that take no prompt refuse one before anything runs.
 TEST_F(TeiRoutesTest, PromptNameReachesEmbedAndIsRefusedWhereNoRouteTakesIt) {
   ASSERT_EQ(Post("/embed", R"({"inputs": "a", "prompt_name": "query"})").status, 200);
   ASSERT_EQ(backend_.embeds.size(), 1u);
@@ -123,15 +124,36 @@ TEST_F(TeiRoutesTest, PromptNameReachesEmbedAndIsRefusedWhereNoRouteTakesIt) {
   ASSERT_EQ(Post("/embed", R"({"inputs": "a"})").status, 200);
   EXPECT_EQ(backend_.embeds.back().prompt_name(), "");  // the model's default prompt, if any
   const size_t embeds = backend_.embeds.size(), infers = backend_.infers.size();
-  ExpectTeiError(Post("/embed_all", R"({"inputs": "a", "prompt_name": "query"})"), 422, "Validation",
-                 "not supported on /embed_all");
   ExpectTeiError(Post("/predict", R"({"inputs": "a", "prompt_name": "query", "model": "sentiment"})"), 422,
                  "Validation", "not supported on /predict");
   ExpectTeiError(Post("/rerank", R"({"query": "q", "texts": ["a"], "prompt_name": "query", "model": "reranker"})"), 422,
                  "Validation", "not supported on /rerank");
-  ExpectTeiError(Post("/tokenize", R"({"inputs": "a", "prompt_name": "query"})"), 422, "Validation",
-                 "not supported on /tokenize");
   EXPECT_EQ(backend_.embeds.size(), embeds);
+  EXPECT_EQ(backend_.infers.size(), infers);
+}
+
+TEST_F(TeiRoutesTest, EmbedAllAndTokenizePutThePromptBeforeEachText) {
+  ASSERT_EQ(Post("/embed_all", R"({"inputs": ["a", [101, 102]], "prompt_name": "query"})").status, 422);
+  ASSERT_EQ(Post("/embed_all", R"({"inputs": ["a", "b"], "prompt_name": "query"})").status, 200);
+  ASSERT_EQ(backend_.infers.size(), 1u);
+  EXPECT_EQ(backend_.infers[0].text().texts(0), "query: a");
+  EXPECT_EQ(backend_.infers[0].text().texts(1), "query: b");
+  const HttpResponse tokens = Post("/tokenize", R"({"inputs": "hello", "prompt_name": "query"})");
+  ASSERT_EQ(tokens.status, 200) << tokens.body;
+  EXPECT_EQ(json::parse(tokens.body)[0][1]["text"], "query: hello");  // the fake's one token per text
+  // No name: the model's default prompt, as /embed applies it; token ids stay as they are.
+  backend_.default_prompt = "passage: ";
+  ASSERT_EQ(Post("/embed_all", R"({"inputs": "a"})").status, 200);
+  EXPECT_EQ(backend_.infers.back().text().texts(0), "passage: a");
+  ASSERT_EQ(Post("/embed_all", R"({"inputs": [[101, 102]]})").status, 200);
+  EXPECT_EQ(backend_.infers.back().tokens().input_ids(0), 101);
+  EXPECT_EQ(json::parse(Post("/tokenize", R"({"inputs": "x"})").body)[0][1]["text"], "passage: x");
+  const size_t infers = backend_.infers.size();
+  ExpectTeiError(Post("/embed_all", R"({"inputs": "a", "prompt_name": "doc"})"), 422, "Validation",
+                 "no prompt named 'doc'");
+  ExpectTeiError(Post("/tokenize", R"({"inputs": "a", "prompt_name": "doc"})"), 422, "Validation",
+                 "no prompt named 'doc'");
+  ExpectTeiError(Post("/tokenize", R"({"inputs": "a", "prompt_name": ""})"), 422, "Validation", "prompt_name is empty");
   EXPECT_EQ(backend_.infers.size(), infers);
 }
 

@@ -79,6 +79,10 @@ class InferenceBackend {
   virtual absl::StatusOr<std::vector<TokenInfo>> Tokenize(const std::string& job_id, const std::string& text,
                                                           bool add_special_tokens) = 0;
   virtual absl::StatusOr<std::string> Decode(const std::string& job_id, const std::vector<int64_t>& ids) = 0;
+  // The text of the job's sentence-transformers prompt `prompt_name` (serving::PromptFor; "": the
+  // checkpoint's default prompt), put before each input text by the routes that run text as given
+  // (/embed_all, /tokenize); "" when none applies. INVALID_ARGUMENT for a name the job lacks.
+  virtual absl::StatusOr<std::string> Prompt(const std::string& job_id, const std::string& prompt_name) = 0;
 };
 
 }  // namespace bertshard::http

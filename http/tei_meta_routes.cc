@@ -33,12 +33,15 @@ HttpResponse HttpApi::TeiTokenize(const Struct& body) {
   for (const absl::Status& s : {special.status(), model.status()}) {
     if (!s.ok()) return TeiError(MalformedRequest(std::string(s.message())));
   }
-  if (Field(body, "prompt_name") != nullptr) {
-    return TeiError(
-        MalformedRequest("prompt_name is not supported on /tokenize (it applies to /embed and /similarity)"));
+  absl::StatusOr<std::string> prompt_name = StringField(body, "prompt_name", "");
+  if (!prompt_name.ok()) return TeiError(MalformedRequest(std::string(prompt_name.status().message())));
+  if (Field(body, "prompt_name") != nullptr && prompt_name->empty()) {
+    return TeiError(MalformedRequest("prompt_name is empty: name one of the model's prompts, or leave it out"));
   }
   absl::StatusOr<std::string> job = ResolveModel(backend_, *model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
+  // The tokens /embed would run: the prompt (the model's default when none is named) first.
+  if (!PromptInputs(backend_, *prompt_name, *job, &inputs->items, &error)) return TeiError(error);
   std::string out = "[";
   for (size_t i = 0; i < inputs->items.size(); ++i) {
     absl::StatusOr<std::vector<TokenInfo>> tokens = backend_->Tokenize(*job, inputs->items[i].text, *special);

@@ -48,8 +48,9 @@ absl::StatusOr<EncodeOptions> ReadEncodeOptions(const Struct& body, const char* 
     return absl::InvalidArgumentError("prompt_name is empty: name one of the model's prompts, or leave it out");
   }
   if (route_without_prompts != nullptr && !prompt_name->empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt_name is not supported on ", route_without_prompts,
-                                                   " (it applies to /embed, /embed_sparse and /similarity)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_name is not supported on ", route_without_prompts,
+                     " (it applies to /embed, /embed_all, /embed_sparse, /similarity and /tokenize)"));
   }
   options.prompt_name = *prompt_name;
   absl::StatusOr<std::string> model = StringField(body, "model", "");
@@ -215,11 +216,14 @@ HttpResponse HttpApi::TeiEmbedAll(const Struct& body, const CallContext& call) {
   absl::StatusOr<ParsedInputs> inputs = ParseInputs(body, "inputs");
   if (!inputs.ok()) return TeiError(MalformedRequest(std::string(inputs.status().message())));
   if (!CheckInputs(*inputs, options_.max_client_batch_size, &error).ok()) return TeiError(error);
-  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body, "/embed_all");
+  absl::StatusOr<EncodeOptions> encode = ReadEncodeOptions(body);
   if (!encode.ok()) return TeiError(MalformedRequest(std::string(encode.status().message())));
   absl::StatusOr<std::string> job = ResolveModel(backend_, encode->model, options_.default_job, &error);
   if (!job.ok()) return TeiError(error);
   if (!ModelOfKind(backend_, *job, v1::BERT_MODEL, "an embedding", &error).ok()) return TeiError(error);
+  // The prompt goes before each text, as /embed puts it (the model's default when none is named);
+  // token ids are the caller's own.
+  if (!PromptInputs(backend_, encode->prompt_name, *job, &inputs->items, &error)) return TeiError(error);
   // Per input, its tokens' hidden states ([CLS] and [SEP] included, padding not).
   std::vector<std::string> rendered(inputs->items.size());
   CallTimes times;

@@ -107,4 +107,15 @@ absl::StatusOr<std::string> ClusterHttpBackend::Decode(const std::string& job_id
   return cluster_->Decode(job_id, ids);
 }
 
+absl::StatusOr<std::string> ClusterHttpBackend::Prompt(const std::string& job_id, const std::string& prompt_name) {
+  for (const Cluster::ServingJob& job : cluster_->ServingJobs()) {
+    if (job.id != job_id) continue;
+    // A checkpoint without a readable sentence-transformers configuration has no prompts.
+    static const serving::EmbeddingConfig* const kNone = new serving::EmbeddingConfig();
+    return serving::PromptFor(job.assets->embedding.ok() ? *job.assets->embedding : *kNone, prompt_name);
+  }
+  const absl::Status why = Model(job_id).status();  // not serving: why, as Model says it
+  return why.ok() ? absl::UnavailableError(absl::StrCat("job ", job_id, " stopped serving; retry")) : why;
+}
+
 }  // namespace bertshard::server

@@ -33,6 +33,7 @@ class ClusterHttpBackend final : public http::InferenceBackend {
   absl::StatusOr<std::vector<http::TokenInfo>> Tokenize(const std::string& job_id, const std::string& text,
                                                         bool add_special_tokens) override;
   absl::StatusOr<std::string> Decode(const std::string& job_id, const std::vector<int64_t>& ids) override;
+  absl::StatusOr<std::string> Prompt(const std::string& job_id, const std::string& prompt_name) override;
 
   // What /info and /v1/models say of a serving job (created_unix_seconds left 0).
   static http::ModelInfo Describe(const Cluster::ServingJob& job);

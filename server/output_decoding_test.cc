@@ -1,5 +1,10 @@
 #include "server/output_decoding.h"
 
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -180,6 +185,171 @@ TEST(TruncateEmbeddings, CutsEachVectorAndNormalisesItAgainWhenNormalised) {
   EXPECT_EQ(TruncateEmbeddings(4, &cut).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CheckDimensions(-1, 8).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(CheckDimensions(8, 8).ok());
+}
+
+// Two rows of a 3-token batch, as a rank of the last stage sends them for a sparse want.
+v1::TokenInputs TwoRows() {
+  v1::TokenInputs t;
+  t.set_rows(2);
+  t.set_seq(3);
+  for (int i = 0; i < 2; ++i) {
+    for (int64_t id : {kCls, kPlay, kSep}) {
+      t.add_input_ids(id);
+      t.add_attention_mask(1);
+      t.add_token_type_ids(0);
+    }
+  }
+  return t;
+}
+
+v1::ForwardWant SparseWant() {
+  v1::ForwardWant want;
+  want.mutable_sparse();
+  return want;
+}
+
+// A ForwardRow with sparse entries (id, weight).
+v1::ForwardRow SparseRow(const std::vector<std::pair<int32_t, float>>& entries) {
+  v1::ForwardRow row;
+  for (const auto& [id, weight] : entries) {
+    row.add_sparse_indices(id);
+    row.add_sparse_values(weight);
+  }
+  return row;
+}
+
+v1::ForwardResponse SparseResponse(const std::vector<v1::ForwardRow>& rows) {
+  v1::ForwardResponse response;
+  for (const v1::ForwardRow& row : rows) *response.add_rows() = row;
+  return response;
+}
+
+std::vector<int32_t> Ids(const v1::ForwardRow& row) {
+  return {row.sparse_indices().begin(), row.sparse_indices().end()};
+}
+
+std::vector<float> Weights(const v1::ForwardRow& row) {
+  return {row.sparse_values().begin(), row.sparse_values().end()};
+}
+
+TEST(CheckForwardResponse, AcceptsSparseRowsThatFitTheVocabulary) {
+  // SmallPlan's vocabulary is ids 0 .. 17; an empty row (a slice with no non-zero weight) fits too.
+  const v1::ShardPlan plan = SmallPlan(v1::BERT_FOR_MASKED_LM);
+  const v1::ForwardResponse good = SparseResponse({SparseRow({{0, 0.5f}, {5, 1e-6f}, {17, 3.0f}}), SparseRow({})});
+  EXPECT_TRUE(CheckForwardResponse(plan, TwoRows(), SparseWant(), good).ok());
+}
+
+TEST(CheckForwardResponse, RefusesSparseRowsThatDoNotFit) {
+  // The coordinator serves the ids as they come: a worker's wrong answer must stop here.
+  const v1::ShardPlan plan = SmallPlan(v1::BERT_FOR_MASKED_LM);
+  const v1::ForwardRow fine = SparseRow({{1, 1.0f}});
+  const std::vector<std::pair<std::string, v1::ForwardRow>> bad = {
+      {"ids not ascending", SparseRow({{5, 1.0f}, {3, 1.0f}})},
+      {"a repeated id", SparseRow({{5, 1.0f}, {5, 1.0f}})},
+      {"an id past the vocabulary", SparseRow({{18, 1.0f}})},
+      {"a negative id", SparseRow({{-1, 1.0f}})},
+      {"a zero weight", SparseRow({{2, 0.0f}})},
+      {"a negative weight", SparseRow({{2, -0.5f}})},
+      {"a NaN weight", SparseRow({{2, std::nanf("")}})},
+      {"an infinite weight", SparseRow({{2, std::numeric_limits<float>::infinity()}})},
+  };
+  for (const auto& [what, row] : bad) {
+    EXPECT_EQ(CheckForwardResponse(plan, TwoRows(), SparseWant(), SparseResponse({fine, row})).code(),
+              absl::StatusCode::kInternal)
+        << what;
+  }
+  v1::ForwardRow uneven = SparseRow({{1, 1.0f}, {2, 1.0f}});
+  uneven.mutable_sparse_values()->RemoveLast();
+  EXPECT_EQ(CheckForwardResponse(plan, TwoRows(), SparseWant(), SparseResponse({fine, uneven})).code(),
+            absl::StatusCode::kInternal);
+  v1::ForwardRow no_ids;
+  no_ids.add_sparse_values(1.0f);
+  EXPECT_EQ(CheckForwardResponse(plan, TwoRows(), SparseWant(), SparseResponse({fine, no_ids})).code(),
+            absl::StatusCode::kInternal);
+  // One row per input row.
+  EXPECT_EQ(CheckForwardResponse(plan, TwoRows(), SparseWant(), SparseResponse({fine})).code(),
+            absl::StatusCode::kInternal);
+}
+
+TEST(CheckForwardResponse, RefusesSparseEntriesTheWantDoesNotAskFor) {
+  const v1::ShardPlan plan = SmallPlan(v1::BERT_FOR_MASKED_LM);
+  v1::ForwardWant masked_lm;
+  masked_lm.mutable_masked_lm()->set_output("logits");
+  masked_lm.mutable_masked_lm()->set_top_k(1);
+  const v1::ForwardResponse sparse = SparseResponse({SparseRow({{1, 1.0f}}), SparseRow({})});
+  EXPECT_EQ(CheckForwardResponse(plan, TwoRows(), masked_lm, sparse).code(), absl::StatusCode::kInternal);
+  // And rows at all when nothing per row was asked for.
+  EXPECT_EQ(CheckForwardResponse(plan, TwoRows(), v1::ForwardWant(), sparse).code(), absl::StatusCode::kInternal);
+  // Rows without sparse entries still pass a masked LM want.
+  EXPECT_TRUE(CheckForwardResponse(plan, TwoRows(), masked_lm, SparseResponse({SparseRow({}), SparseRow({})})).ok());
+}
+
+TEST(JoinSparseRows, JoinsTwoRanksRowsInRankOrder) {
+  // Rank 0 holds ids 0 .. 8, rank 1 ids 9 .. 17.
+  std::vector<v1::ForwardRow> rows;
+  v1::ForwardResponse rank0 = SparseResponse({SparseRow({{1, 0.5f}, {4, 1.5f}}), SparseRow({})});
+  v1::ForwardResponse rank1 = SparseResponse({SparseRow({{9, 2.0f}}), SparseRow({{12, 0.25f}, {17, 0.75f}})});
+  ASSERT_TRUE(JoinSparseRows(&rank0, &rows).ok());
+  ASSERT_TRUE(JoinSparseRows(&rank1, &rows).ok());
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(Ids(rows[0]), (std::vector<int32_t>{1, 4, 9}));
+  EXPECT_EQ(Weights(rows[0]), (std::vector<float>{0.5f, 1.5f, 2.0f}));
+  EXPECT_EQ(Ids(rows[1]), (std::vector<int32_t>{12, 17}));
+  EXPECT_EQ(Weights(rows[1]), (std::vector<float>{0.25f, 0.75f}));
+}
+
+TEST(JoinSparseRows, MovesTheFirstRanksRowsIntoAnEmptyVector) {
+  std::vector<v1::ForwardRow> rows;
+  v1::ForwardResponse rank0 = SparseResponse({SparseRow({{3, 1.0f}}), SparseRow({{7, 2.0f}})});
+  ASSERT_TRUE(JoinSparseRows(&rank0, &rows).ok());
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_EQ(Ids(rows[0]), (std::vector<int32_t>{3}));
+  EXPECT_EQ(Ids(rows[1]), (std::vector<int32_t>{7}));
+  EXPECT_EQ(Weights(rows[1]), (std::vector<float>{2.0f}));
+}
+
+TEST(JoinSparseRows, AResponseWithoutRowsAddsNothing) {
+  // A rank of another pipeline stage answers with no rows, before or after the last stage's ranks.
+  std::vector<v1::ForwardRow> rows;
+  v1::ForwardResponse other_stage;
+  ASSERT_TRUE(JoinSparseRows(&other_stage, &rows).ok());
+  EXPECT_TRUE(rows.empty());
+  v1::ForwardResponse rank0 = SparseResponse({SparseRow({{3, 1.0f}})});
+  ASSERT_TRUE(JoinSparseRows(&rank0, &rows).ok());
+  ASSERT_TRUE(JoinSparseRows(&other_stage, &rows).ok());
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(Ids(rows[0]), (std::vector<int32_t>{3}));
+}
+
+TEST(JoinSparseRows, RefusesOverlappingSlicesAndDifferentRowCounts) {
+  std::vector<v1::ForwardRow> rows;
+  v1::ForwardResponse rank0 = SparseResponse({SparseRow({{1, 1.0f}, {9, 1.0f}}), SparseRow({})});
+  ASSERT_TRUE(JoinSparseRows(&rank0, &rows).ok());
+  // Out of rank order (or overlapping slices), the joined ids would not ascend.
+  v1::ForwardResponse overlapping = SparseResponse({SparseRow({{9, 1.0f}}), SparseRow({})});
+  EXPECT_EQ(JoinSparseRows(&overlapping, &rows).code(), absl::StatusCode::kInternal);
+  v1::ForwardResponse earlier = SparseResponse({SparseRow({{4, 1.0f}}), SparseRow({})});
+  EXPECT_EQ(JoinSparseRows(&earlier, &rows).code(), absl::StatusCode::kInternal);
+  v1::ForwardResponse one_row = SparseResponse({SparseRow({{12, 1.0f}})});
+  EXPECT_EQ(JoinSparseRows(&one_row, &rows).code(), absl::StatusCode::kInternal);
+  v1::ForwardResponse three_rows = SparseResponse({SparseRow({}), SparseRow({}), SparseRow({})});
+  EXPECT_EQ(JoinSparseRows(&three_rows, &rows).code(), absl::StatusCode::kInternal);
+}
+
+TEST(SetSparseEmbeddings, FillsIndicesAndValuesOnePerRow) {
+  std::vector<v1::ForwardRow> rows = {SparseRow({{2, 0.5f}, {11, 1.25f}}), SparseRow({})};
+  v1::EmbedResponse response;
+  ASSERT_TRUE(SetSparseEmbeddings(2, &rows, &response).ok());
+  ASSERT_EQ(response.embeddings_size(), 2);
+  EXPECT_EQ(std::vector<int32_t>(response.embeddings(0).indices().begin(), response.embeddings(0).indices().end()),
+            (std::vector<int32_t>{2, 11}));
+  EXPECT_EQ(std::vector<float>(response.embeddings(0).values().begin(), response.embeddings(0).values().end()),
+            (std::vector<float>{0.5f, 1.25f}));
+  EXPECT_EQ(response.embeddings(1).indices_size(), 0);
+  EXPECT_EQ(response.embeddings(1).values_size(), 0);
+  v1::EmbedResponse wrong;
+  std::vector<v1::ForwardRow> one_row = {SparseRow({{2, 0.5f}})};
+  EXPECT_EQ(SetSparseEmbeddings(2, &one_row, &wrong).code(), absl::StatusCode::kInternal);
 }
 
 }  // namespace

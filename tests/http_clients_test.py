@@ -132,6 +132,20 @@ class Checks:
             cut = self.post("/embed", {"inputs": long_text, "truncate": True, "truncation_direction": direction})
             assert cut.status_code == 200, cut.text
             close(cut.json()[0], self.post("/embed", {"inputs": kept}).json()[0], atol=1e-5)
+        # Prompts: /embed, /embed_all and /tokenize see "query: " + the text, as if it had been sent.
+        prompted = "query: " + text
+        for route in ("/embed", "/embed_all", "/tokenize"):
+            named = self.post(route, {"inputs": text, "prompt_name": "query"})
+            plain = self.post(route, {"inputs": prompted})
+            assert named.status_code == 200 and plain.status_code == 200, (route, named.text, plain.text)
+            if route == "/tokenize":
+                assert named.json() == plain.json(), (named.json(), plain.json())
+                assert [t["text"] for t in named.json()[0][1:4]] == ["query", ":", "what"], named.json()
+            else:
+                close(sum(named.json(), []) if route == "/embed" else sum(named.json()[0], []),
+                      sum(plain.json(), []) if route == "/embed" else sum(plain.json()[0], []), atol=1e-5)
+        self.tei_error(self.post("/embed_all", {"inputs": text, "prompt_name": "nope"}), 422, "Validation", "nope")
+        self.tei_error(self.post("/tokenize", {"inputs": text, "prompt_name": "nope"}), 422, "Validation", "nope")
         tokens = self.post("/tokenize", {"inputs": "hello world"})
         assert tokens.status_code == 200, tokens.text
         pieces = tokens.json()[0]

@@ -41,6 +41,17 @@ cp tests/testdata/model/sequence_classification_f16/config.json \
   for i in $(seq 5 98); do printf 'w%d\n' "$i"; done
 } >"$classifier/vocab.txt"
 
+# minilm served from a copy whose config_sentence_transformers.json names two prompts (and no
+# default, so that every other check sees the texts as they are): /embed_all and /tokenize put them
+# before the text themselves (InferenceBackend::Prompt), /embed through Embed.
+cp -r "$model" "$WORK/minilm"
+chmod -R u+w "$WORK/minilm"
+cat >"$WORK/minilm/config_sentence_transformers.json" <<'JSON'
+{"__version__": {"sentence_transformers": "2.0.0"}, "prompts": {"query": "query: ", "passage": "passage: "},
+ "default_prompt_name": null}
+JSON
+model="$WORK/minilm"
+
 # A re-ranker: a random one-label BertForSequenceClassification (sentence-transformers' CrossEncoder
 # shape) with BERT's vocabulary.
 "$SHARDCTL" init-checkpoint --variant BertForSequenceClassification --seed 3 --out "$WORK/reranker" \

@@ -1,8 +1,15 @@
 #include "tokenizer/wordpiece.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "common/checkpoint_dir.h"
+#include "common/model_root.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::tokenizer {
@@ -439,6 +446,129 @@ TEST(WordPiece, LooksUpTokensAndIds) {
   EXPECT_EQ(Uncased().TokenToId("[MASK]"), 103);
   EXPECT_EQ(Uncased().TokenToId("Straw"), std::nullopt);  // exact entries, no normalisation
   EXPECT_EQ(Uncased().vocab_size(), 30522);
+}
+
+// `s` as a JSON string literal (the vocabulary holds quotes and backslashes).
+std::string JsonString(absl::string_view s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
+      out += escaped;
+    } else {
+      out += c;  // UTF-8 passes through
+    }
+  }
+  return out + "\"";
+}
+
+// A fast tokenizer's tokenizer.json whose WordPiece model.vocab maps `tokens[i]` to i, written
+// last token first so that nothing can lean on the file's order.
+std::string TokenizerJson(const std::vector<std::string>& tokens, absl::string_view type = "WordPiece") {
+  std::string vocab;
+  for (size_t i = tokens.size(); i-- > 0;) {
+    if (!vocab.empty()) vocab += ", ";
+    vocab += JsonString(tokens[i]) + ": " + std::to_string(i);
+  }
+  return std::string(R"({"version": "1.0", "normalizer": {"type": "BertNormalizer"}, "model": {"type": ")") +
+         std::string(type) + R"(", "unk_token": "[UNK]", "vocab": {)" + vocab + "}}}";
+}
+
+// The lines of vocab.txt, as WordPieceTokenizer::FromVocabFile reads them.
+std::vector<std::string> VocabFileLines(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// A fresh checkpoint directory under TEST_TMPDIR holding `files` (name, contents).
+std::string CheckpointWith(const std::string& name, const std::vector<std::pair<std::string, std::string>>& files) {
+  const std::string dir = std::string(std::getenv("TEST_TMPDIR")) + "/" + name;
+  EXPECT_EQ(std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()), 0);
+  for (const auto& [file, contents] : files) std::ofstream(dir + "/" + file) << contents;
+  return dir;
+}
+
+absl::StatusOr<std::unique_ptr<WordPieceTokenizer>> FromCheckpointAt(const std::string& dir) {
+  auto opened = common::CheckpointDir::Open(common::ModelRoot(), dir);
+  if (!opened.ok()) return opened.status();
+  return WordPieceTokenizer::FromCheckpoint(**opened, {});
+}
+
+TEST(VocabFromTokenizerJson, ReadsModelVocabInIdOrder) {
+  auto tokens = VocabFromTokenizerJson(
+      R"({"model": {"type": "WordPiece", "vocab": {"##s": 3, "[UNK]": 0, "play": 2, "[CLS]": 1}}})");
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  EXPECT_EQ(*tokens, (Pieces{"[UNK]", "[CLS]", "play", "##s"}));
+  // Escapes and UTF-8 in token names are the tokens themselves.
+  auto escaped = VocabFromTokenizerJson(TokenizerJson({"\"", "\\", "caf\u00e9", "\u4e2d"}));
+  ASSERT_TRUE(escaped.ok()) << escaped.status();
+  EXPECT_EQ(*escaped, (Pieces{"\"", "\\", "caf\u00e9", "\u4e2d"}));
+}
+
+TEST(VocabFromTokenizerJson, RefusesWhatIsNotAWordPieceVocabulary) {
+  // Each would make a tokenizer with the wrong ids, silently: refused instead.
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"malformed JSON", R"({"model": {"type": "WordPiece", "vocab": {"a": 0)"},
+      {"not an object", R"([{"model": {}}])"},
+      {"no model", R"({"vocab": {"a": 0}})"},
+      {"a BPE model", R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})"},
+      {"a model without a type", R"({"model": {"vocab": {"a": 0}}})"},
+      {"no vocab", R"({"model": {"type": "WordPiece"}})"},
+      {"an empty vocab", R"({"model": {"type": "WordPiece", "vocab": {}}})"},
+      {"a vocab that is a list", R"({"model": {"type": "WordPiece", "vocab": [["a", 0]]}})"},
+      {"a duplicate id", R"({"model": {"type": "WordPiece", "vocab": {"a": 0, "b": 1, "c": 1}}})"},
+      {"an id past the end", R"({"model": {"type": "WordPiece", "vocab": {"a": 0, "b": 2}}})"},
+      {"a negative id", R"({"model": {"type": "WordPiece", "vocab": {"a": -1, "b": 0}}})"},
+      {"an id that is not an integer", R"({"model": {"type": "WordPiece", "vocab": {"a": 0, "b": 1.5}}})"},
+      {"an id that is a string", R"({"model": {"type": "WordPiece", "vocab": {"a": 0, "b": "1"}}})"},
+  };
+  for (const auto& [what, json] : bad) {
+    EXPECT_EQ(VocabFromTokenizerJson(json).status().code(), absl::StatusCode::kInvalidArgument) << what;
+  }
+}
+
+TEST(WordPiece, FromCheckpointWithOnlyTokenizerJsonTokenizesAsVocabTxt) {
+  // Checkpoints saved by a fast tokenizer may carry tokenizer.json and no vocab.txt.
+  const std::vector<std::string> lines = VocabFileLines("tests/testdata/vocab/bert-base-uncased-vocab.txt");
+  ASSERT_EQ(lines.size(), 30522u);
+  const std::string json_only = CheckpointWith("json_only", {{"tokenizer.json", TokenizerJson(lines)}});
+  auto tok = FromCheckpointAt(json_only);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  ASSERT_EQ((*tok)->vocab_size(), Uncased().vocab_size());
+  for (int64_t id = 0; id < Uncased().vocab_size(); ++id) {
+    ASSERT_EQ(*(*tok)->IdToToken(id), *Uncased().IdToToken(id)) << id;
+  }
+  for (const std::string text : {"i like strawberries", "Héllo, [MASK] wörld! don't \u4e2d\u6587", "\"quoted\" \\"}) {
+    auto from_json = (*tok)->Encode(text, "a pair");
+    auto from_txt = Uncased().Encode(text, "a pair");
+    ASSERT_TRUE(from_json.ok() && from_txt.ok()) << text;
+    EXPECT_EQ(from_json->input_ids, from_txt->input_ids) << text;
+    EXPECT_EQ(from_json->token_type_ids, from_txt->token_type_ids) << text;
+  }
+  EXPECT_EQ(*(*tok)->TokenIds("i like strawberries"), (Ids{1045, 2066, 13137, 20968}));
+}
+
+TEST(WordPiece, FromCheckpointPrefersVocabTxtAndRefusesABadTokenizerJson) {
+  const std::vector<std::string> small = {"[UNK]", "[CLS]", "[SEP]", "play", "##s"};
+  std::string vocab_txt;
+  for (const std::string& t : small) vocab_txt += t + "\n";
+  // With vocab.txt, tokenizer.json is not read at all.
+  auto both = FromCheckpointAt(CheckpointWith("both", {{"vocab.txt", vocab_txt}, {"tokenizer.json", "{oops"}}));
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ(*(*both)->Tokenize("plays"), (Pieces{"play", "##s"}));
+  // Without it, a tokenizer.json that is no WordPiece vocabulary is INVALID_ARGUMENT.
+  EXPECT_EQ(FromCheckpointAt(CheckpointWith("bpe", {{"tokenizer.json", TokenizerJson(small, "BPE")}})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // And with neither, NOT_FOUND naming both.
+  const absl::Status neither = FromCheckpointAt(CheckpointWith("neither", {{"config.json", "{}"}})).status();
+  EXPECT_EQ(neither.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(neither.message().find("tokenizer.json"), std::string::npos) << neither;
 }
 
 }  // namespace

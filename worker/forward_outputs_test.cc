@@ -1,6 +1,8 @@
 #include "worker/forward_outputs.h"
 
 #include <cmath>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -176,6 +178,77 @@ TEST(CheckForwardWant, RefusesWhatCannotBeHonoured) {
   v1::ForwardWant unnamed;
   unnamed.mutable_masked_lm()->set_top_k(1);
   EXPECT_EQ(CheckForwardWant(unnamed).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CheckForwardWant, SparseIsAskedAlone) {
+  // A sparse forward returns no logits or hidden states, so nothing else can be honoured beside it.
+  v1::ForwardWant alone;
+  alone.mutable_sparse();
+  EXPECT_TRUE(CheckForwardWant(alone).ok());
+  std::vector<v1::ForwardWant> mixed(5, alone);
+  mixed[0].set_all_outputs(true);
+  mixed[1].add_outputs("logits");
+  mixed[2].mutable_embeddings()->set_pooling("mean");
+  mixed[3].mutable_masked_lm()->set_output("logits");
+  mixed[3].mutable_masked_lm()->set_top_k(1);
+  mixed[4].mutable_answer_spans()->set_cls_token_id(-1);
+  for (size_t i = 0; i < mixed.size(); ++i) {
+    EXPECT_EQ(CheckForwardWant(mixed[i]).code(), absl::StatusCode::kInvalidArgument) << i;
+  }
+}
+
+// The (ids, weights) of a ForwardRow's sparse entries.
+std::vector<std::pair<int32_t, float>> Entries(const v1::ForwardRow& row) {
+  EXPECT_EQ(row.sparse_indices_size(), row.sparse_values_size());
+  std::vector<std::pair<int32_t, float>> entries;
+  for (int i = 0; i < row.sparse_indices_size() && i < row.sparse_values_size(); ++i) {
+    entries.emplace_back(row.sparse_indices(i), row.sparse_values(i));
+  }
+  return entries;
+}
+
+TEST(AddSparseRows, KeepsOnlyTheNonZeroWeightsWithTheirVocabularyIdsAscending) {
+  // This rank holds ids 100 .. 103; ids are the vocabulary's, not the slice's.
+  const std::vector<float> weights = {0.0f, 1.5f,  0.0f, 0.25f,  //
+                                      2.0f, 0.0f,  0.0f, 0.0f,   //
+                                      0.5f, 0.75f, 1.0f, 1.25f};
+  v1::ForwardResponse response;
+  ASSERT_TRUE(AddSparseRows(weights, 3, 4, 100, &response).ok());
+  ASSERT_EQ(response.rows_size(), 3);
+  using Entry = std::pair<int32_t, float>;
+  EXPECT_EQ(Entries(response.rows(0)), (std::vector<Entry>{{101, 1.5f}, {103, 0.25f}}));
+  EXPECT_EQ(Entries(response.rows(1)), (std::vector<Entry>{{100, 2.0f}}));
+  EXPECT_EQ(Entries(response.rows(2)), (std::vector<Entry>{{100, 0.5f}, {101, 0.75f}, {102, 1.0f}, {103, 1.25f}}));
+  EXPECT_EQ(response.outputs_size(), 0);
+}
+
+TEST(AddSparseRows, AnAllZeroRowIsAnEmptyRow) {
+  // The row is still sent, so that rows stay aligned with the inputs when joined across ranks.
+  const std::vector<float> weights = {0.0f, 0.0f, 0.0f, 3.0f, 0.0f, 0.0f};
+  v1::ForwardResponse response;
+  ASSERT_TRUE(AddSparseRows(weights, 2, 3, 0, &response).ok());
+  ASSERT_EQ(response.rows_size(), 2);
+  EXPECT_EQ(response.rows(0).sparse_indices_size(), 0);
+  EXPECT_EQ(response.rows(0).sparse_values_size(), 0);
+  EXPECT_EQ(Entries(response.rows(1)), (std::vector<std::pair<int32_t, float>>{{0, 3.0f}}));
+}
+
+TEST(AddSparseRows, ASizeThatIsNotRowsTimesWidthIsInternal) {
+  const std::vector<float> weights(5, 1.0f);
+  v1::ForwardResponse response;
+  EXPECT_EQ(AddSparseRows(weights, 2, 3, 0, &response).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(AddSparseRows(weights, 1, 3, 0, &response).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(AddSparseRows(weights, -1, -5, 0, &response).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(response.rows_size(), 0);
+}
+
+TEST(AddSparseRows, WidthZeroGivesEmptyRows) {
+  // A rank whose vocabulary slice holds only padding has no ids of its own, but still one row per
+  // input row.
+  v1::ForwardResponse response;
+  ASSERT_TRUE(AddSparseRows({}, 2, 0, 30522, &response).ok());
+  ASSERT_EQ(response.rows_size(), 2);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(response.rows(r).sparse_indices_size(), 0);
 }
 
 }  // namespace
