@@ -7,9 +7,17 @@
 #   openai       OpenAI's POST /v1/embeddings
 #   grpc-infer   bertshard.v1 Infer (every output; embed_load --rpc=infer)
 #   kserve       KServe v2 POST /v2/models/minilm/infer, BYTES text, JSON tensors back (every output)
+# and, side by side in the same rounds, what a user would run instead on this machine:
+#   st-encode    sentence-transformers' encode() in-process (bench/st_encode_load.py) as a user gets
+#                it from PyPI today (3.4.1 on torch 2.5.1: the infinity venv's): 1 client = one
+#                sentence per call, 16 = the 16 sentences as one batch
+#   st-encode-t113  the same with sentence-transformers 3.1.1 on Debian's torch 1.13 (the bench venv)
+#   infinity     infinity-emb's OpenAI-style POST /v1/embeddings (the infinity venv: its own torch
+#                2.5), serving the same directory with THREADS threads, driven by //bench:http_load
 # Each HTTP route is compared with the gRPC call it makes: TEI and OpenAI with Embed, KServe with
-# Infer. ROUNDS rounds (default 2), each running every protocol in turn, so that drift shows.
-# Writes bench/results/http-<date>.md and prints it.
+# Infer; the peers with Embed. ROUNDS rounds (default 2), each running every protocol in turn, so
+# that drift shows. Writes bench/results/http-<date>.md and prints it. PEERS=0 leaves the peers out
+# (their venvs are built on first use: tools/python_env.sh bench and infinity).
 #
 #   bash bench/http_benchmark.sh
 #
@@ -23,6 +31,13 @@ DURATION=${DURATION:-8}
 ROUNDS=${ROUNDS:-2}
 THREADS=${THREADS:-$(nproc)}
 RESULTS=${RESULTS:-bench/results/http-$(date +%Y-%m-%d).md}
+PEERS=${PEERS:-1}
+protocols=(grpc-embed tei-embed openai grpc-infer kserve)
+if [ "$PEERS" = 1 ]; then
+  bench_venv=$(bash tools/python_env.sh bench)
+  infinity_venv=$(bash tools/python_env.sh infinity)
+  protocols+=(st-encode st-encode-t113 infinity)
+fi
 
 echo "http_benchmark: building (-c opt)" >&2
 targets=(//client:shardctl //server:bertshard-coordinator //worker:shard-worker //bench:embed_load //bench:http_load)
@@ -56,6 +71,22 @@ done
 job=$($shardctl submit --checkpoint "$model" --name minilm)
 $shardctl watch "$job" >/dev/null
 
+if [ "$PEERS" = 1 ]; then
+  # infinity on the same directory and threads; offline (a local path is never looked up on the hub).
+  infinity_port=$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS \
+    "$infinity_venv/bin/infinity_emb" v2 --model-id "$model" --served-model-name minilm --engine torch \
+    --device cpu --host 127.0.0.1 --port "$infinity_port" --url-prefix /v1 >"$WORK/infinity.log" 2>&1 &
+  CLUSTER_PIDS+=($!)
+  for _ in $(seq 300); do
+    /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$infinity_port/health', timeout=1)" \
+      2>/dev/null && break
+    sleep 0.5
+  done
+  /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$infinity_port/health', timeout=1)" ||
+    { tail -n 30 "$WORK/infinity.log" >&2; echo "http_benchmark: infinity did not start" >&2; exit 1; }
+fi
+
 cp bench/sentences-16.txt "$WORK/sentences-16.txt"
 head -n 1 "$WORK/sentences-16.txt" > "$WORK/sentences-1.txt"
 results=$WORK/results.jsonl
@@ -75,6 +106,13 @@ run() {
     kserve) "$WORK/bin/http_load" --address="$http" --path=/v2/models/minilm/infer \
       --body='{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [{SENTENCE}]}]}' \
       "${common[@]}" > "$out" ;;
+    st-encode | st-encode-t113)
+      local venv=$infinity_venv
+      [ "$protocol" = st-encode-t113 ] && venv=$bench_venv
+      OMP_NUM_THREADS=$THREADS "$venv/bin/python" bench/st_encode_load.py --model="$model" \
+        --sentences="$WORK/sentences-$n.txt" --duration_s="$DURATION" --warmup=2 --threads="$THREADS" > "$out" ;;
+    infinity) "$WORK/bin/http_load" --address="127.0.0.1:$infinity_port" --path=/v1/embeddings \
+      --body='{"input": {SENTENCE}, "model": "minilm"}' "${common[@]}" > "$out" ;;
   esac || { cat "$out" >&2; echo "http_benchmark: $protocol with $n clients failed" >&2; exit 1; }
   sed '$d' "$out" >&2
   tail -n 1 "$out" | /usr/bin/python3 -c "
@@ -86,7 +124,7 @@ print(json.dumps(r))" >> "$results"
 
 for round in $(seq "$ROUNDS"); do
   for n in 1 16; do
-    for protocol in grpc-embed tei-embed openai grpc-infer kserve; do
+    for protocol in "${protocols[@]}"; do
       echo "== round $round: $protocol, $n client(s)" >&2
       run "$protocol" "$n" "$round"
     done
@@ -98,19 +136,31 @@ import json, sys
 results, out, cpu, threads, duration, commit = sys.argv[1:]
 rows = [json.loads(l) for l in open(results)]
 base = {"tei-embed": "grpc-embed", "openai": "grpc-embed", "kserve": "grpc-infer"}
+peers = {"st-encode": "grpc-embed", "st-encode-t113": "grpc-embed", "infinity": "grpc-embed"}  # no target
 lines = [f"# HTTP overhead benchmark ({__import__('datetime').date.today()})", "",
          f"CPU: {cpu}; all-MiniLM-L6-v2 unsharded, one worker with {threads} LibTorch thread(s); "
          f"one-sentence requests, closed loop, {duration} s per run; commit {commit}. Each HTTP route "
          "against the gRPC call it makes (TEI and OpenAI: Embed; KServe: Infer, every output, JSON "
-         "tensors). Targets: 1 client p50 at most +1 ms; 16 clients at least 90% of the gRPC requests/s.", ""]
+         "tensors). Targets: 1 client p50 at most +1 ms; 16 clients at least 90% of the gRPC requests/s. "
+         "Peers, where measured, against Embed: st-encode is sentence-transformers' encode() in-process "
+         "(3.4.1 on PyPI's torch 2.5.1; st-encode-t113: 3.1.1 on Debian's torch 1.13; 16 clients: the 16 "
+         "sentences as one batch per call, requests/s counting sentences), infinity is infinity-emb "
+         "0.0.78's /v1/embeddings on the same directory and threads (torch 2.5.1).", ""]
 for rnd in sorted({r["round"] for r in rows}):
     lines += [f"## Round {rnd}", "", "| protocol | clients | requests/s | p50 ms | p99 ms | errors | against gRPC |",
               "|---|---|---|---|---|---|---|"]
     for n in (1, 16):
         got = {r["protocol"]: r for r in rows if r["round"] == rnd and r["n"] == n}
-        for p in ("grpc-embed", "tei-embed", "openai", "grpc-infer", "kserve"):
+        for p in ("grpc-embed", "tei-embed", "openai", "grpc-infer", "kserve", "st-encode", "st-encode-t113",
+                  "infinity"):
+            if p not in got:
+                continue
             r = got[p]
             vs = ""
+            if p in peers:
+                b = got[peers[p]]
+                vs = (f"p50 {r['p50_ms'] - b['p50_ms']:+.2f} ms" if n == 1 else
+                      f"{100 * r['requests_per_second'] / b['requests_per_second']:.0f}%")
             if p in base:
                 b = got[base[p]]
                 if n == 1:

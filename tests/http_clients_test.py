@@ -210,6 +210,8 @@ class Checks:
         self.tei_error(self.post("/embed", {"inputs": "x" * 70000}), 413, "Validation", "length limit")
         self.tei_error(self.post("/embed", {"inputs": "word " * 400}), 413, "Validation", "256")  # too long, as TEI
         self.tei_error(self.post("/predict", {"inputs": "x"}), 424, "Backend", "not a classifier")
+        self.tei_error(self.post("/embed_sparse", {"inputs": "x"}), 424, "Backend", "not a SPLADE model")
+        self.tei_error(self.post("/embed_sparse", {"inputs": []}), 400, "Empty", "`inputs` cannot be empty")
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             refused = self.post("/embed", {"inputs": "x"}, headers=headers)
             assert refused.status_code == 401 and refused.text == "", (refused.status_code, refused.text)

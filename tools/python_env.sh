@@ -5,7 +5,10 @@
 #   tools/python_env.sh hf               # tools/requirements-hf.txt (transformers, tokenizers), with
 #                                        # system site packages: Debian's python3-torch and numpy
 #   tools/python_env.sh bench            # tools/requirements-bench.txt (hf's, plus onnxruntime and
-#                                        # onnx for bench/peers_benchmark.sh), system site packages too
+#                                        # onnx for bench/peers_benchmark.sh, sentence-transformers for
+#                                        # bench/http_benchmark.sh), system site packages too
+#   tools/python_env.sh infinity         # tools/requirements-infinity.txt (infinity-emb and its own
+#                                        # torch 2.5, ~5.6 GB), no system site packages
 #
 # The environment lives outside the tree, keyed by the requirements' hash (with those of the files it
 # includes with -r), so a changed pin builds a new one and an unchanged one is reused. Needs
@@ -19,7 +22,8 @@ case "${1:-}" in
   "") ;;
   hf) req=tools/requirements-hf.txt; venv_flags=(--system-site-packages); name=venv-hf ;;
   bench) req=tools/requirements-bench.txt; venv_flags=(--system-site-packages); name=venv-bench ;;
-  *) echo "python_env: unknown environment '$1' (known: hf, bench)" >&2; exit 2 ;;
+  infinity) req=tools/requirements-infinity.txt; name=venv-infinity ;;
+  *) echo "python_env: unknown environment '$1' (known: hf, bench, infinity)" >&2; exit 2 ;;
 esac
 # The requirements file and those it includes (-r FILE, relative to it; one level deep).
 req_files=("$req")
