@@ -21,6 +21,9 @@ namespace bertshard::worker {
 // OpenBLAS, its threads: max(1, threads). With `blas_products` false (a shard on the oneDNN path,
 // whose products and attention never call BLAS) OpenBLAS gets one thread, so its pool never wakes
 // and never spins beside the OpenMP one: exactly `threads` threads compute, one per core given.
+// Cheap when the counts are unchanged: LibTorch's own setter (which also rebuilds its pthreadpool,
+// starting fresh threads that spin) runs only when the count changes; per forward, only the calling
+// thread's OpenMP count and OpenBLAS's are set.
 void SetMathThreads(int threads, bool blas_products = true);
 
 }  // namespace bertshard::worker
