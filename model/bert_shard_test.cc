@@ -375,6 +375,49 @@ TEST(BertShardInputs, RefusesBadInputsBeforeRunning) {
   expect_invalid(mismatched, 1);
 }
 
+// ForwardOptions::splade: the LM head's logits pooled as SPLADE does (max over the attended
+// positions of log(1 + relu)), from the same forward's logits; the whole vocabulary on one rank
+// (lm_vocab_slice), padding positions weighing nothing. TP slices: tests/heads_parity_test.
+TEST(BertShardSplade, PoolsTheLogitsOverTheAttendedPositions) {
+  const std::string dir = std::string(kData) + "masked_lm_untied";
+  auto shard = LoadUnsharded(dir);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  SingleRankCollectives single;
+  ModelInputs in = ReadInputs(dir + "/input.json");
+  in.attention_mask = in.attention_mask.clone();
+  in.attention_mask[1].narrow(0, 5, 3).fill_(0);  // row 1's last three positions are padding
+  auto logits = (*shard)->Forward(in, 1, &single);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ForwardOptions options;
+  options.splade = true;
+  for (int micro_batches : {1, 2}) {
+    auto pooled = (*shard)->Forward(in, micro_batches, &single, options);
+    ASSERT_TRUE(pooled.ok()) << pooled.status();
+    ASSERT_EQ(pooled->size(), 1u);
+    const at::Tensor& got = pooled->at("sparse_embedding");
+    const at::Tensor weights = at::log1p(at::relu(logits->at("logits"))) * in.attention_mask.unsqueeze(-1);
+    const at::Tensor want = std::get<0>(weights.max(1));
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_LE((got - want).abs().max().item<float>(), 1e-6f);
+    EXPECT_GT((got > 0).sum().item<int64_t>(), 0);  // not all zero: the check means something
+  }
+  const VocabSlice slice = (*shard)->lm_vocab_slice();
+  EXPECT_EQ(slice.first, 0);
+  EXPECT_EQ(slice.size, 99);
+}
+
+TEST(BertShardSplade, IsRefusedWithoutAnLmHead) {
+  const std::string dir = std::string(kData) + "bert_model";
+  auto shard = LoadUnsharded(dir);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  SingleRankCollectives single;
+  ForwardOptions options;
+  options.splade = true;
+  auto r = (*shard)->Forward(ReadInputs(dir + "/input.json"), 1, &single, options);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ((*shard)->lm_vocab_slice().size, 0);
+}
+
 // A device whose queued work fails (on a GPU: a peer gone mid-collective) shows only when the
 // forward synchronises; its outputs must not be returned as if they were complete.
 class FailingSynchronize final : public Collectives {

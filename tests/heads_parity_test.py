@@ -231,6 +231,20 @@ def main():
                 cancel(opts, job)  # frees the workers for the next job
             rows.append((kind, name, diff, time.time() - started))
 
+    # Refusals: sparse embeddings of a job that is not a BertForMaskedLM, and with a pooling.
+    job = submit(opts, cross_dir, [])
+    try:
+        wrong = subprocess.run([opts.shardctl, "embed", job, "--sparse", "--server", opts.server, "a"],
+                               capture_output=True, text=True, timeout=120)
+        if wrong.returncode != 1 or "BertForMaskedLM" not in wrong.stderr:
+            failures.append("embed --sparse on a classifier: exit %d, %s" % (wrong.returncode, wrong.stderr.strip()))
+        pooled = subprocess.run([opts.shardctl, "embed", job, "--sparse", "--pooling", "mean", "--server",
+                                 opts.server, "a"], capture_output=True, text=True, timeout=120)
+        if pooled.returncode != 2 or "--pooling" not in pooled.stderr:
+            failures.append("embed --sparse --pooling: exit %d, %s" % (pooled.returncode, pooled.stderr.strip()))
+    finally:
+        cancel(opts, job)
+
     # TEI's GET /metrics on the same port: the coordinator's Prometheus registry.
     with urllib.request.urlopen("http://%s/metrics" % opts.http, timeout=30) as answer:
         metrics = answer.read().decode()
