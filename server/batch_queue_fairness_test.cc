@@ -143,7 +143,11 @@ TEST_F(BatchQueueTest, ASecondClientsRequestMeetsItsDeadlineWhileAnotherFloods) 
     const absl::StatusOr<BatchResult> got = r.get();
     if (got.status().code() == absl::StatusCode::kResourceExhausted) ++refused;
   }
-  EXPECT_EQ(refused, 3);  // 8 sent: one runs, four wait, the rest are refused
+  // 8 sent: one runs, four wait, the rest are refused -- or, when the first had not left the queue
+  // for its forward before the others came, it took one of the client's places while queued, and
+  // four are refused (seen once in a loaded CI run).
+  EXPECT_GE(refused, 3);
+  EXPECT_LE(refused, 4);
 }
 
 // A client that goes away (its calls cancelled) leaves the queue at once, and its share with it.
