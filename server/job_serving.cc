@@ -70,6 +70,12 @@ void JobServing::Close(const std::string& reason) { queue_.Close(reason); }
 
 void JobServing::SetConcurrency(int lanes) { queue_.SetConcurrency(lanes); }
 
+int DefaultMicroBatches(int64_t groups, int64_t seq, int stages) {
+  if (stages <= 1 || groups <= 1 || seq < 1) return 1;
+  const int64_t rows_each = (kMinMicroBatchTokens + seq - 1) / seq;
+  return static_cast<int>(std::clamp<int64_t>(groups / rows_each, 1, 4 * static_cast<int64_t>(stages - 1)));
+}
+
 absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, int micro_batches,
                                                  absl::Time callers_deadline, const v1::ForwardWant& want) {
   // Not the callers' deadline: a rank call cut short by one fails the group (the ranks' order can no
@@ -104,7 +110,11 @@ absl::StatusOr<BatchOutputs> JobServing::Forward(const v1::TokenInputs& merged, 
     forward.set_sequence(target.sequence);
     forward.set_job_id(target.shard_key.empty() ? job_id_ : target.shard_key);
     *forward.mutable_inputs() = merged;
-    forward.set_micro_batches(std::max(1, micro_batches));
+    // A request that asked for micro-batches runs alone with them; any other batch fills the
+    // pipeline of the replica it got.
+    const int64_t groups = merged.rows() / std::max<int64_t>(1, merged.choices());
+    forward.set_micro_batches(micro_batches > 1 ? micro_batches
+                                                : DefaultMicroBatches(groups, merged.seq(), target.pipeline_stages));
     *forward.mutable_want() = want;
     outcome = ForwardOnAllRanks(target.ranks, forward, deadline, target.abort.get());
     // The replica takes its next forward once this one is settled: at once when it answered or

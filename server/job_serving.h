@@ -59,10 +59,21 @@ struct ForwardTarget {
   // one (a forward that failed on a group already replaced) changes nothing.
   int32_t replica = 0;
   int64_t generation = 0;
+  // The replica's pipeline stages (its shape's pp_size; a smaller shape may have fewer): a batch
+  // that asked for no micro-batches is split into DefaultMicroBatches of them.
+  int pipeline_stages = 1;
   // What the replica's workers hold its shards by (ForwardRequest.job_id: replica_keys.h); empty:
   // the job's id.
   std::string shard_key;
 };
+
+// The micro-batches a batch of `groups` rows (choice groups, `seq` tokens each, padded) runs as on
+// a pipeline of `stages` stages when its requests asked for none: a forward-only pipeline keeps at
+// most m / (m + p - 1) of the stages busy, so 4 (p - 1) of them keep 80% busy (PP 2: 4); but each
+// micro-batch holds at least kMinMicroBatchTokens tokens, below which its fixed costs (every
+// operator's, every transfer's) outweigh the overlap. 1 without a pipeline.
+inline constexpr int64_t kMinMicroBatchTokens = 64;
+int DefaultMicroBatches(int64_t groups, int64_t seq, int stages);
 
 // What a JobServing needs from the cluster (the Scheduler implements it).
 class ForwardTargets {

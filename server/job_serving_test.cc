@@ -36,7 +36,13 @@ class Targets : public ForwardTargets {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " no longer serves"));
     }
     ++leased_;
-    return ForwardTarget{groups_[static_cast<size_t>(generation_)], next_++, abort_, 0, generation_};
+    ForwardTarget target{groups_[static_cast<size_t>(generation_)], next_++, abort_, 0, generation_};
+    target.pipeline_stages = stages_;
+    return target;
+  }
+  void SetPipelineStages(int stages) {
+    absl::MutexLock lock(&mu_);
+    stages_ = stages;
   }
   void EndForward(const std::string& /*job_id*/, int32_t replica, int64_t generation) override {
     absl::MutexLock lock(&mu_);
@@ -89,6 +95,7 @@ class Targets : public ForwardTargets {
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t next_ ABSL_GUARDED_BY(mu_) = 0;
   bool recovering_ ABSL_GUARDED_BY(mu_) = false;
+  int stages_ ABSL_GUARDED_BY(mu_) = 1;
   int leased_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int32_t> versions_ ABSL_GUARDED_BY(mu_);  // NextForward's, in order
   std::vector<std::string> ends_ ABSL_GUARDED_BY(mu_);
@@ -345,6 +352,39 @@ TEST_F(JobServingTest, WithNoGroupServingABatchWaitsUntilShortlyBeforeItsDeadlin
   EXPECT_LT(waited_until, deadline);                            // the margin: a tenth of 5 s
   EXPECT_GT(waited_until, deadline - absl::Milliseconds(600));  // but no more than that
   EXPECT_TRUE(last_.requests().empty());
+}
+
+// A batch that asked for no micro-batches fills the pipeline of the replica it got
+// (DefaultMicroBatches: 4 per extra stage, a row each at most); one that asked keeps its count.
+TEST_F(JobServingTest, ABatchFillsTheReplicasPipelineUnlessItAskedForMicroBatches) {
+  EXPECT_EQ(DefaultMicroBatches(16, 24, 1), 1);
+  EXPECT_EQ(DefaultMicroBatches(16, 24, 2), 4);  // 4 / (4 + 1): 80% of a 2-stage pipeline busy
+  EXPECT_EQ(DefaultMicroBatches(32, 24, 3), 8);
+  EXPECT_EQ(DefaultMicroBatches(4, 24, 2), 1);  // 3 rows of 24 tokens at least per micro-batch
+  EXPECT_EQ(DefaultMicroBatches(8, 24, 2), 2);
+  EXPECT_EQ(DefaultMicroBatches(2, 64, 2), 2);  // long rows: one each
+  EXPECT_EQ(DefaultMicroBatches(1, 512, 4), 1);
+  Serve(v1::BERT_FOR_SEQUENCE_CLASSIFICATION);
+  v1::InferRequest infer;
+  *infer.mutable_tokens() = TwoRows();
+  // Eight rows of 16 tokens (the plan's longest): two micro-batches of 64 tokens on a pipeline.
+  v1::TokenInputs& rows = *infer.mutable_tokens();
+  rows.set_rows(8);
+  rows.set_seq(16);
+  rows.clear_input_ids();
+  for (int r = 0; r < 8; ++r) {
+    for (int k = 0; k < 16; ++k) rows.add_input_ids(k == 0 ? kCls : k == 15 ? kSep : kThe);
+  }
+  ASSERT_TRUE(serving_->Infer(infer, Soon(), nullptr).ok());  // no pipeline: 1
+  targets_->SetPipelineStages(2);
+  ASSERT_TRUE(serving_->Infer(infer, Soon(), nullptr).ok());
+  infer.set_micro_batches(1);
+  ASSERT_TRUE(serving_->Infer(infer, Soon(), nullptr).ok());
+  ASSERT_EQ(last_.requests().size(), 3u);
+  EXPECT_EQ(last_.requests()[0].micro_batches(), 1);
+  EXPECT_EQ(last_.requests()[1].micro_batches(), 2);
+  EXPECT_EQ(last_.requests()[2].micro_batches(), 2);
+  EXPECT_EQ(first_.requests()[2].micro_batches(), 2);  // every rank runs the same schedule
 }
 
 TEST_F(JobServingTest, BadRequestsAreRefusedBeforeAnyForward) {

@@ -423,6 +423,8 @@ absl::StatusOr<ForwardTarget> Scheduler::NextForward(const std::string& job_id, 
       target.replica = chosen->replica;
       target.generation = chosen->generation;
       target.shard_key = ReplicaKey(job_id, chosen->replica);
+      const JobShape& serving = chosen->smaller != nullptr ? *chosen->smaller : *chosen->shape;
+      target.pipeline_stages = std::max(1, serving.plan.shard_config().pp_size());
       return target;
     }
     if (!busy && !runtime.Recovering(version)) {
