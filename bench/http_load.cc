@@ -35,6 +35,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/proto_json.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:8080", "the coordinator's --http_listen address (IPv4)");
 ABSL_FLAG(std::string, path, "/embed", "the route");
@@ -47,23 +48,6 @@ ABSL_FLAG(double, warmup, 2, "seconds of requests before measuring");
 ABSL_FLAG(bool, json, false, "also print one JSON line with the figures");
 
 namespace {
-
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
 
 // One keep-alive connection.
 class Connection {
@@ -169,7 +153,9 @@ int main(int argc, char** argv) {
   }
   std::vector<std::string> requests;
   for (const std::string& s : sentences) {
-    const std::string body = absl::StrReplaceAll(absl::GetFlag(FLAGS_body), {{"{SENTENCE}", JsonString(s)}});
+    std::string sentence;
+    bertshard::common::AppendJsonString(s, &sentence);
+    const std::string body = absl::StrReplaceAll(absl::GetFlag(FLAGS_body), {{"{SENTENCE}", sentence}});
     requests.push_back(absl::StrCat("POST ", absl::GetFlag(FLAGS_path), " HTTP/1.1\r\nHost: ", address,
                                     "\r\nContent-Type: application/json\r\n", auth, "Content-Length: ", body.size(),
                                     "\r\n\r\n", body));

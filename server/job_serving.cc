@@ -304,10 +304,11 @@ absl::StatusOr<v1::EmbedResponse> JobServing::Embed(const v1::EmbedRequest& requ
     }
   }
   const int64_t rows = input.tokens.rows();
-  v1::ForwardWant want = EmbedWant(mode);
+  v1::ForwardWant want;
   if (request.sparse()) {
-    want.Clear();
     want.mutable_sparse();
+  } else {
+    want = EmbedWant(mode);
   }
   ASSIGN_OR_RETURN(BatchResult result, queue_.Submit(std::move(input.tokens), deadline, cancelled, 0, want, caller));
   v1::EmbedResponse response;

@@ -10,6 +10,7 @@
 
 #include "common/checkpoint_dir.h"
 #include "common/model_root.h"
+#include "common/proto_json.h"
 #include "gtest/gtest.h"
 
 namespace bertshard::tokenizer {
@@ -448,31 +449,14 @@ TEST(WordPiece, LooksUpTokensAndIds) {
   EXPECT_EQ(Uncased().vocab_size(), 30522);
 }
 
-// `s` as a JSON string literal (the vocabulary holds quotes and backslashes).
-std::string JsonString(absl::string_view s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-      out += escaped;
-    } else {
-      out += c;  // UTF-8 passes through
-    }
-  }
-  return out + "\"";
-}
-
 // A fast tokenizer's tokenizer.json whose WordPiece model.vocab maps `tokens[i]` to i, written
 // last token first so that nothing can lean on the file's order.
 std::string TokenizerJson(const std::vector<std::string>& tokens, absl::string_view type = "WordPiece") {
   std::string vocab;
   for (size_t i = tokens.size(); i-- > 0;) {
     if (!vocab.empty()) vocab += ", ";
-    vocab += JsonString(tokens[i]) + ": " + std::to_string(i);
+    common::AppendJsonString(tokens[i], &vocab);  // the vocabulary holds quotes and backslashes
+    vocab += ": " + std::to_string(i);
   }
   return std::string(R"({"version": "1.0", "normalizer": {"type": "BertNormalizer"}, "model": {"type": ")") +
          std::string(type) + R"(", "unk_token": "[UNK]", "vocab": {)" + vocab + "}}}";
